@@ -1,0 +1,192 @@
+"""Checkpoint files: safetensors for tensors, JSON for everything else, never pickle.
+
+Every checkpoint directory is written under a temporary name and renamed into place, so a
+crash at any moment leaves either the previous checkpoint or the new one whole, never a
+half-written one under the final name. A directory counts as complete only when it carries a
+``complete.json`` marker written last inside the temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "atomic_directory",
+    "save_tensors",
+    "load_tensors",
+    "write_json",
+    "read_json",
+    "optimizer_to_safe",
+    "optimizer_from_safe",
+    "step_dir_name",
+    "complete_steps",
+    "prune_checkpoints",
+    "CheckpointError",
+    "COMPLETE_MARKER",
+]
+
+COMPLETE_MARKER = "complete.json"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, malformed or incompatible; the message says which."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+    """Yield a temporary directory beside ``final``; on success, mark it complete and rename it
+    to ``final`` (replacing an older one). On an exception the temporary directory is removed
+    and ``final`` is untouched."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        write_json(tmp / COMPLETE_MARKER, marker or {})
+        _fsync_dir(tmp)
+        if final.exists():
+            # Move the old one aside first: os.replace cannot replace a non-empty directory.
+            old = final.parent / f".old.{final.name}.{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (made contiguous, on CPU, not sharing storage) to a safetensors file."""
+    clean = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(clean, str(path), metadata=metadata)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"tensor file {str(path)!r} does not exist")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types
+        raise CheckpointError(f"tensor file {str(path)!r} is not a readable safetensors file: {e}") from e
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"metadata file {str(path)!r} does not exist")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"metadata file {str(path)!r} is not valid JSON: {e}") from e
+
+
+def optimizer_to_safe(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a torch optimizer's state dict into tensors (for safetensors) and JSON metadata."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}.{k}"] = v
+            else:
+                scalars.setdefault(str(pid), {})[k] = v
+    meta = {"param_groups": sd["param_groups"], "scalars": scalars,
+            "param_ids": [str(p) for p in sd["state"].keys()]}
+    return tensors, meta
+
+
+def optimizer_from_safe(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                        meta: dict[str, Any]) -> None:
+    """Inverse of :func:`optimizer_to_safe`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        pid, key = name.split(".", 1)
+        state.setdefault(int(pid), {})[key] = t
+    for pid, sc in meta.get("scalars", {}).items():
+        state.setdefault(int(pid), {}).update(sc)
+    own_groups = optimizer.state_dict()["param_groups"]
+    # JSON turns tuples (Adam's betas) into lists; torch's optimizers expect tuples back.
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+              for g in meta["param_groups"]]
+    if len(groups) != len(own_groups) or any(len(a["params"]) != len(b["params"])
+                                             for a, b in zip(groups, own_groups)):
+        raise CheckpointError(
+            "optimizer state does not match the model's parameters: "
+            f"saved groups of sizes {[len(g['params']) for g in groups]}, "
+            f"expected {[len(g['params']) for g in own_groups]}"
+        )
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_steps(root: str | os.PathLike, role: str | None = None) -> list[int]:
+    """Steps under ``root`` with a complete checkpoint (and, if ``role`` is given, whose
+    ``role`` sub-directory is complete too), ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for child in root.iterdir():
+        m = _STEP_RE.match(child.name)
+        if not m:
+            continue
+        d = child / role if role else child
+        if (d / COMPLETE_MARKER).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, protect: set[int] | None = None) -> list[int]:
+    """Remove complete step directories beyond the newest ``keep_last`` (never a protected
+    step, never an incomplete one still being written). Returns the removed steps."""
+    if keep_last <= 0:
+        return []
+    steps = complete_steps(root)
+    protect = protect or set()
+    removed = []
+    for step in steps[:-keep_last]:
+        if step in protect:
+            continue
+        shutil.rmtree(Path(root) / step_dir_name(step), ignore_errors=True)
+        removed.append(step)
+    return removed

@@ -1,0 +1,1 @@
+"""Megatron-core GPT models (policy, critic, reward model) and HF checkpoint conversion."""

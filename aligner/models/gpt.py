@@ -1,0 +1,242 @@
+"""Builders for the three Megatron-core GPT variants that share one trunk.
+
+- policy: the usual LM head (vocab-parallel logits under TP);
+- critic: a scalar value per token;
+- reward model: a scalar per sample, read at the sample's last token.
+
+The critic and reward model are Megatron's ``GPTModel`` whose ``output_layer`` is replaced by
+a :class:`ScalarHead` (as NeMo-Aligner does), so the trunk's parameter names, tensor/pipeline
+parallel layout and HF conversion are the same for all three.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aligner import cpu_compat
+from aligner.models.config import ModelConfig
+
+__all__ = [
+    "ScalarHead",
+    "transformer_config",
+    "build_policy",
+    "build_critic",
+    "build_reward_model",
+    "position_ids_for",
+    "policy_logits",
+    "token_values",
+    "sequence_scores",
+    "unwrap",
+    "tensor_state_dict",
+    "load_state_dict_strict",
+]
+
+
+class ScalarHead(nn.Module):
+    """A linear map from the final hidden state to one number per position.
+
+    Replicated on every TP rank (it is tiny and its input is already replicated), and shaped
+    like an output layer so ``GPTModel`` calls it in place of the LM head.
+    Initialisation follows "The N+ implementation details of RLHF with PPO" (Huang et al.,
+    2024): weight ~ N(0, 1/sqrt(d+1)), bias 0.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        # Megatron's grad-norm and sync helpers look for these attributes.
+        for p in (self.weight, self.bias):
+            p.tensor_model_parallel = False
+            p.sequence_parallel = False
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        """hidden [s, b, h] -> ([s, b, 1], None), the output-layer calling convention."""
+        return F.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None
+
+
+def _activation(name: str):
+    return {
+        "swiglu": F.silu,
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": partial(F.gelu, approximate="tanh"),
+        "relu": F.relu,
+    }[name]
+
+
+def transformer_config(cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       params_dtype: torch.dtype = torch.float32):
+    """The Megatron ``TransformerConfig`` for ``cfg`` on a given TP x PP layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.kv_heads,
+        ffn_hidden_size=cfg.ffn_size,
+        kv_channels=cfg.head_dim,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        layernorm_epsilon=cfg.norm_epsilon,
+        normalization=cfg.normalization,
+        gated_linear_unit=cfg.activation == "swiglu",
+        activation_func=_activation(cfg.activation),
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # Initialise the full weight on the CPU and then take this rank's shard, so a model
+        # built at TP=2 holds exactly the shards of the same model built at TP=1.
+        use_cpu_initialization=True,
+        # Fused kernels need Apex/TransformerEngine/CUDA; the plain paths are exact.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def _build(cfg: ModelConfig, head: str, tensor_parallel_size: int | None, pipeline_parallel_size: int | None,
+           pre_process: bool | None, post_process: bool | None, params_dtype: torch.dtype):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    cpu_compat.apply()
+    tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
+    pp = pipeline_parallel_size or mpu.get_pipeline_model_parallel_world_size()
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage()
+    tcfg = transformer_config(cfg, tp, pp, params_dtype)
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.padded_vocab_size(tp),
+        max_sequence_length=cfg.max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
+        position_embedding_type=cfg.position_embedding,
+        rotary_base=int(cfg.rotary_base),
+    )
+    if head != "lm" and post_process:
+        model.output_layer = ScalarHead(cfg.hidden_size, dtype=params_dtype)
+    model.aligner_head = head  # "lm", "value" or "reward"
+    model.aligner_config = cfg
+    return model
+
+
+def build_policy(cfg: ModelConfig, *, tensor_parallel_size: int | None = None,
+                 pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
+                 post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+    """A GPT with an LM head. Call after :func:`aligner.distributed.initialize`."""
+    return _build(cfg, "lm", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
+                  params_dtype)
+
+
+def build_critic(cfg: ModelConfig, *, init_from=None, tensor_parallel_size: int | None = None,
+                 pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
+                 post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+    """A GPT with a value head (one value per token).
+
+    ``init_from``: a reward model (or its state dict) of the same shape to start from, as the
+    N+ implementation details recommend; otherwise a fresh trunk and an N(0, 1/sqrt(d+1)) head.
+    """
+    model = _build(cfg, "value", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
+                   params_dtype)
+    if init_from is not None:
+        state = init_from.state_dict() if isinstance(init_from, nn.Module) else init_from
+        load_state_dict_strict(model, state, what="critic initialised from the reward model")
+    return model
+
+
+def build_reward_model(cfg: ModelConfig, *, tensor_parallel_size: int | None = None,
+                       pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
+                       post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+    """A GPT with a scalar head read at each sample's last token."""
+    return _build(cfg, "reward", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
+                  params_dtype)
+
+
+def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by name, without Megatron's ``_extra_state`` placeholders."""
+    return {k: v for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def load_state_dict_strict(model: nn.Module, state: dict, what: str = "model") -> None:
+    """Load ``state`` into ``model``, failing with the names and shapes that do not match."""
+    own = tensor_state_dict(model)
+    given = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    missing = sorted(set(own) - set(given))
+    unexpected = sorted(set(given) - set(own))
+    wrong = [f"{k}: expected {tuple(own[k].shape)}, got {tuple(given[k].shape)}"
+             for k in sorted(set(own) & set(given)) if tuple(own[k].shape) != tuple(given[k].shape)]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if wrong:
+            parts.append("shape mismatch " + "; ".join(wrong[:8]))
+        raise ValueError(f"cannot load {what}: " + ", ".join(parts))
+    with torch.no_grad():
+        for k, v in given.items():
+            own[k].copy_(v)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP/Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [b, s] -> position ids [b, s] (0..s-1; right padding needs no offsets)."""
+    b, s = tokens.shape
+    return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+
+
+def policy_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Causal LM forward. tokens [b, s] -> logits [b, s, v] (v: this TP rank's vocab shard).
+
+    Right padding needs no attention mask: causal attention never lets a real position see a
+    later pad.
+    """
+    return model(tokens, position_ids_for(tokens), attention_mask=None)
+
+
+def token_values(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Critic forward. tokens [b, s] -> values [b, s-1]; element t is V(tokens 0..t)."""
+    out = model(tokens, position_ids_for(tokens), attention_mask=None)  # [b, s, 1]
+    return out[:, :-1, 0].float()
+
+
+def sequence_scores(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1."""
+    out = model(tokens, position_ids_for(tokens), attention_mask=None)[..., 0]  # [b, s]
+    idx = (lengths.to(out.device).long() - 1).clamp(min=0)
+    return out.gather(1, idx.unsqueeze(1)).squeeze(1).float()

@@ -1,0 +1,121 @@
+"""Tokenizers: a built-in character vocabulary for the embedded tasks, and HF tokenizers from a
+local folder. Both expose the same small interface the rest of the project uses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "build_tokenizer", "DIGITS"]
+
+DIGITS = "0123456789"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
+
+    def fingerprint(self) -> str: ...
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet, plus ``<pad>`` (id 0) and ``<eos>`` (id 1).
+
+    Pad and end-of-sequence are distinct so that a policy learns to stop and padding is never
+    mistaken for a stop.
+    """
+
+    PAD, EOS = "<pad>", "<eos>"
+
+    def __init__(self, alphabet: str = DIGITS + ":,") -> None:
+        if len(set(alphabet)) != len(alphabet):
+            raise ValueError(f"alphabet={alphabet!r}: characters must be distinct")
+        if not alphabet:
+            raise ValueError("alphabet is empty: expected at least one character")
+        self.alphabet = alphabet
+        self.pad_id, self.eos_id = 0, 1
+        self._to_id = {c: i + 2 for i, c in enumerate(alphabet)}
+        self.vocab_size = len(alphabet) + 2
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self._to_id[c] for c in text]
+        except KeyError as e:
+            raise ValueError(
+                f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet {self.alphabet!r}"
+            ) from None
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in (self.pad_id, self.eos_id):
+                if not skip_special:
+                    out.append(self.PAD if i == self.pad_id else self.EOS)
+                continue
+            if not 2 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            out.append(self.alphabet[i - 2])
+        return "".join(out)
+
+    def fingerprint(self) -> str:
+        return "char:" + hashlib.sha256(self.alphabet.encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(alphabet={self.alphabet!r})"
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer loaded from a local folder (never downloaded)."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"tokenizer folder {path!r} does not exist")
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises many types here
+            raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+        self.path = path
+        self.vocab_size = len(self.hf)
+        if self.hf.eos_token_id is None:
+            raise ValueError(f"tokenizer in {path!r} has no eos_token: expected one for generation to stop")
+        self.eos_id = int(self.hf.eos_token_id)
+        # Many causal LM tokenizers have no pad token; padding positions are masked anyway.
+        self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def fingerprint(self) -> str:
+        vocab = self.hf.get_vocab()
+        blob = json.dumps(sorted(vocab.items()), separators=(",", ":")).encode()
+        return "hf:" + hashlib.sha256(blob).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r})"
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """``char`` (digits plus ':' and ','), ``char:<alphabet>``, or a path to a HF tokenizer folder."""
+    if spec == "char":
+        return CharTokenizer()
+    if spec.startswith("char:"):
+        return CharTokenizer(spec[len("char:"):])
+    if os.path.isdir(spec):
+        return HFTokenizer(spec)
+    raise ValueError(
+        f"tokenizer={spec!r}: expected 'char', 'char:<alphabet>' or an existing HF tokenizer folder"
+    )

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from aligner import checkpoint as ck
+
+
+def test_atomic_directory_commits_and_replaces(tmp_path):
+    final = tmp_path / "step_00000001"
+    with ck.atomic_directory(final, marker={"step": 1}) as d:
+        (d / "a.txt").write_text("one")
+        assert not final.exists()  # nothing under the final name while writing
+    assert (final / "a.txt").read_text() == "one"
+    assert ck.read_json(final / ck.COMPLETE_MARKER) == {"step": 1}
+    with ck.atomic_directory(final) as d:
+        (d / "a.txt").write_text("two")
+    assert (final / "a.txt").read_text() == "two"
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"]  # no temporary leftovers
+
+
+def test_atomic_directory_failure_leaves_previous_whole(tmp_path):
+    final = tmp_path / "step_00000002"
+    with ck.atomic_directory(final) as d:
+        (d / "a.txt").write_text("good")
+    with pytest.raises(RuntimeError), ck.atomic_directory(final) as d:
+        (d / "a.txt").write_text("half")
+        raise RuntimeError("crash while writing")
+    assert (final / "a.txt").read_text() == "good"
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002"]
+
+
+def test_complete_steps_ignores_partial_and_prune(tmp_path):
+    for s in (1, 2, 3, 4):
+        with ck.atomic_directory(tmp_path / ck.step_dir_name(s)):
+            pass
+    (tmp_path / ck.step_dir_name(5)).mkdir()  # no marker: incomplete
+    (tmp_path / ".tmp.step_00000006.x").mkdir()
+    assert ck.complete_steps(tmp_path) == [1, 2, 3, 4]
+    assert ck.prune_checkpoints(tmp_path, keep_last=2, protect={1}) == [2]
+    assert ck.complete_steps(tmp_path) == [1, 3, 4]
+
+
+def test_tensors_and_optimizer_roundtrip_without_pickle(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    tensors, meta = ck.optimizer_to_safe(opt)
+    ck.save_tensors(tmp_path / "opt.safetensors", tensors)
+    ck.write_json(tmp_path / "opt.json", meta)
+    opt2 = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    ck.optimizer_from_safe(opt2, ck.load_tensors(tmp_path / "opt.safetensors"), ck.read_json(tmp_path / "opt.json"))
+    a, b = opt.state_dict(), opt2.state_dict()
+    for pid in a["state"]:
+        for k, v in a["state"][pid].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k]))
+    assert a["param_groups"] == b["param_groups"]
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load_tensors(tmp_path / "missing.safetensors")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ck.CheckpointError, match="bad.json.*not valid JSON"):
+        ck.read_json(bad)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"garbage")
+    with pytest.raises(ck.CheckpointError, match="junk.safetensors"):
+        ck.load_tensors(junk)

@@ -16,6 +16,9 @@ DIGITS = "0123456789"
 @runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
+    """Rows of the embedding the tokenizer can produce ids for."""
+    sample_vocab_size: int
+    """Ids at or above this are never generated (a pad id kept out of the action space)."""
     pad_id: int
     eos_id: int
 
@@ -27,10 +30,13 @@ class Tokenizer(Protocol):
 
 
 class CharTokenizer:
-    """One token per character of a fixed alphabet, plus ``<pad>`` (id 0) and ``<eos>`` (id 1).
+    """One token per character of a fixed alphabet, plus ``<eos>`` (id 0) and ``<pad>`` (the
+    last id).
 
     Pad and end-of-sequence are distinct so that a policy learns to stop and padding is never
-    mistaken for a stop.
+    mistaken for a stop. Pad is the last id so that ``sample_vocab_size`` can exclude it: a
+    policy never emits padding (engines sample, and trainers normalise, over the ids below
+    ``sample_vocab_size`` only), which keeps a tiny random policy from wasting probability on it.
     """
 
     PAD, EOS = "<pad>", "<eos>"
@@ -41,9 +47,11 @@ class CharTokenizer:
         if not alphabet:
             raise ValueError("alphabet is empty: expected at least one character")
         self.alphabet = alphabet
-        self.pad_id, self.eos_id = 0, 1
-        self._to_id = {c: i + 2 for i, c in enumerate(alphabet)}
+        self.eos_id = 0
+        self._to_id = {c: i + 1 for i, c in enumerate(alphabet)}
+        self.pad_id = len(alphabet) + 1
         self.vocab_size = len(alphabet) + 2
+        self.sample_vocab_size = self.vocab_size - 1
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -61,9 +69,9 @@ class CharTokenizer:
                 if not skip_special:
                     out.append(self.PAD if i == self.pad_id else self.EOS)
                 continue
-            if not 2 <= i < self.vocab_size:
+            if not 1 <= i < self.pad_id:
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
-            out.append(self.alphabet[i - 2])
+            out.append(self.alphabet[i - 1])
         return "".join(out)
 
     def fingerprint(self) -> str:
@@ -92,6 +100,7 @@ class HFTokenizer:
         self.eos_id = int(self.hf.eos_token_id)
         # Many causal LM tokenizers have no pad token; padding positions are masked anyway.
         self.pad_id = int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else self.eos_id
+        self.sample_vocab_size = self.vocab_size
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))

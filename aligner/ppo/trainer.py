@@ -1,0 +1,522 @@
+"""The actor's PPO loop against a remote critic, one step at a time.
+
+Each step reads as the algorithm (DESIGN.md, "one PPO step"):
+
+1. draw a batch of prompts and generate responses;
+2. send them to the critic (values and rewards) without waiting, and meanwhile compute the
+   policy's and the reference's log-probs;
+3. KL-shaped rewards, GAE, whitened advantages;
+4. send the critic its training batch for this step id, without waiting;
+5. PPO epochs of clipped-surrogate updates over shuffled minibatches;
+6. refit the generation engine and log the step.
+
+All numbers come from :mod:`aligner.ppo.core`; this file only moves tensors between them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aligner.distributed import ParallelState
+from aligner.generation.engine import GenerationEngine, SamplingParams
+from aligner.models import gpt
+from aligner.ppo import core
+from aligner.ppo.config import ActorConfig
+
+__all__ = ["Rollout", "PromptSampler", "PPOTrainer", "make_optimizer", "lr_lambda"]
+
+
+@dataclass
+class Rollout:
+    """This data-parallel rank's experience for one step (``b`` prompts, padded length ``s``)."""
+
+    tokens: torch.Tensor
+    """[b, s] int64 prompt + response, right-padded."""
+    lengths: torch.Tensor
+    """[b] int64."""
+    prompt_lengths: torch.Tensor
+    """[b] int64."""
+    mask: torch.Tensor
+    """[b, s-1] float32 response mask."""
+    old_logprobs: torch.Tensor
+    """[b, s-1] float32 policy log-probs from the training forward before any update."""
+    values: torch.Tensor
+    """[b, s-1] float32 critic values at rollout time."""
+    advantages: torch.Tensor
+    """[b, s-1] float32 (whitened when configured)."""
+    returns: torch.Tensor
+    """[b, s-1] float32 value targets."""
+
+
+class PromptSampler:
+    """Epochs over a fixed prompt list in a seeded order; each step takes ``global_batch``
+    prompts and this rank keeps its contiguous share. Its position is a small dict (resume)."""
+
+    def __init__(
+        self,
+        prompts: list[str],
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if len(prompts) < global_batch:
+            raise ValueError(f"{len(prompts)} prompts is fewer than ppo.global_batch_size ({global_batch})")
+        self.prompts, self.global_batch = prompts, global_batch
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[str]:
+        if self.index + self.global_batch > len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        ids = self._order[self.index : self.index + self.global_batch]
+        self.index += self.global_batch
+        per = self.global_batch // self.dp_size
+        return [self.prompts[i] for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        self.epoch, self.index = int(d["epoch"]), int(d["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` optimizer steps."""
+
+    def f(i: int) -> float:
+        if warmup > 0 and i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, cfg: ActorConfig) -> tuple[torch.optim.Optimizer, Any]:
+    o, p = cfg.optim, cfg.ppo
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay
+    )
+    total = p.num_steps * p.ppo_epochs * (p.global_batch_size // p.mini_batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup_steps, total, o.min_lr / o.lr))
+    return opt, sched
+
+
+def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None) -> None:
+    """Train only the last ``n`` transformer layers plus the final norm and LM head."""
+    if n is None:
+        return
+    m = gpt.unwrap(model)
+    num_layers = len(m.decoder.layers)
+    for name, param in m.named_parameters():
+        keep = name.startswith("decoder.final_layernorm") or name.startswith("output_layer")
+        if name.startswith("decoder.layers."):
+            keep = int(name.split(".")[2]) >= num_layers - n
+        param.requires_grad_(keep)
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:
+    """Average gradients over the data-parallel group (one flat buffer, one collective)."""
+    if world == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, tp_group, tp_size: int, tp_rank: int
+) -> float:
+    """Global gradient norm over all TP shards (replicated tensors counted once), clipped in place."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    total_sq = sharded + (replicated if tp_rank == 0 else 0.0)
+    if tp_size > 1:
+        dist.all_reduce(total_sq, group=tp_group)
+    norm = float(total_sq.sqrt())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+class PPOTrainer:
+    """Owns the policy, the reference, the engine and the critic connection for one run."""
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        state: ParallelState,
+        policy: torch.nn.Module,
+        reference: torch.nn.Module | None,
+        engine: GenerationEngine,
+        critic: Any,
+        tokenizer: Any,
+        sampler: PromptSampler,
+        logger: Any,
+        on_step: Callable[[int, dict], None] | None = None,
+    ) -> None:
+        self.cfg, self.state = cfg, state
+        self.policy, self.reference, self.engine = policy, reference, engine
+        self.critic, self.tokenizer, self.sampler, self.logger = critic, tokenizer, sampler, logger
+        self.on_step = on_step
+        freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(policy, cfg)
+        p = cfg.ppo
+        self.kl_ctl = (
+            core.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
+            if p.adaptive_kl
+            else core.FixedKLController(p.init_kl_coef)
+        )
+        self.score_moments = core.RunningMoments()
+        self.step_count = 0
+        self._pending_train: Future | None = None
+        self._tp_group = state.tp_group if state.tp_size > 1 else None
+        self._dp_group = state.dp_group if state.dp_size > 1 else None
+        padded = cfg.model.padded_vocab_size(state.tp_size)
+        self._vocab_local = padded // state.tp_size
+        self._vocab_start = state.tp_rank * self._vocab_local
+        # Logit columns the engine never samples (Megatron's vocabulary padding for TP, and a
+        # tokenizer's pad id kept out of the action space) must not enter the training softmax
+        # either, or training log-probs would differ from generation's.
+        actions = min(getattr(tokenizer, "sample_vocab_size", cfg.model.vocab_size), cfg.model.vocab_size)
+        self._actions = actions
+        self._pad_from = (max(0, min(self._vocab_local, actions - self._vocab_start))
+                          if padded > actions else None)
+        self.sampling = SamplingParams(
+            max_new_tokens=cfg.generation.max_new_tokens,
+            temperature=cfg.generation.temperature,
+            top_k=cfg.generation.top_k,
+            top_p=cfg.generation.top_p,
+            stop_strings=tuple(cfg.generation.stop_strings),
+        )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def train(self, num_steps: int | None = None) -> None:
+        end = num_steps if num_steps is not None else self.cfg.ppo.num_steps
+        while self.step_count < end:
+            metrics = self.step()
+            if self.on_step is not None:
+                self.on_step(self.step_count, metrics)
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for the critic's last training request (its result is logged nowhere else)."""
+        if self._pending_train is not None:
+            self._pending_train.result()
+            self._pending_train = None
+
+    def step(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.cfg.ppo
+        timers: dict[str, float] = {}
+        t_step = time.perf_counter()
+        step_id = self.step_count + 1
+
+        # 1. Draw prompts and generate responses.
+        t = time.perf_counter()
+        prompts = self.sampler.next_batch()
+        encoded = [self.tokenizer.encode(x) for x in prompts]
+        sampling = SamplingParams(**{**self.sampling.__dict__, "seed": cfg.seed * 100_003 + step_id})
+        gen = self.engine.generate(encoded, sampling)
+        tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
+        mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
+        timers["timers/generate"] = time.perf_counter() - t
+
+        # 2. Values and scores from the server, overlapped with the log-prob forwards.
+        t = time.perf_counter()
+        critic_future = self._critic_infer(tokens, lengths, prompt_lengths)
+        old_logprobs, entropy = self._logprobs(self.policy, tokens, with_entropy=True)
+        beta = self.kl_ctl.value
+        if self.reference is not None and beta > 0:
+            ref_logprobs, _ = self._logprobs(self.reference, tokens)
+        else:
+            ref_logprobs = old_logprobs
+        timers["timers/logprobs"] = time.perf_counter() - t
+        t = time.perf_counter()
+        values, scores = self._critic_result(critic_future, tokens.shape)
+        if self._pending_train is not None:  # last step's critic update, normally long done
+            last_train = self._pending_train.result()
+            self._pending_train = None
+        else:
+            last_train = None
+        timers["timers/critic_wait"] = time.perf_counter() - t
+
+        # 3. KL-shaped rewards, GAE and whitened advantages.
+        raw_scores = scores
+        scores = core.apply_missing_eos_penalty(scores, gen.ended, p.missing_eos_penalty)
+        scores = core.clip_scores(scores, p.score_clip)
+        if p.normalize_scores:
+            self.score_moments.update(scores, group=self._dp_group)
+            scores = self.score_moments.normalize(scores)
+        kl = core.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
+        rewards, non_score = core.shaped_rewards(scores, kl, mask, beta)
+        advantages, returns = core.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
+        if p.whiten_advantages:
+            advantages = core.global_whiten(advantages, mask, shift_mean=True, group=self._dp_group)
+
+        # 4. The critic's training batch for this step id; the server trains while we do.
+        self._pending_train = self._critic_train(tokens, lengths, returns, values, mask, step_id)
+
+        # 5. PPO epochs over shuffled minibatches.
+        t = time.perf_counter()
+        rollout = Rollout(tokens, lengths, prompt_lengths, mask, old_logprobs, values, advantages, returns)
+        train_stats = self._update_policy(rollout, step_id)
+        timers["timers/train"] = time.perf_counter() - t
+
+        # 6. Refit the engine from the updated policy, and log.
+        self.engine.refit(self.policy)
+        self.kl_ctl.update(float(self._global_mean(kl.sum(1), None)), p.global_batch_size)
+        self.step_count = step_id
+        timers["timers/step"] = time.perf_counter() - t_step
+        metrics = self._metrics(
+            gen,
+            mask,
+            raw_scores,
+            kl,
+            non_score,
+            entropy,
+            old_logprobs,
+            values,
+            returns,
+            train_stats,
+            last_train,
+            beta,
+            timers,
+        )
+        self.logger.log(step_id, metrics)
+        return metrics
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _logprobs(
+        self, model: torch.nn.Module, tokens: torch.Tensor, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Training-forward log-probs [b, s-1] (and entropy [b, s-1]), in micro-batches, no grad."""
+        was_training = model.training
+        model.eval()  # dropout off: these are the "old" log-probs of the ratio
+        out_lp, out_ent = [], []
+        mb = self.cfg.ppo.micro_batch_size
+        with torch.no_grad():
+            for i in range(0, tokens.shape[0], mb):
+                logits = self._masked_logits(gpt.policy_logits(model, tokens[i : i + mb]))
+                out_lp.append(
+                    self._sequence_logprobs(logits, tokens[i : i + mb])
+                )
+                if with_entropy:
+                    out_ent.append(
+                        core.entropy_from_logits(
+                            logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group
+                        )
+                    )
+        model.train(was_training)
+        return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
+
+    def _sequence_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """logits [b, s, v] (masked), tokens [b, s] -> [b, s-1]; 0 where the target is padding
+        (a never-sampled id whose log-prob is -inf; those positions are outside every mask)."""
+        lp = core.sequence_logprobs(logits, tokens, self.cfg.generation.temperature, group=self._tp_group,
+                                    vocab_start=self._vocab_start)
+        if self._pad_from is None:
+            return lp
+        return lp.masked_fill(tokens[:, 1:] >= self._actions, 0.0)
+
+    def _masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._pad_from is None:
+            return logits
+        # A shard with no action column at all gets a large finite negative instead of -inf, so
+        # its local max and sums stay finite (its exp terms vanish in the global normaliser).
+        fill = float("-inf") if self._pad_from > 0 else -1e30
+        return logits.index_fill(-1, torch.arange(self._pad_from, logits.shape[-1]), fill)
+
+    def _update_policy(self, r: Rollout, step_id: int) -> dict[str, float]:
+        p = self.cfg.ppo
+        b = r.tokens.shape[0]
+        per_rank_mini = p.mini_batch_size // self.state.dp_size
+        n_micro = per_rank_mini // p.micro_batch_size
+        # Same permutation on every rank of a TP group (seeded by step and DP rank).
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
+        sums: dict[str, float] = {}
+        count = 0
+        self.policy.train()
+        for _epoch in range(p.ppo_epochs):
+            order = torch.randperm(b, generator=gen)
+            for start in range(0, b, per_rank_mini):
+                idx = order[start : start + per_rank_mini]
+                stats = self._minibatch_step(r, idx, n_micro)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _minibatch_step(self, r: Rollout, idx: torch.Tensor, n_micro: int) -> dict[str, float]:
+        p = self.cfg.ppo
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        for micro in idx.chunk(n_micro):
+            tokens, mask = r.tokens[micro], r.mask[micro]
+            logits = self._masked_logits(gpt.policy_logits(self.policy, tokens))
+            logp = self._sequence_logprobs(logits, tokens)
+            loss, stats = core.policy_loss(
+                logp,
+                r.old_logprobs[micro],
+                r.advantages[micro],
+                mask,
+                clip_eps_low=p.clip_eps,
+                clip_eps_high=p.clip_eps_high,
+                dual_clip=p.dual_clip,
+                agg=p.loss_agg,
+            )
+            if p.entropy_coef > 0:
+                ent = core.entropy_from_logits(
+                    logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group
+                )
+                loss = loss - p.entropy_coef * core.aggregate(ent, mask, p.loss_agg)
+            (loss / n_micro).backward()
+            acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss) / n_micro
+            for k, v in stats.items():
+                acc[f"policy/{k}"] = acc.get(f"policy/{k}", 0.0) + float(v) / n_micro
+        allreduce_gradients(self.params, self._dp_group, self.state.dp_size)
+        acc["policy/grad_norm"] = clip_grad_norm(
+            self.params, self.cfg.optim.grad_clip, self._tp_group, self.state.tp_size, self.state.tp_rank
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        return acc
+
+    # -- the critic, seen from the actor's ranks ------------------------------------------------
+    # One rank per TP group talks to the server for its data-parallel rows and broadcasts
+    # the answer; training requests are gathered to global rank 0 and sent once per step.
+
+    def _is_tp_src(self) -> bool:
+        return self.state.tp_rank == 0
+
+    def _critic_infer(self, tokens, lengths, prompt_lengths) -> Future | None:
+        if not self._is_tp_src():
+            return None
+        return self.critic.infer(tokens, lengths, prompt_lengths)
+
+    def _critic_result(self, future: Future | None, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s = shape
+        if future is not None:
+            values_np, rewards_np = future.result()
+            values = torch.as_tensor(values_np, dtype=torch.float32).reshape(b, s - 1)
+            scores = torch.as_tensor(rewards_np, dtype=torch.float32).reshape(b)
+        else:
+            values, scores = torch.empty(b, s - 1), torch.empty(b)
+        if self.state.tp_size > 1:
+            from megatron.core import parallel_state as mpu
+
+            src = mpu.get_tensor_model_parallel_src_rank()
+            dist.broadcast(values, src, group=self.state.tp_group)
+            dist.broadcast(scores, src, group=self.state.tp_group)
+        return values, scores
+
+    def _critic_train(self, tokens, lengths, returns, values, mask, step_id: int) -> Future | None:
+        if self.state.dp_size > 1:
+            tokens, lengths, returns, values, mask = self._gather_dp(tokens, lengths, returns, values, mask)
+        if self.state.rank != 0:
+            return None
+        return self.critic.train(tokens, lengths, returns, values, mask, step_id)
+
+    def _gather_dp(self, tokens, lengths, returns, values, mask):
+        """Concatenate every DP rank's rows (padded to a common length) on all ranks."""
+        s = torch.tensor([tokens.shape[1]])
+        dist.all_reduce(s, op=dist.ReduceOp.MAX, group=self.state.dp_group)
+        s = int(s)
+        pad = s - tokens.shape[1]
+        if pad:
+            tokens = torch.nn.functional.pad(tokens, (0, pad), value=self.tokenizer.pad_id)
+            returns, values, mask = (torch.nn.functional.pad(x, (0, pad)) for x in (returns, values, mask))
+        out = []
+        for x in (tokens, lengths, returns, values, mask):
+            parts = [torch.empty_like(x) for _ in range(self.state.dp_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.state.dp_group)
+            out.append(torch.cat(parts))
+        return out
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def _global_mean(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        m = torch.ones_like(x) if mask is None else mask
+        return core.global_masked_mean(x, m, group=self._dp_group)
+
+    def _metrics(
+        self,
+        gen,
+        mask,
+        scores,
+        kl,
+        non_score,
+        entropy,
+        old_logprobs,
+        values,
+        returns,
+        train_stats,
+        last_train,
+        beta,
+        timers,
+    ) -> dict[str, float]:
+        row = lambda x: self._global_mean(x, None)  # noqa: E731 - per-sample means over all DP rows
+        resp_len = (gen.lengths - gen.prompt_lengths).float()
+        gen_mismatch = ((gen.logprobs - old_logprobs).abs() * mask).max()
+        n_tokens = resp_len.sum()
+        if self._dp_group is not None:
+            dist.all_reduce(gen_mismatch, op=dist.ReduceOp.MAX, group=self._dp_group)
+            dist.all_reduce(n_tokens, group=self._dp_group)
+        m = {
+            "objective/scores": float(row(scores)),
+            "objective/kl": float(row(kl.sum(1))),
+            "objective/non_score_reward": float(row(non_score.sum(1))),
+            "objective/entropy": float(self._global_mean(entropy, mask)),
+            "objective/kl_coef": float(beta),
+            "critic/explained_variance": float(core.explained_variance(values, returns, mask)),
+            "rollout/response_length": float(row(resp_len)),
+            "rollout/ended_fraction": float(row(gen.ended.float())),
+            "rollout/logprob_mismatch_max": float(gen_mismatch),
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            **train_stats,
+            **timers,
+        }
+        m["throughput/tokens_per_s"] = float(n_tokens) / max(timers["timers/generate"], 1e-9)
+        if last_train is not None:
+            m["loss/value"] = float(last_train["loss"])
+            m["critic/grad_norm"] = float(last_train["grad_norm"])
+        return m

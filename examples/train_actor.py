@@ -1,0 +1,128 @@
+"""The actor: PPO on a Megatron-core policy against a running critic/reward server.
+
+    python examples/train_actor.py critic.url=grpc://127.0.0.1:8001
+    ALIGNER_CRITIC_URL=grpc://critic:8001 torchrun --nproc_per_node 2 examples/train_actor.py \
+        parallel.tensor_model_parallel_size=2
+
+Every key of ``configs/actor.yaml`` can be overridden on the command line; unknown keys are
+errors. The config is checked, and the prompts read, before any model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from aligner.ppo.config import ActorConfig  # noqa: E402
+
+ConfigStore.instance().store(name="actor_schema", node=ActorConfig)
+
+
+def run(cfg: ActorConfig) -> dict:
+    import torch.distributed as dist
+
+    from aligner import distributed
+    from aligner.critic.client import RemoteCriticClient, resolve_critic_url
+    from aligner.generation.native import NativeEngine
+    from aligner.metrics import MetricsLogger, format_console, read_metrics
+    from aligner.models import gpt
+    from aligner.ppo.config import load_prompts, validate_actor_config
+    from aligner.ppo.trainer import PPOTrainer, PromptSampler
+    from aligner.report import format_summary, plot_run, summarize
+    from aligner.tasks import get_task
+    from aligner.tokenizers import build_tokenizer
+
+    # Everything that can be checked without a model is checked first.
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_actor_config(cfg, world_size=world, vocab_size=tokenizer.vocab_size)
+    url = resolve_critic_url(cfg.critic.url)
+    if cfg.data.prompt_file:
+        prompts = load_prompts(cfg.data.prompt_file, tokenizer, cfg.model.max_seq_len - cfg.generation.max_new_tokens)
+    else:
+        prompts = get_task(cfg.data.task, cfg.data.num_digits).prompts(cfg.data.num_prompts, seed=cfg.seed)
+
+    state = distributed.initialize(cfg.parallel, seed=cfg.seed)
+    try:
+        log = state.is_logging_rank
+        critic = RemoteCriticClient(url, timeout_s=cfg.critic.timeout_s, ready_timeout_s=cfg.critic.ready_timeout_s,
+                                    retries=cfg.critic.retries)
+        critic.check_compatible(cfg.model.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
+
+        policy = gpt.build_policy(cfg.model)
+        if cfg.init_from:
+            from aligner.models.hf import load_policy_weights
+
+            load_policy_weights(policy, cfg.model, cfg.init_from)
+        reference = None
+        if cfg.ppo.init_kl_coef > 0 or cfg.ppo.adaptive_kl:
+            # A second module with the initial weights (not a deepcopy: Megatron modules hold
+            # process groups, which cannot be copied).
+            reference = gpt.build_policy(cfg.model)
+            gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
+            reference.eval().requires_grad_(False)
+            if cfg.ppo.reference_on_cpu:
+                reference.cpu()
+        engine = NativeEngine(policy, tokenizer, parallel_state=state,
+                              vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size))
+        sampler = PromptSampler(prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed,
+                                cfg.data.shuffle)
+        logger = MetricsLogger(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log)
+        if log:
+            OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
+            print(f"actor: {state.world_size} rank(s) (TP={state.tp_size}, DP={state.dp_size}), critic at {url}, "
+                  f"run dir {cfg.logging.run_dir}", flush=True)
+
+        bar = None
+        if log and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.ppo.num_steps, desc="PPO", dynamic_ncols=True, file=sys.stdout)
+
+        def on_step(step: int, m: dict) -> None:
+            if not log:
+                return
+            if bar is not None:
+                bar.set_postfix(reward=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
+                                step_s=f"{m['timers/step']:.2f}")
+                bar.update(1)
+            elif step % cfg.logging.log_interval == 0:
+                print(format_console(step, m), flush=True)
+
+        trainer = PPOTrainer(cfg, state, policy, reference, engine, critic, tokenizer, sampler, logger, on_step)
+        t0 = time.time()
+        trainer.train()
+        if bar is not None:
+            bar.close()
+        logger.close()
+        critic.close()
+        summary: dict = {}
+        if log:
+            metrics_path = os.path.join(cfg.logging.run_dir, "metrics.jsonl")
+            summary = summarize(read_metrics(metrics_path))
+            summary["wall_s"] = time.time() - t0
+            png = plot_run(metrics_path, os.path.join(cfg.logging.run_dir, "reward_kl.png"))
+            print(format_summary(summary), flush=True)
+            print(f"plot: {png}", flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
+    finally:
+        distributed.destroy()
+
+
+@hydra.main(config_path="../configs", config_name="actor", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    cfg: ActorConfig = OmegaConf.to_object(dcfg)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

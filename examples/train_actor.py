@@ -55,6 +55,13 @@ def run(cfg: ActorConfig) -> dict:
         critic = RemoteCriticClient(url, timeout_s=cfg.critic.timeout_s, ready_timeout_s=cfg.critic.ready_timeout_s,
                                     retries=cfg.critic.retries)
         critic.check_compatible(cfg.model.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
+        applied = critic.server_info().critic_step
+        if applied > 0:
+            # This run's step ids start at 1: the server would treat them as repeats of steps it
+            # already applied and silently skip the critic's training.
+            raise RuntimeError(
+                f"the critic server at {url} has already applied training step {applied} from an earlier "
+                "run; start a fresh server for a fresh run (or resume the run that trained it)")
 
         policy = gpt.build_policy(cfg.model)
         if cfg.init_from:

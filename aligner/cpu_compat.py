@@ -43,6 +43,9 @@ REDIRECTED_CALL_SITES: dict[str, tuple[str, ...]] = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding": ("torch.cuda.current_device()",),
     # The model-parallel RNG tracker reads and writes the CUDA generator.
     "megatron.core.tensor_parallel.random": ("torch.cuda.get_rng_state()", "_set_cuda_rng_state("),
+    # Tied embeddings under pipeline parallelism: the last stage's copy is moved to the GPU
+    # before the first/last-stage all-reduce.
+    "megatron.core.models.common.language_module.language_module": ("weight.data = weight.data.cuda()",),
 }
 
 _FACTORIES = frozenset(
@@ -178,10 +181,29 @@ def apply() -> bool:
             module = importlib.import_module(module_name)
             if module_name == "megatron.core.tensor_parallel.random":
                 _patch_rng(module)
+            elif module_name.endswith("language_module.language_module"):
+                _patch_tied_embedding_setup(module)
             else:
                 module.torch = proxy  # type: ignore[attr-defined]
         _applied = True
     return True
+
+
+def _patch_tied_embedding_setup(module: Any) -> None:
+    cls = module.LanguageModule
+    orig = cls.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any) -> Any:
+        # Only for the duration of this call: ``Tensor.cuda`` keeps the tensor where it is.
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved  # type: ignore[method-assign]
+
+    setup_embeddings_and_output_layer.__wrapped__ = orig  # type: ignore[attr-defined]
+    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 def _patch_rng(random_mod: Any) -> None:

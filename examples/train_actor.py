@@ -65,9 +65,9 @@ def run(cfg: ActorConfig) -> dict:
 
         policy = gpt.build_policy(cfg.model)
         if cfg.init_from:
-            from aligner.models.hf import load_policy_weights
+            from aligner.models.checkpoint_io import load_weights_from
 
-            load_policy_weights(policy, cfg.model, cfg.init_from)
+            load_weights_from(policy, cfg.model, cfg.init_from)
         reference = None
         if cfg.ppo.init_kl_coef > 0 or cfg.ppo.adaptive_kl:
             # A second module with the initial weights (not a deepcopy: Megatron modules hold

@@ -152,3 +152,22 @@ def test_gpt2_style_variant_builds():
     assert "embedding.position_embeddings.weight" in names
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
     assert gpt.policy_logits(model, torch.randint(0, 16, (1, 5))).shape == (1, 5, 16)
+
+
+def test_init_from_checkpoint_checks_architecture(tmp_path):
+    from aligner.models.checkpoint_io import load_weights_from, save_model_checkpoint
+    from aligner.models.hf import ConversionError
+
+    cfg = ModelConfig(**TINY)
+    saved = gpt.build_policy(cfg)
+    save_model_checkpoint(saved, cfg, tmp_path / "ckpt", role="policy")
+    fresh = gpt.build_policy(cfg)
+    assert load_weights_from(fresh, cfg, tmp_path / "ckpt") == "aligner"
+    tokens = torch.randint(0, 16, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(gpt.policy_logits(saved, tokens), gpt.policy_logits(fresh, tokens))
+    with pytest.raises(ConversionError, match="hidden_size: 64 != 32"):
+        load_weights_from(gpt.build_policy(ModelConfig(**{**TINY, "hidden_size": 64})),
+                          ModelConfig(**{**TINY, "hidden_size": 64}), tmp_path / "ckpt")
+    with pytest.raises(ConversionError, match="expected a checkpoint folder with meta.json"):
+        load_weights_from(fresh, cfg, tmp_path)

@@ -138,7 +138,7 @@ def _build(cfg: ModelConfig, head: str, tensor_parallel_size: int | None, pipeli
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
         position_embedding_type=cfg.position_embedding,
-        rotary_base=int(cfg.rotary_base),
+        rotary_base=cfg.rotary_base,  # a float theta is used as is
     )
     if head != "lm" and post_process:
         model.output_layer = ScalarHead(cfg.hidden_size, dtype=params_dtype)

@@ -1,0 +1,100 @@
+"""Worker processes for tests/test_hf_convert_tp.py (spawned, so they live in an importable module).
+
+Each worker joins a 2-process gloo world, imports an HF folder at TP=2 or PP=2, computes what
+the test compares, exports, saves our checkpoint, and writes results under ``out_dir``
+(safetensors, no pickles). Rank 0 writes the tensors the test reads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _setup(rank: int, world_size: int, port: int, tp: int, pp: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      TRANSFORMERS_VERBOSITY="error")
+    import torch
+
+    torch.set_num_threads(1)
+    from aligner import distributed
+
+    return distributed.initialize(
+        distributed.ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                   backend="gloo", timeout_s=120.0), seed=1234)
+
+
+def tp_worker(rank: int, world_size: int, port: int, hf_dir: str, rm_dir: str, out_dir: str,
+              tokens: list[list[int]]) -> None:
+    """TP=2: policy logits (vocab-parallel, gathered), export, checkpoint; reward-model scores."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from aligner import distributed
+    from aligner.models import checkpoint_io, gpt, hf
+
+    state = _setup(rank, world_size, port, tp=2, pp=1)
+    out = Path(out_dir)
+    try:
+        tok = torch.tensor(tokens)
+        model, cfg = hf.import_hf(hf_dir, make_vocab_size_divisible_by=8)
+        model.eval()
+        with torch.no_grad():
+            local = gpt.policy_logits(model, tok)  # [b, s, padded_vocab / 2]
+        assert local.shape[-1] == cfg.padded_vocab_size(2) // 2, local.shape
+        parts = [torch.empty_like(local) for _ in range(state.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=state.tp_group)
+        full = torch.cat(parts, dim=-1)
+        hf.export_hf(model, cfg, out / "hf_tp2", "LlamaForCausalLM")
+        checkpoint_io.save_model_checkpoint(model, cfg, out / "ckpt_tp2", "policy")
+
+        rm, rm_cfg = hf.import_hf(rm_dir, "reward")
+        rm.eval()
+        lengths = torch.tensor([len(t) for t in tokens])
+        with torch.no_grad():
+            scores = gpt.sequence_scores(rm, tok, lengths)
+        hf.export_hf(rm, rm_cfg, out / "rm_tp2", "llama", hf_config=rm_dir)
+        if rank == 0:
+            save_file({"logits": full.contiguous(), "scores": scores.contiguous()}, str(out / "tp_results.safetensors"))
+        dist.barrier()
+    finally:
+        distributed.destroy()
+
+
+def pp_worker(rank: int, world_size: int, port: int, hf_dir: str, out_dir: str, tokens: list[list[int]]) -> None:
+    """PP=2: a hand-run two-stage forward (stage 0 sends its hidden states to stage 1), export,
+    checkpoint."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from aligner import distributed
+    from aligner.models import checkpoint_io, gpt, hf
+
+    state = _setup(rank, world_size, port, tp=1, pp=2)
+    out = Path(out_dir)
+    try:
+        tok = torch.tensor(tokens)
+        model, cfg = hf.import_hf(hf_dir)
+        model.eval()
+        layers = len(model.decoder.layers)
+        assert layers == cfg.num_layers // 2, layers
+        b, s = tok.shape
+        with torch.no_grad():
+            if state.is_first_stage:
+                hidden = model(tok, gpt.position_ids_for(tok), attention_mask=None)  # [s, b, h]
+                dist.send(hidden.contiguous(), dst=dist.get_global_rank(state.pp_group, 1))
+            else:
+                hidden = torch.empty(s, b, cfg.hidden_size)
+                dist.recv(hidden, src=dist.get_global_rank(state.pp_group, 0))
+                model.set_input_tensor(hidden)
+                logits = gpt.policy_logits(model, tok)
+        hf.export_hf(model, cfg, out / "hf_pp2", "LlamaForCausalLM")
+        checkpoint_io.save_model_checkpoint(model, cfg, out / "ckpt_pp2", "policy")
+        if state.is_last_stage:
+            save_file({"logits": logits.contiguous()}, str(out / "pp_results.safetensors"))
+        dist.barrier()
+    finally:
+        distributed.destroy()

@@ -1,0 +1,448 @@
+"""The native engine: the training policy's own Megatron-core module, decoding with a KV cache.
+
+Design
+------
+*Prefill, then teacher-forced decode* (what Megatron's static engine does). The batch's
+prompts are written, right-padded, into one token buffer ``[b, T]`` with
+``T = min(max_seq_len, longest prompt + max_new_tokens)``. The first forward encodes
+positions ``[0, min_prompt_len)`` of every row at once into the KV cache; after that every
+step feeds one position ``j`` for the whole batch: row ``i``'s own prompt token while
+``j < prompt_len[i]`` (the token sampled for it is discarded: teacher forcing), its sampled
+token once ``j >= prompt_len[i]``. Every row therefore attends to exactly its own prefix:
+no left padding, no attention mask, no per-row position offsets, and the result equals
+decoding each prompt on its own (the tests check this against a full recompute and against
+one-prompt batches). A row that has stopped keeps stepping (its outputs are ignored, its
+tokens are pad) until all rows have stopped: the "all done?" check is a host sync, made every
+step on a CPU (nothing to overlap there) and every ``check_every`` (8) steps on a GPU. Stop
+strings are checked on the host every few steps to stop early, and applied exactly at the end.
+
+*Two forward backends* over the same module and weights:
+
+- ``lean`` (default when the architecture allows): :class:`aligner.generation.lean.LeanDecoder`,
+  the same arithmetic as Megatron's forward in the fewest ops (plain linears on the module's
+  weight tensors, RoPE on the new token only, a private cache laid out for the attention
+  matmuls), with Megatron's rounding order (bf16 log-probs equal the training forward's).
+- ``megatron``: ``GPTModel.forward`` with a ``StaticInferenceContext`` (sized exactly
+  ``[T, b]``, one per call) and ``runtime_gather_output=True``; only the last position goes
+  through the LM head (``materialize_only_last_token_logits``). It re-applies RoPE to the whole
+  cached prefix at every step and pays Megatron's per-layer Python, so it is 2-3x slower on a
+  CPU; it is the reference for the lean path and the fallback for other architectures.
+
+*Tensor parallelism.* Logits are gathered over TP, so every TP rank holds the same full
+distribution; each samples with a generator seeded from ``(seed, data-parallel rank)`` only,
+so all TP ranks pick the same tokens with no per-step collective. With ``seed=None``, TP
+rank 0 draws the seed and broadcasts it once per call. Pipeline parallelism is not supported.
+
+*Padded vocabulary.* Logit columns beyond the real ``vocab_size`` (Megatron pads the
+embedding for TP divisibility) are dropped before sampling and before the log-softmax.
+
+*Refit* rebinds the module: the engine holds no copy of the weights, and the lean backend
+re-reads the parameter tensors at the start of every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.generation.lean import LeanDecoder, unsupported_reason
+from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
+
+__all__ = ["NativeEngine", "generate_no_cache"]
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (their forward adds only casts)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+class _EvalMode:
+    """Put every submodule in eval mode and restore each one's own flag afterwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.saved = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc) -> None:
+        for m, mode in self.saved:
+            m.training = mode
+
+
+def _model_vocab(model: nn.Module, vocab_size: int | None, tokenizer) -> int | None:
+    if vocab_size is not None:
+        return int(vocab_size)
+    cfg = getattr(model, "aligner_config", None)
+    if cfg is not None:
+        return int(cfg.vocab_size)
+    if tokenizer is not None:
+        return int(tokenizer.vocab_size)
+    return None
+
+
+def _resolve_ids(tokenizer, pad_id: int | None, eos_id: int | None) -> tuple[int, int]:
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_id", None)
+    if eos_id is None:
+        eos_id = getattr(tokenizer, "eos_id", None)
+    if pad_id is None or eos_id is None:
+        raise ValueError("pad_id and eos_id are required (or a tokenizer that has them)")
+    return int(pad_id), int(eos_id)
+
+
+class NativeEngine:
+    """Generation with the training policy's own Megatron module and a static KV cache.
+
+    Args:
+        model: the policy (``GPTModel``, possibly inside DDP/Float16Module wrappers), built on
+            this rank's TP shard. Only pipeline-parallel size 1 is supported.
+        tokenizer: needed for ``stop_strings``; also supplies pad/eos ids when not given.
+        pad_id: written after each sample's end.
+        eos_id: ends a sample (kept as its last token).
+        max_seq_len: longest prompt + response; default ``model.aligner_config.max_seq_len``.
+        parallel_state: :class:`aligner.distributed.ParallelState` (TP group and DP rank);
+            None means a single process.
+        vocab_size: real vocabulary (logit columns beyond it are never sampled); default
+            ``model.aligner_config.vocab_size``, else the tokenizer's.
+        check_every: steps between "have all samples stopped?" checks (a host sync);
+            default 1 on CPU, 8 on GPU.
+        backend: ``"lean"`` (:class:`~aligner.generation.lean.LeanDecoder`: the model's own
+            weights, a private KV cache, the fewest ops per step), ``"megatron"`` (Megatron's
+            own forward with a ``StaticInferenceContext``), or ``"auto"``: lean when the
+            architecture is one it handles, else megatron.
+        cpu_linear: lean backend, fp32 on a CPU: ``"auto"``/``"onednn"`` run the linear layers
+            through oneDNN (about 2x MKL's fp32 GEMM on the project's AMD CPUs; same weight
+            tensors), ``"default"`` uses ``F.linear``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        *,
+        pad_id: int | None = None,
+        eos_id: int | None = None,
+        max_seq_len: int | None = None,
+        parallel_state=None,
+        vocab_size: int | None = None,
+        check_every: int | None = None,
+        backend: str = "auto",
+        cpu_linear: str = "auto",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.pad_id, self.eos_id = _resolve_ids(tokenizer, pad_id, eos_id)
+        self.parallel_state = parallel_state
+        if parallel_state is not None and getattr(parallel_state, "pp_size", 1) > 1:
+            raise NotImplementedError(
+                f"NativeEngine runs the whole model on each rank: pipeline_model_parallel_size="
+                f"{parallel_state.pp_size} is not supported (use PP=1 for generation)"
+            )
+        if backend not in ("auto", "lean", "megatron"):
+            raise ValueError(f"backend={backend!r}: expected 'auto', 'lean' or 'megatron'")
+        if cpu_linear not in ("auto", "onednn", "default"):
+            raise ValueError(f"cpu_linear={cpu_linear!r}: expected 'auto', 'onednn' or 'default'")
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
+            raise ValueError(f"check_every={check_every!r}: expected an integer >= 1 or None")
+        self.backend = backend
+        self.cpu_linear = cpu_linear
+        self._lean: LeanDecoder | None = None
+        self.model: nn.Module
+        self.refit(model)
+        if max_seq_len is None:
+            cfg = getattr(self.model, "aligner_config", None)
+            if cfg is None:
+                raise ValueError("max_seq_len is required for a model without aligner_config")
+            max_seq_len = int(cfg.max_seq_len)
+        self.max_seq_len = int(max_seq_len)
+        self.vocab_size = _model_vocab(self.model, vocab_size, tokenizer)
+        self.check_every = check_every
+
+    # -- protocol -------------------------------------------------------------------------
+
+    def refit(self, policy: nn.Module) -> None:
+        """Use ``policy``'s current weights: zero-copy, the engine just holds the module."""
+        model = _unwrap(policy)
+        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+            raise NotImplementedError("NativeEngine needs the whole model on each rank (no pipeline stages)")
+        self.model = model
+        self._device = next(model.parameters()).device
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError("sampling.stop_strings needs a tokenizer: pass tokenizer= to NativeEngine")
+        prompts = check_prompts(prompts, self.max_seq_len, self.vocab_size)
+        prompt_lens = [len(p) for p in prompts]
+        generator = None if sampling.greedy else self._generator(sampling.seed)
+        with _EvalMode(self.model), torch.inference_mode():
+            tokens, lengths, logprobs, ended, plen = self._decode(prompts, prompt_lens, sampling, generator)
+        return build_output(
+            tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _parallel(self) -> tuple[object, int, int]:
+        """(TP group, TP size, DP rank): from ``parallel_state``, else Megatron's globals."""
+        ps = self.parallel_state
+        if ps is not None:
+            return ps.tp_group, ps.tp_size, ps.dp_rank
+        tp_size = int(getattr(getattr(self.model, "config", None), "tensor_model_parallel_size", 1) or 1)
+        try:
+            from megatron.core import parallel_state as mpu
+
+            if mpu.model_parallel_is_initialized():
+                return (
+                    mpu.get_tensor_model_parallel_group(),
+                    mpu.get_tensor_model_parallel_world_size(),
+                    mpu.get_data_parallel_rank(),
+                )
+        except ImportError:  # pragma: no cover - megatron is a dependency
+            pass
+        if tp_size > 1:
+            raise ValueError("a tensor-parallel model needs parallel_state= (or Megatron's parallel state)")
+        return None, 1, 0
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        tp_group, tp_size, dp_rank = self._parallel()
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            if tp_size > 1:
+                # Every TP rank must sample the same tokens: TP rank 0's draw wins.
+                t = torch.tensor([seed], dtype=torch.int64, device=self._device)
+                dist.broadcast(t, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+                seed = int(t.item())
+        return rank_generator(seed, dp_rank, self._device)
+
+    def _stepper(self, b: int, T: int):
+        if self._use_lean():
+            return _LeanStepper(self._lean, b, T)
+        return _MegatronStepper(self.model, b, T)
+
+    def _use_lean(self) -> bool:
+        if self.backend == "megatron":
+            return False
+        if self._lean is None or self._lean.model is not self.model:
+            reason = unsupported_reason(self.model)
+            if reason is not None:
+                if self.backend == "lean":
+                    raise ValueError(f"backend='lean' cannot run this model: {reason}")
+                self._lean = None
+                return False
+            tp_group, tp_size, _ = self._parallel()
+            self._lean = LeanDecoder(self.model, tp_group, tp_size, cpu_linear=self.cpu_linear)
+        return True
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_lens: list[int],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ):
+        dev = self._device
+        b = len(prompts)
+        min_p, max_p = min(prompt_lens), max(prompt_lens)
+        T = min(self.max_seq_len, max_p + sampling.max_new_tokens)
+        pad = self.pad_id
+
+        rows = [p + [pad] * (T - len(p)) for p in prompts]
+        buf = torch.tensor(rows, dtype=torch.int64, device=dev)  # [b, T]
+        plen = torch.tensor(prompt_lens, dtype=torch.int64, device=dev)
+        positions = torch.arange(T, device=dev).unsqueeze(0).expand(b, T)
+        # gen[i, j]: row i samples its token j (prompt_len <= j < prompt_len + max_new).
+        gen = (positions >= plen.unsqueeze(1)) & (positions < (plen + sampling.max_new_tokens).unsqueeze(1))
+        gen_t = gen.t().contiguous()  # [T, b]: one contiguous row per step
+        stop_ids = torch.tensor(
+            sorted({self.eos_id, *sampling.stop_token_ids}), dtype=torch.int64, device=dev
+        )
+        # Last position each row can fill.
+        row_last = (plen + sampling.max_new_tokens).clamp(max=T) - 1
+        check_every = self.check_every or (1 if dev.type == "cpu" else 8)
+
+        step = self._stepper(b, T)
+        try:
+            return self._loop(
+                step, buf, plen, gen_t, row_last, stop_ids, sampling, generator, min_p, check_every
+            )
+        finally:
+            step.close()
+
+    def _loop(self, step, buf, plen, gen_t, row_last, stop_ids, sampling, generator, min_p, check_every):
+        b, T = buf.shape
+        V = self.vocab_size
+        logprobs = torch.zeros(b, T - 1, dtype=torch.float32, device=buf.device)
+        done = torch.zeros(b, dtype=torch.bool, device=buf.device)  # stopped by eos / stop token
+        n_gen = torch.zeros(b, dtype=torch.int64, device=buf.device)
+        last_j = int(row_last.max())
+        trim = V is not None
+        stop_every = max(check_every, 4)
+        logits = step(buf[:, :min_p], 0)
+        for j in range(min_p, last_j + 1):
+            # Sample token j of every row from the logits of position j-1.
+            z = (logits[:, :V] if trim else logits).float()
+            tok, lp = sample_next(z, sampling, generator)
+            active = gen_t[j] & ~done
+            buf[:, j] = torch.where(active, tok, buf[:, j])
+            logprobs[:, j - 1] = torch.where(active, lp, 0.0)
+            n_gen += active
+            done |= active & torch.isin(tok, stop_ids)
+            if j == last_j:
+                break
+            k = j - min_p + 1  # steps taken
+            if sampling.stop_strings and k % stop_every == 0:
+                # Decoding on the host is costly: look every few steps. Rows found here stop
+                # generating; build_output cuts each exactly after its stop string.
+                done |= self._stop_string_hits(buf, plen, n_gen, done, sampling.stop_strings)
+            if k % check_every == 0 and bool((done | (row_last <= j)).all()):
+                break  # every row stopped or at its last position
+            logits = step(buf[:, j : j + 1], j)
+        # Rows that stopped hold pad after their end already; build_output pads and trims.
+        return buf, plen + n_gen, logprobs, done, plen
+
+    def _stop_string_hits(self, buf, plen, n_gen, done, stop_strings) -> torch.Tensor:
+        hits = torch.zeros_like(done)
+        rows = buf.tolist()
+        for i, (row, p, n, d) in enumerate(zip(rows, plen.tolist(), n_gen.tolist(), done.tolist())):
+            if d or n == 0:
+                continue
+            text = self.tokenizer.decode(row[p : p + n])
+            if any(s in text for s in stop_strings):
+                hits[i] = True
+        return hits
+
+
+class _LeanStepper:
+    """One generation call on :class:`LeanDecoder` (private cache, RoPE'd keys)."""
+
+    def __init__(self, lean: LeanDecoder, b: int, T: int) -> None:
+        self.lean = lean
+        lean.begin(b, T)
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        return self.lean.forward(tokens, start)
+
+    def close(self) -> None:
+        self.lean.end()
+
+
+class _MegatronStepper:
+    """One generation call on Megatron's own static-batching inference path."""
+
+    def __init__(self, model: nn.Module, b: int, T: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model = model
+        # Sized exactly [T, b]: Megatron views the cached keys as [s, b * heads, d], which
+        # needs the batch slice to be the whole buffer.
+        self.ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=T)
+        self.ctx.materialize_only_last_token_logits = True
+        dev = next(model.parameters()).device
+        self.positions = torch.arange(T, device=dev).unsqueeze(0).expand(b, T)
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        n = tokens.shape[1]
+        # The context stays in "prefill" mode: decode mode only switches on flash-decode and
+        # CUDA-graph paths, which this engine does not use.
+        logits = self.model(
+            tokens,
+            self.positions[:, start : start + n],
+            None,
+            inference_context=self.ctx,
+            runtime_gather_output=True,
+        )
+        self.ctx.sequence_len_offset += n
+        return logits[:, -1, :]
+
+    def close(self) -> None:
+        self.ctx = None
+
+
+@torch.inference_mode()
+def _full_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, positions, None, runtime_gather_output=True)
+
+
+def generate_no_cache(
+    model: nn.Module,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    *,
+    pad_id: int,
+    eos_id: int,
+    max_seq_len: int,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    parallel_state=None,
+) -> GenerationOutput:
+    """Reference generation by full recompute: every step runs the whole right-padded batch
+    from position 0 without a cache and reads each row's logits at its own last position.
+
+    Deliberately simple and independent of :class:`NativeEngine`'s bookkeeping (per-row
+    Python lists, no teacher forcing); for tests and benchmarks only. Sampling uses the same
+    :func:`sample_next` and the same per-rank seeding, but consumes the random stream
+    differently, so only greedy outputs are comparable token for token.
+    """
+    if sampling.stop_strings and tokenizer is None:
+        raise ValueError("sampling.stop_strings needs a tokenizer")
+    model = _unwrap(model)
+    vocab = _model_vocab(model, vocab_size, tokenizer)
+    prompts = check_prompts(prompts, max_seq_len, vocab)
+    prompt_lens = [len(p) for p in prompts]
+    dev = next(model.parameters()).device
+    generator = None
+    if not sampling.greedy:
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = rank_generator(seed, parallel_state.dp_rank if parallel_state is not None else 0, dev)
+    stops = {eos_id, *sampling.stop_token_ids}
+    seqs = [list(p) for p in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    ended = [False] * len(prompts)
+    with _EvalMode(model):
+        for _ in range(sampling.max_new_tokens):
+            live = [i for i, s in enumerate(seqs) if not done[i] and len(s) < max_seq_len]
+            if not live:
+                break
+            width = max(len(seqs[i]) for i in live)
+            batch = torch.tensor([seqs[i] + [pad_id] * (width - len(seqs[i])) for i in live], device=dev)
+            logits = _full_logits(model, batch)
+            last = torch.tensor([len(seqs[i]) - 1 for i in live], device=dev)
+            z = logits[torch.arange(len(live), device=dev), last]
+            if vocab is not None:
+                z = z[:, :vocab]
+            tok, lp = sample_next(z.float(), sampling, generator)
+            for k, i in enumerate(live):
+                t = int(tok[k])
+                seqs[i].append(t)
+                lps[i].append(float(lp[k]))
+                if t in stops:
+                    done[i] = ended[i] = True
+    b = len(prompts)
+    T = max(len(s) for s in seqs)
+    tokens = torch.full((b, T), pad_id, dtype=torch.int64)
+    logprobs = torch.zeros(b, max(T - 1, 0), dtype=torch.float32)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        tokens[i, : len(s)] = torch.tensor(s)
+        if len(s) > p:
+            logprobs[i, p - 1 : len(s) - 1] = torch.tensor(lps[i])
+    return build_output(
+        tokens.to(dev),
+        torch.tensor(prompt_lens, device=dev),
+        torch.tensor([len(s) for s in seqs], device=dev),
+        logprobs.to(dev),
+        torch.tensor(ended, device=dev),
+        pad_id,
+        tokenizer,
+        sampling.stop_strings,
+    )

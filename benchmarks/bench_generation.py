@@ -1,0 +1,186 @@
+"""Greedy decoding throughput: NativeEngine (its lean and its Megatron-forward backends) vs
+the no-cache reference vs HF ``generate`` on a Llama of the same shape (random weights;
+outputs are not compared here, the tests do that for the native engine).
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_generation.py [--dtype bf16] [--json out.json]
+
+Prints one JSON object and a table. Tokens/s counts generated tokens (batch x new tokens;
+the eos id is set outside the vocabulary so every sample runs to max_new_tokens). Engines run
+interleaved, round by round, and the medians are reported: wall-clock tokens/s, and tokens per
+CPU-second of this process (steadier than wall time on a shared machine; with two threads it
+counts both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from aligner import distributed  # noqa: E402
+from aligner.generation import NativeEngine, SamplingParams, generate_no_cache  # noqa: E402
+from aligner.models.config import ModelConfig  # noqa: E402
+from aligner.models.gpt import build_policy  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=680)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--skip", default="", help="comma list to skip: native, native_lean, native_megatron, no_cache, hf"
+    )
+    ap.add_argument("--json", default=None, help="also write the JSON result here")
+    args = ap.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    ps = distributed.initialize(seed=1234)
+    cfg = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn,
+        vocab_size=args.vocab,
+        max_seq_len=args.prompt + args.new,
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, args.vocab, (args.batch, args.prompt), generator=g).tolist()
+    sp = SamplingParams(max_new_tokens=args.new, greedy=True)
+    eos = args.vocab  # outside the vocabulary: never sampled, every sample runs to the end
+    n_tokens = args.batch * args.new
+    results: dict[str, dict] = {}
+
+    def record(name: str, times: list[float], cpu_times: list[float]) -> None:
+        med, cpu_med = statistics.median(times), statistics.median(cpu_times)
+        results[name] = {
+            "seconds_median": round(med, 4),
+            "seconds_all": [round(t, 4) for t in times],
+            "tokens_per_s": round(n_tokens / med, 1),
+            "ms_per_step": round(1000 * med / args.new, 3),
+            "cpu_seconds_median": round(cpu_med, 4),
+            "tokens_per_cpu_s": round(n_tokens / cpu_med, 1),
+        }
+
+    policy = build_policy(cfg, params_dtype=dtype)
+    runners: dict[str, object] = {}
+    for backend in ("lean", "megatron"):
+        if "native" in skip or f"native_{backend}" in skip:
+            continue
+        engine = NativeEngine(
+            policy, pad_id=0, eos_id=eos, max_seq_len=cfg.max_seq_len, parallel_state=ps, backend=backend
+        )
+        runners[f"native_{backend}"] = lambda engine=engine: engine.generate(
+            prompts, sp
+        ).response_lengths.sum()
+    if "hf" not in skip:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        for attn in ("sdpa", "eager"):
+            hcfg = LlamaConfig(
+                vocab_size=args.vocab,
+                hidden_size=args.hidden,
+                intermediate_size=args.ffn,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.heads,
+                max_position_embeddings=cfg.max_seq_len,
+                rms_norm_eps=cfg.norm_epsilon,
+                tie_word_embeddings=False,
+                attn_implementation=attn,
+            )
+            torch.manual_seed(0)
+            hf = LlamaForCausalLM(hcfg).to(dtype).eval()
+            ids = torch.tensor(prompts)
+            mask = torch.ones_like(ids)
+
+            def run_hf(hf=hf, ids=ids, mask=mask):
+                with torch.inference_mode():
+                    out = hf.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        max_new_tokens=args.new,
+                        min_new_tokens=args.new,
+                        do_sample=False,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                    )
+                return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+            runners[f"hf_generate_{attn}"] = run_hf
+    # Interleave the engines round by round so that load from other processes on a shared
+    # machine hits them alike; report medians of wall time and of this process's CPU time.
+    wall: dict[str, list[float]] = {k: [] for k in runners}
+    cpu: dict[str, list[float]] = {k: [] for k in runners}
+    for name, fn in runners.items():
+        got = int(fn())  # warm-up
+        if got != n_tokens:
+            raise RuntimeError(f"{name} generated {got} tokens, expected {n_tokens}")
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    for name in runners:
+        record(name, wall[name], cpu[name])
+    if "no_cache" not in skip:
+        c0, t0 = time.process_time(), time.perf_counter()
+        generate_no_cache(policy, prompts, sp, pad_id=0, eos_id=eos, max_seq_len=cfg.max_seq_len)
+        record("no_cache_reference", [time.perf_counter() - t0], [time.process_time() - c0])
+
+    report = {
+        "config": {
+            "batch": args.batch,
+            "prompt": args.prompt,
+            "new_tokens": args.new,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "ffn": args.ffn,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "results": results,
+    }
+    print(json.dumps(report, indent=2))
+    print(f"\n{'engine':<22}{'tokens/s':>10}{'ms/step':>9}{'s (median)':>12}{'tokens/cpu-s':>14}")
+    for name, r in results.items():
+        print(
+            f"{name:<22}{r['tokens_per_s']:>10.0f}{r['ms_per_step']:>9.2f}{r['seconds_median']:>12.3f}"
+            f"{r['tokens_per_cpu_s']:>14.0f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    distributed.destroy()
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""The native generation engine (single process): KV-cache decoding against a full recompute,
+log-probs against the training forward, sampling controls, stop conditions, errors, refit."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from aligner import distributed
+from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, generate_no_cache
+from aligner.generation.lean import unsupported_reason
+from aligner.generation.sampling import sample_next
+from aligner.models.config import ModelConfig
+from aligner.models.gpt import build_policy, policy_logits
+from aligner.tokenizers import CharTokenizer
+
+warnings.filterwarnings("ignore", category=UserWarning)
+
+MAX_LEN = 48
+TOK = CharTokenizer()  # vocab 14: <pad>=0, <eos>=1, digits, ':' and ','
+PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [3, 3, 3, 3, 13]]
+BACKENDS = ["lean", "megatron"]
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=TOK.vocab_size,
+        max_seq_len=MAX_LEN,
+        init_method_std=0.2,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def ps():
+    state = distributed.initialize(distributed.ParallelConfig(), seed=1234)
+    yield state
+    distributed.destroy()
+
+
+def _model(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return build_policy(_cfg(**kw))
+
+
+@pytest.fixture(scope="module")
+def model(ps):
+    return _model(0)
+
+
+def _engine(model, ps, backend="lean", **kw):
+    kw.setdefault("pad_id", TOK.pad_id)
+    kw.setdefault("eos_id", TOK.eos_id)
+    return NativeEngine(model, TOK, max_seq_len=MAX_LEN, parallel_state=ps, backend=backend, **kw)
+
+
+def _reference(model, prompts, sampling, eos_id=TOK.eos_id):
+    return generate_no_cache(
+        model, prompts, sampling, pad_id=TOK.pad_id, eos_id=eos_id, max_seq_len=MAX_LEN, tokenizer=TOK
+    )
+
+
+def _full_logits(model, tokens):
+    with torch.no_grad():
+        return policy_logits(model.eval(), tokens).float()
+
+
+def _check_layout(out, pad_id=TOK.pad_id):
+    """Right padding, lengths, zero log-probs outside the response mask."""
+    b, s = out.tokens.shape
+    assert out.tokens.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+    assert out.logprobs.shape == (b, s - 1) and out.ended.dtype == torch.bool
+    assert int(out.lengths.max()) == s
+    mask = out.response_mask().bool()
+    for i in range(b):
+        n, p = int(out.lengths[i]), int(out.prompt_lengths[i])
+        assert (out.tokens[i, n:] == pad_id).all()
+        assert (out.logprobs[i][~mask[i]] == 0).all()
+        assert mask[i].sum() == n - p
+
+
+# -- KV cache vs full recompute ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_kv_cache_equals_full_recompute(model, ps, backend):
+    sp = SamplingParams(max_new_tokens=24, greedy=True)
+    out = _engine(model, ps, backend).generate(PROMPTS, sp)
+    ref = _reference(model, PROMPTS, sp)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.equal(out.lengths, ref.lengths) and torch.equal(out.ended, ref.ended)
+    assert out.prompt_lengths.tolist() == [len(p) for p in PROMPTS]
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    _check_layout(out)
+    # Batching (teacher-forced prompts of different lengths) changes nothing per sample.
+    for i, p in enumerate(PROMPTS):
+        alone = _engine(model, ps, backend).generate([p], sp)
+        assert alone.tokens[0].tolist() == out.tokens[i, : alone.tokens.shape[1]].tolist()
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        dict(num_query_groups=2),
+        dict(num_query_groups=1, add_qkv_bias=True),
+        dict(
+            normalization="LayerNorm",
+            activation="gelu",
+            position_embedding="learned_absolute",
+            add_bias_linear=True,
+            tie_embeddings=True,
+        ),
+    ],
+    ids=["gqa", "mqa_qkv_bias", "gpt2_like"],
+)
+def test_lean_path_matches_recompute_on_other_architectures(ps, arch):
+    m = _model(1, **arch)
+    assert unsupported_reason(m) is None
+    sp = SamplingParams(max_new_tokens=16, greedy=True)
+    out = _engine(m, ps, "lean").generate(PROMPTS, sp)
+    ref = _reference(m, PROMPTS, sp)
+    assert torch.equal(out.tokens, ref.tokens)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_engine_options_do_not_change_results(model, ps):
+    """The lean backend with MKL or oneDNN linears, and a sparse all-done check (the GPU
+    setting), give the same tokens as the default."""
+    sp = SamplingParams(max_new_tokens=20, top_k=6, seed=4)
+    base = _engine(model, ps).generate(PROMPTS, sp)
+    for kw in (dict(cpu_linear="default"), dict(check_every=3), dict(backend="megatron")):
+        other = _engine(model, ps, **kw).generate(PROMPTS, sp)
+        assert torch.equal(base.tokens, other.tokens), kw
+        torch.testing.assert_close(base.logprobs, other.logprobs, atol=1e-5, rtol=0)
+
+
+# Megatron's local-spec norms keep fp32 weights in a bf16 model; torch warns on every such call.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_logprobs_match_the_bf16_training_forward(ps, backend):
+    torch.manual_seed(6)
+    m = build_policy(_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
+    out = _engine(m, ps, backend).generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=0))
+    logp = torch.log_softmax(_full_logits(m, out.tokens), dim=-1)
+    expect = logp[:, :-1].gather(-1, out.tokens[:, 1:].unsqueeze(-1)).squeeze(-1) * out.response_mask()
+    # Same rounding order as Megatron's forward: equal up to kernel-level differences.
+    torch.testing.assert_close(out.logprobs, expect, atol=1e-3, rtol=0)
+
+
+# -- log-probs ---------------------------------------------------------------------------
+
+
+def _most_generated(out) -> int:
+    resp = torch.cat([torch.tensor(r) for r in out.responses()])
+    return int(torch.bincount(resp).argmax())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_equal_training_forward_and_eos_ends(model, ps, backend):
+    from aligner.ppo.core import gather_logprobs
+
+    temperature = 0.7
+    probe = _engine(model, ps, backend).generate(PROMPTS * 2, SamplingParams(max_new_tokens=20, seed=3))
+    eos = _most_generated(probe)  # a token this model emits often: samples end on it
+    engine = _engine(model, ps, backend, eos_id=eos)
+    out = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=20, temperature=temperature, seed=11))
+    _check_layout(out)
+    logp = torch.log_softmax(_full_logits(model, out.tokens) / temperature, dim=-1)
+    expect = logp[:, :-1].gather(-1, out.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    mask = out.response_mask()
+    torch.testing.assert_close(out.logprobs, expect * mask, atol=1e-4, rtol=0)
+    trainer = gather_logprobs(_full_logits(model, out.tokens)[:, :-1], out.tokens[:, 1:], temperature)
+    torch.testing.assert_close(out.logprobs, trainer * mask, atol=1e-4, rtol=0)
+    assert out.ended.any(), "expected some samples to end on eos"
+    for i, resp in enumerate(out.responses()):
+        assert eos not in resp[:-1]  # nothing generated after eos
+        assert bool(out.ended[i]) == (resp[-1] == eos)
+        if not out.ended[i]:
+            assert len(resp) == 20
+
+
+def test_outputs_are_ordinary_tensors_usable_in_training(model, ps):
+    out = _engine(model, ps).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    assert not out.tokens.is_inference() and not out.logprobs.is_inference()
+    model.train()
+    loss = policy_logits(model, out.tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_mode_restored_after_generation(model, ps):
+    model.train()
+    _engine(model, ps).generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
+    assert all(m.training for m in model.modules())
+    model.eval()
+    _engine(model, ps).generate(PROMPTS, SamplingParams(max_new_tokens=3, greedy=True))
+    assert not any(m.training for m in model.modules())
+
+
+# -- sampling controls -------------------------------------------------------------------
+
+
+def test_top_k_1_equals_greedy(model, ps):
+    engine = _engine(model, ps)
+    greedy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, greedy=True))
+    top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, top_k=1, temperature=1.3, seed=5))
+    assert torch.equal(greedy.tokens, top1.tokens)
+
+
+def _response_positions(out):
+    for i in range(out.tokens.shape[0]):
+        for t in range(int(out.prompt_lengths[i]) - 1, int(out.lengths[i]) - 1):
+            yield i, t, int(out.tokens[i, t + 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_tokens_lie_in_top_k_and_nucleus(ps, backend):
+    m = _model(2, init_method_std=0.05)  # flatter distributions: truncation matters
+    engine = _engine(m, ps, backend, eos_id=TOK.vocab_size + 5)  # no eos: long responses
+    prompts = PROMPTS * 4
+    k, temperature = 3, 0.9
+    out = engine.generate(
+        prompts, SamplingParams(max_new_tokens=12, top_k=k, temperature=temperature, seed=1)
+    )
+    logits = _full_logits(m, out.tokens)
+    seen = set()
+    for i, t, tok in _response_positions(out):
+        assert tok in torch.topk(logits[i, t], k).indices.tolist()
+        seen.add(tok)
+    assert len(seen) > 1
+
+    top_p = 0.6
+    out = engine.generate(
+        prompts, SamplingParams(max_new_tokens=12, top_p=top_p, temperature=temperature, seed=2)
+    )
+    logits = _full_logits(m, out.tokens)
+    ranks = []
+    for i, t, tok in _response_positions(out):
+        probs = torch.softmax(logits[i, t] / temperature, dim=-1)
+        order = torch.argsort(probs, descending=True).tolist()
+        rank = order.index(tok)
+        mass_before = float(probs[order[:rank]].sum())
+        assert mass_before < top_p + 1e-6, (rank, mass_before)
+        ranks.append(rank)
+    assert max(ranks) > 0  # the nucleus held more than the argmax somewhere
+
+
+def test_seeds(model, ps):
+    engine = _engine(model, ps, eos_id=TOK.vocab_size + 5)
+    sp = SamplingParams(max_new_tokens=16, seed=123)
+    a, b = engine.generate(PROMPTS, sp), engine.generate(PROMPTS, sp)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    c = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=124))
+    assert not torch.equal(a.tokens, c.tokens)
+    # Unseeded calls draw from torch's generator: reproducible under torch.manual_seed.
+    torch.manual_seed(9)
+    d = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))
+    torch.manual_seed(9)
+    e = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16))
+    assert torch.equal(d.tokens, e.tokens)
+
+
+def test_sampler_frequencies_match_the_tempered_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0.8, top_k=4)
+    tok, lp = sample_next(logits, sp, g)
+    tempered = torch.softmax(logits[0] / 0.8, dim=-1)
+    torch.testing.assert_close(lp, tempered.log()[tok])  # log-probs of the untruncated distribution
+    keep = torch.topk(tempered, 4).indices
+    trunc = torch.zeros(6)
+    trunc[keep] = tempered[keep] / tempered[keep].sum()
+    freq = torch.bincount(tok, minlength=6).float() / tok.numel()
+    assert (freq - trunc).abs().max() < 0.015
+
+
+# -- stop conditions and limits ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stop_strings_cut_the_response(model, ps, backend):
+    engine = _engine(model, ps, backend, eos_id=TOK.vocab_size + 5)
+    sp = SamplingParams(max_new_tokens=16, greedy=True)
+    full = engine.generate(PROMPTS, sp)
+    resp = full.responses()[1]
+    stop = TOK.decode(resp[2:4])  # a 2-character string inside sample 1's response
+    out = engine.generate(
+        PROMPTS, SamplingParams(max_new_tokens=16, greedy=True, stop_strings=(stop, "never"))
+    )
+    _check_layout(out)
+    for i, (r_full, r_cut) in enumerate(zip(full.responses(), out.responses())):
+        text = TOK.decode(r_full)
+        if stop in text:
+            assert out.ended[i]
+            cut_text = TOK.decode(r_cut)
+            assert cut_text.endswith(stop) and cut_text.count(stop) == 1
+            assert r_full[: len(r_cut)] == r_cut
+            assert stop not in TOK.decode(r_cut[:-1])  # cut right after the stop string
+        else:
+            assert r_cut == r_full and not out.ended[i]
+    assert out.ended[1] and len(out.responses()[1]) <= 4
+    torch.testing.assert_close(out.logprobs, full.logprobs[:, : out.logprobs.shape[1]] * out.response_mask())
+
+
+def test_stop_token_ids(model, ps):
+    engine = _engine(model, ps, eos_id=TOK.vocab_size + 5)
+    full = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, greedy=True))
+    stop = full.responses()[0][3]
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, greedy=True, stop_token_ids=(stop,)))
+    r = out.responses()[0]
+    assert r[-1] == stop and stop not in r[:-1] and out.ended[0] and len(r) <= 4
+
+
+def test_max_new_tokens_and_max_seq_len(model, ps):
+    engine = _engine(model, ps, eos_id=TOK.vocab_size + 5)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, greedy=True))
+    assert out.response_lengths.tolist() == [5] * len(PROMPTS) and not out.ended.any()
+    long_prompt = [2 + i % 10 for i in range(MAX_LEN - 3)]
+    out = engine.generate([long_prompt, [4, 5]], SamplingParams(max_new_tokens=10, greedy=True))
+    assert out.lengths.tolist() == [MAX_LEN, 12] and out.tokens.shape == (2, MAX_LEN)
+    assert not out.ended.any()
+
+
+def test_padded_vocabulary_is_never_sampled(ps):
+    m = _model(3, make_vocab_size_divisible_by=8)  # 14 -> 16 rows
+    assert m.output_layer.weight.shape[0] == 16
+    with torch.no_grad():
+        m.output_layer.weight[14:] = 5.0 * m.output_layer.weight[:2].abs().sum(0)  # huge padded logits
+    for greedy in (True, False):
+        out = _engine(m, ps).generate(PROMPTS, SamplingParams(max_new_tokens=8, greedy=greedy, seed=0))
+        assert int(out.tokens.max()) < TOK.vocab_size
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_errors(model, ps):
+    engine = _engine(model, ps)
+    sp = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match=rf"prompt 1 has {MAX_LEN + 2} tokens but max_seq_len is {MAX_LEN}"):
+        engine.generate([[2, 3], [2] * (MAX_LEN + 2)], sp)
+    with pytest.raises(ValueError, match="prompt 0 has 48 tokens"):
+        engine.generate([[2] * MAX_LEN], sp)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        engine.generate([], sp)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[2], []], sp)
+    with pytest.raises(ValueError, match="prompt 0 contains token id 99"):
+        engine.generate([[2, 99]], sp)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        NativeEngine(model, pad_id=0, eos_id=1, max_seq_len=MAX_LEN).generate(
+            [[2]], SamplingParams(stop_strings=("1",))
+        )
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 2.5),
+        ("temperature", 0.0),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("greedy", 1),
+        ("stop_token_ids", (1, -2)),
+        ("stop_strings", ("",)),
+        ("seed", "x"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field}="):
+        SamplingParams(**{field: value})
+
+
+# -- refit -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refit_sees_new_weights(ps, backend):
+    m = _model(4)
+    engine = _engine(m, ps, backend)
+    assert isinstance(engine, GenerationEngine)
+    sp = SamplingParams(max_new_tokens=12, greedy=True)
+    before = engine.generate(PROMPTS, sp)
+    with torch.no_grad():  # an optimizer step, in place
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    engine.refit(m)
+    after = engine.generate(PROMPTS, sp)
+    assert not torch.equal(before.tokens, after.tokens)
+    assert torch.equal(after.tokens, _reference(m, PROMPTS, sp).tokens)
+    other = _model(5)  # a different module object
+    engine.refit(other)
+    assert engine.model is other
+    assert torch.equal(engine.generate(PROMPTS, sp).tokens, _reference(other, PROMPTS, sp).tokens)

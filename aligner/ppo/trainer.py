@@ -410,7 +410,7 @@ class PPOTrainer:
                 )
                 loss = loss - p.entropy_coef * core.aggregate(ent, mask, p.loss_agg)
             (loss / n_micro).backward()
-            acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss) / n_micro
+            acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss.detach()) / n_micro
             for k, v in stats.items():
                 acc[f"policy/{k}"] = acc.get(f"policy/{k}", 0.0) + float(v) / n_micro
         allreduce_gradients(self.params, self._dp_group, self.state.dp_size)

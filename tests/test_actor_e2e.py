@@ -54,10 +54,6 @@ def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]
     return read_metrics(str(run_dir / "metrics.jsonl"))
 
 
-def _final_score(rows: list[dict], n: int = 5) -> float:
-    return sum(r["objective/scores"] for r in rows[-n:]) / n
-
-
 def _best_window(rows: list[dict], n: int = 5) -> float:
     """The best mean reward over n consecutive steps: "reached 0.9 within the budget"."""
     s = [r["objective/scores"] for r in rows]
@@ -121,6 +117,31 @@ def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
                                    ["data.task=copy", "ppo.num_steps=40", f"ppo.init_kl_coef={beta}", *FAST])
         finals[beta] = sum(r["objective/kl"] for r in rows[-5:]) / 5
     assert finals[0.5] < finals[0.005], finals
+
+
+@pytest.mark.slow
+def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
+    """TP=2 on two processes: same seed, TP-invariant weights and per-DP-rank sampling streams,
+    so its first rollout is the TP=1 rollout and scores the same."""
+    from aligner.distributed import free_port
+
+    small = ["data.task=copy", "ppo.num_steps=3", "ppo.global_batch_size=64", "ppo.mini_batch_size=32",
+             "ppo.micro_batch_size=32", *FAST[:2], *FAST[5:]]
+    runs = {}
+    for tp in (1, 2):
+        with _server(tmp_path / f"tp{tp}", "copy") as server:
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                   str(ROOT / "examples" / "train_actor.py"), f"critic.url={server.url}",
+                   f"logging.run_dir={tmp_path / f'run{tp}'}", f"parallel.tensor_model_parallel_size={tp}", *small]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        runs[tp] = read_metrics(str(tmp_path / f"run{tp}" / "metrics.jsonl"))
+    assert len(runs[2]) == 3
+    assert "TP=2" in out.stdout
+    assert abs(runs[1][0]["objective/scores"] - runs[2][0]["objective/scores"]) < 1e-6
+    assert max(r["rollout/logprob_mismatch_max"] for r in runs[2]) < 1e-3
 
 
 def test_bad_config_fails_before_any_model_is_built(tmp_path):

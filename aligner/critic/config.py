@@ -1,0 +1,380 @@
+"""Configuration of the critic/reward server: one dataclass per component.
+
+These back ``configs/critic.yaml`` as Hydra structured configs (so an unknown key or a value
+of the wrong type is an error naming the key), and :func:`build_config` runs the cross-field
+checks once at start-up, reporting every problem together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from aligner.models.config import ConfigError, ModelConfig
+
+__all__ = [
+    "ServerConfig",
+    "ParallelSection",
+    "OptimConfig",
+    "RewardConfig",
+    "InitConfig",
+    "CheckpointConfig",
+    "LogConfig",
+    "CriticServerConfig",
+    "ConfigError",
+    "build_config",
+    "LOSS_AGGREGATIONS",
+    "INIT_SOURCES",
+]
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+INIT_SOURCES = ("auto", "reward", "policy", "fresh")
+
+
+@dataclass
+class ServerConfig:
+    """The Triton endpoints and the critic_infer batcher."""
+
+    host: str = "127.0.0.1"
+    """Address HTTP, gRPC and metrics bind to; 0.0.0.0 to serve other machines (e.g. a k8s Service)."""
+    http_port: int = 8000
+    """HTTP/REST port; 0 picks a free one (printed at start-up)."""
+    grpc_port: int = 8001
+    """gRPC port; 0 picks a free one (the READY line names it)."""
+    metrics_port: int | None = 0
+    """Prometheus metrics port; 0 picks a free one, null disables metrics."""
+    max_batch_size: int = 256
+    """Most rows in one critic_infer request, and in one execution after dynamic batching."""
+    max_queue_delay_us: int = 0
+    """How long the dynamic batcher waits for more critic_infer requests to merge (microseconds)."""
+    preferred_batch_size: list[int] = field(default_factory=list)
+    """Batch sizes the dynamic batcher aims for (empty: as large as possible)."""
+    max_request_batch: int = 1024
+    """Most rows in one critic_train request (never merged by Triton)."""
+    exit_timeout_s: int = 3
+    """How long Triton waits for open connections/in-flight requests when stopping."""
+    workspace_root: str | None = None
+    """Where PyTriton's workspace (~22 MB of Triton binaries per start) goes; null: .cache/pytriton."""
+
+
+@dataclass
+class ParallelSection:
+    """How the critic itself is split across processes (launch with torchrun for TP > 1)."""
+
+    tensor_model_parallel_size: int = 1
+    """Megatron tensor parallel size; the world size must equal TP x PP."""
+    pipeline_model_parallel_size: int = 1
+    """Megatron pipeline parallel size (only 1 is supported by the critic server)."""
+    backend: str = "auto"
+    """'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
+
+
+@dataclass
+class OptimConfig:
+    """The critic's Adam optimiser and value loss."""
+
+    lr: float = 1e-5
+    """Adam learning rate."""
+    adam_eps: float = 1e-5
+    """Adam epsilon (1e-5, as the N+ implementation details recommend over torch's 1e-8)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW); 0 disables it."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null or 0 disables clipping."""
+    value_clip_eps: float | None = 0.2
+    """Clip range of the clipped value loss around the rollout values; null for the plain loss."""
+    loss_agg: str = "token_mean"
+    """'token_mean' or 'seq_mean_token_mean' (see aligner.ppo.core.aggregate)."""
+    epochs: int = 1
+    """Passes over each critic_train batch."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass: the batch is shuffled and cut into this many minibatches."""
+
+
+@dataclass
+class RewardConfig:
+    """Where the per-sample reward comes from: a Python function, a reward model, or both (summed)."""
+
+    fn: str | None = "aligner.tasks.digits:sort_reward"
+    """Reward function 'module:function', trlx-style fn(prompts, responses, prompt_ids=, response_ids=)."""
+    model_path: str | None = None
+    """Reward model: this project's checkpoint folder (meta.json + model.safetensors, e.g. from aligner-convert)."""
+    hf_path: str | None = None
+    """Reward model: a HF sequence-classification folder, imported with aligner.models.hf.import_hf."""
+    fn_scale: float = 1.0
+    """Multiplies the reward function's score."""
+    model_mean: float = 0.0
+    """Subtracted from the reward model's score (reward standardisation, as NeMo-Aligner)."""
+    model_std: float = 1.0
+    """Divides the reward model's score after the mean is subtracted."""
+
+    @property
+    def has_model(self) -> bool:
+        return bool(self.model_path or self.hf_path)
+
+
+@dataclass
+class InitConfig:
+    """Where the critic's weights start."""
+
+    source: str = "auto"
+    """'auto' (reward model if any, else policy_path if set, else fresh), 'reward', 'policy' or 'fresh'."""
+    policy_path: str | None = None
+    """Policy checkpoint folder (meta.json + model.safetensors): its trunk is copied, the value head is fresh."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Critic checkpoints: <dir>/step_XXXXXXXX/critic/ (safetensors + JSON)."""
+
+    dir: str = "runs/critic/checkpoints"
+    """Root the server writes under; clients name only a step, never a path."""
+    keep_last: int = 3
+    """Critic checkpoints kept (older critic sub-directories are removed); 0 keeps all."""
+    save_on_sigterm: bool = True
+    """On SIGTERM/SIGINT, save the last applied step (if not saved yet) before exiting."""
+    resume: bool = False
+    """At start-up, load the newest complete critic checkpoint under dir, if there is one."""
+
+
+@dataclass
+class LogConfig:
+    """Metrics and logs."""
+
+    dir: str = "runs/critic"
+    """metrics.jsonl, TensorBoard events and server.log go here."""
+    tensorboard: bool = True
+    """Also write TensorBoard scalars."""
+    stats_interval_s: float = 30.0
+    """How often request counts and latencies are written (also at every train step)."""
+    level: str = "INFO"
+    """Python logging level."""
+
+
+@dataclass
+class CriticServerConfig:
+    """Everything the critic/reward server needs (``configs/critic.yaml``)."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=14, max_seq_len=64))
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    tokenizer: str = "char"
+    """'char', 'char:<alphabet>' or a HF tokenizer folder."""
+    seed: int = 1234
+    """Seed for weight initialisation and minibatch shuffling."""
+
+    def problems(self) -> list[str]:
+        """Every cross-field problem, as messages that name the key (empty when consistent)."""
+        e: list[str] = []
+        s = self.server
+        for key in ("http_port", "grpc_port"):
+            v = getattr(s, key)
+            if not isinstance(v, int) or not 0 <= v < 65536:
+                e.append(f"server.{key}={v!r}: expected a port in [0, 65535] (0 picks a free one)")
+        if s.metrics_port is not None and not 0 <= s.metrics_port < 65536:
+            e.append(
+                f"server.metrics_port={s.metrics_port!r}: expected a port in [0, 65535], or null to disable"
+            )
+        nonzero = [p for p in (s.http_port, s.grpc_port, s.metrics_port) if p]
+        if len(nonzero) != len(set(nonzero)):
+            e.append(
+                f"server ports http={s.http_port}, grpc={s.grpc_port}, metrics={s.metrics_port}: "
+                "expected distinct ports (or 0 to pick free ones)"
+            )
+        if s.max_batch_size < 1:
+            e.append(f"server.max_batch_size={s.max_batch_size}: expected >= 1")
+        if s.max_request_batch < 1:
+            e.append(f"server.max_request_batch={s.max_request_batch}: expected >= 1")
+        if s.max_queue_delay_us < 0:
+            e.append(f"server.max_queue_delay_us={s.max_queue_delay_us}: expected >= 0")
+        bad_pref = [p for p in s.preferred_batch_size if not 1 <= p <= s.max_batch_size]
+        if bad_pref:
+            e.append(
+                f"server.preferred_batch_size={list(s.preferred_batch_size)}: every size must be in "
+                f"[1, server.max_batch_size={s.max_batch_size}]"
+            )
+        if s.exit_timeout_s < 0:
+            e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
+
+        p = self.parallel
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            v = getattr(p, key)
+            if v < 1:
+                e.append(f"parallel.{key}={v}: expected >= 1")
+        if p.pipeline_model_parallel_size != 1:
+            e.append(
+                f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}: the critic "
+                "server supports tensor parallelism only; set it to 1"
+            )
+        if p.backend not in ("auto", "gloo", "nccl"):
+            e.append(f"parallel.backend={p.backend!r}: expected one of 'auto', 'gloo', 'nccl'")
+        if p.tensor_model_parallel_size >= 1 and p.pipeline_model_parallel_size >= 1:
+            e += [
+                f"model.{m}"
+                for m in self.model.problems(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+            ]
+
+        o = self.optim
+        if not o.lr > 0:
+            e.append(f"optim.lr={o.lr}: expected > 0")
+        if not o.adam_eps > 0:
+            e.append(f"optim.adam_eps={o.adam_eps}: expected > 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(o, key) < 1:
+                e.append(f"optim.{key}={getattr(o, key)}: expected a value in [0, 1)")
+        if o.weight_decay < 0:
+            e.append(f"optim.weight_decay={o.weight_decay}: expected >= 0")
+        if o.grad_clip is not None and o.grad_clip < 0:
+            e.append(f"optim.grad_clip={o.grad_clip}: expected >= 0, or null/0 to disable clipping")
+        if o.value_clip_eps is not None and not o.value_clip_eps > 0:
+            e.append(f"optim.value_clip_eps={o.value_clip_eps}: expected > 0, or null for the unclipped loss")
+        if o.loss_agg not in LOSS_AGGREGATIONS:
+            e.append(f"optim.loss_agg={o.loss_agg!r}: expected one of {list(LOSS_AGGREGATIONS)}")
+        if o.epochs < 1:
+            e.append(f"optim.epochs={o.epochs}: expected >= 1")
+        if o.num_minibatches < 1:
+            e.append(f"optim.num_minibatches={o.num_minibatches}: expected >= 1")
+        elif o.num_minibatches > s.max_request_batch:
+            e.append(
+                f"optim.num_minibatches={o.num_minibatches} exceeds server.max_request_batch="
+                f"{s.max_request_batch}: a train request could never fill every minibatch"
+            )
+
+        r = self.reward
+        if not (r.fn or r.model_path or r.hf_path):
+            e.append(
+                "reward: no reward source: set reward.fn='module:function' and/or reward.model_path "
+                "or reward.hf_path"
+            )
+        if r.model_path and r.hf_path:
+            e.append(f"reward.model_path={r.model_path!r} and reward.hf_path={r.hf_path!r}: set only one")
+        if r.fn:
+            from aligner.critic.rewards import reward_fn_problem
+
+            problem = reward_fn_problem(r.fn)
+            if problem:
+                e.append(f"reward.fn={r.fn!r}: {problem}")
+        from aligner.critic.rewards import checkpoint_folder_problem
+
+        for key in ("model_path", "hf_path"):
+            path = getattr(r, key)
+            problem = checkpoint_folder_problem(path, hf=key == "hf_path") if path else None
+            if problem:
+                e.append(f"reward.{key}={path!r}: {problem}")
+        if not r.model_std > 0:
+            e.append(f"reward.model_std={r.model_std}: expected > 0")
+
+        i = self.init
+        if i.source not in INIT_SOURCES:
+            e.append(f"init.source={i.source!r}: expected one of {list(INIT_SOURCES)}")
+        if i.source == "reward" and not r.has_model:
+            e.append("init.source='reward' needs a reward model: set reward.model_path or reward.hf_path")
+        if i.source == "policy" and not i.policy_path:
+            e.append("init.source='policy' needs init.policy_path")
+        problem = checkpoint_folder_problem(i.policy_path) if i.policy_path else None
+        if problem:
+            e.append(f"init.policy_path={i.policy_path!r}: {problem}")
+
+        c = self.checkpoint
+        if c.keep_last < 0:
+            e.append(f"checkpoint.keep_last={c.keep_last}: expected >= 0 (0 keeps all)")
+        if not c.dir:
+            e.append("checkpoint.dir is empty: expected a directory")
+
+        if self.log.stats_interval_s <= 0:
+            e.append(f"log.stats_interval_s={self.log.stats_interval_s}: expected > 0")
+        if self.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            e.append(f"log.level={self.log.level!r}: expected DEBUG, INFO, WARNING or ERROR")
+
+        try:
+            from aligner.tokenizers import build_tokenizer
+
+            tok = build_tokenizer(self.tokenizer)
+        except Exception as exc:  # the tokenizer reports what was wrong
+            e.append(f"tokenizer={self.tokenizer!r}: {exc}")
+        else:
+            if self.model.vocab_size < tok.vocab_size:
+                e.append(
+                    f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                    f"({tok.vocab_size} for tokenizer={self.tokenizer!r}): expected >= {tok.vocab_size}"
+                )
+        return e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _section(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
+    if data is None:
+        return CriticServerConfig().model if cls is ModelConfig else cls()
+    if not isinstance(data, dict):
+        errors.append(f"{prefix}: expected a mapping, got {data!r}")
+        return cls()
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    for k in unknown:
+        errors.append(f"{prefix}.{k}: unknown key; expected one of {sorted(known)}")
+    kwargs = {k: v for k, v in data.items() if k in known}
+    if cls is ModelConfig:
+        try:
+            return ModelConfig(**kwargs)
+        except ConfigError as exc:
+            errors += [f"model.{line.strip()}" for line in str(exc).splitlines()[1:]]
+            # Keep going with the defaults so the other sections are still checked.
+            return ModelConfig(vocab_size=14)
+    return cls(**kwargs)
+
+
+def build_config(data: Any) -> CriticServerConfig:
+    """A checked :class:`CriticServerConfig` from a Hydra ``DictConfig``, a plain dict or itself.
+
+    Raises:
+        ConfigError: listing every problem (unknown keys, bad values, inconsistent fields).
+    """
+    if isinstance(data, CriticServerConfig):
+        cfg, errors = data, []
+    else:
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(data, DictConfig):
+                data = OmegaConf.to_container(data, resolve=True)
+        except ImportError:  # plain dicts need no omegaconf
+            pass
+        data = dict(data or {})
+        data.pop("hydra", None)
+        errors: list[str] = []
+        sections = {
+            "server": ServerConfig,
+            "model": ModelConfig,
+            "parallel": ParallelSection,
+            "optim": OptimConfig,
+            "reward": RewardConfig,
+            "init": InitConfig,
+            "checkpoint": CheckpointConfig,
+            "log": LogConfig,
+        }
+        known_top = set(sections) | {"tokenizer", "seed"}
+        for k in sorted(set(data) - known_top):
+            errors.append(f"{k}: unknown key; expected one of {sorted(known_top)}")
+        kwargs = {name: _section(cls, data.get(name), name, errors) for name, cls in sections.items()}
+        for k in ("tokenizer", "seed"):
+            if k in data:
+                kwargs[k] = data[k]
+        cfg = CriticServerConfig(**kwargs)
+    errors = errors + cfg.problems()
+    if errors:
+        raise ConfigError(
+            "invalid critic server config (" + str(len(errors)) + " problem(s)):\n  " + "\n  ".join(errors)
+        )
+    return cfg

@@ -1,0 +1,286 @@
+"""Start a critic server as a child process and wait until it serves (demo launcher, tests,
+benchmarks), and :func:`wait_ready`, the readiness probe the client shares."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["wait_ready", "ServerProcess", "start_server", "SERVE_SCRIPT", "ServerStartError", "parse_url"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVE_SCRIPT = REPO_ROOT / "servers" / "serve_critic.py"
+
+
+_DIST_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not become ready; the message carries its last output."""
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``grpc://host:port`` or ``http://host:port`` -> (scheme, 'host:port'). A bare 'host:port'
+    is gRPC."""
+    if "://" not in url:
+        return "grpc", url
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if scheme not in ("grpc", "http"):
+        raise ValueError(f"critic url {url!r}: expected grpc://host:port or http://host:port")
+    rest = rest.rstrip("/")
+    if ":" not in rest:
+        raise ValueError(f"critic url {url!r}: expected an explicit port (grpc://host:port)")
+    return scheme, rest
+
+
+def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: float) -> str | None:
+    """None when the server and every model are ready, else what was not."""
+    if scheme == "http":
+        paths = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in models]
+        for path in paths:
+            try:
+                with urllib.request.urlopen(f"http://{hostport}{path}", timeout=timeout_s) as r:
+                    if r.status != 200:
+                        return f"GET {path} answered {r.status}"
+            except urllib.error.HTTPError as e:
+                return f"GET {path} answered {e.code}"
+            except OSError as e:
+                return f"GET {path} failed: {e}"
+        return None
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(hostport)
+    try:
+        if not client.is_server_ready(client_timeout=timeout_s):
+            return "server is not ready"
+        for m in models:
+            if not client.is_model_ready(m, client_timeout=timeout_s):
+                return f"model {m} is not ready"
+        return None
+    except Exception as e:  # InferenceServerException, grpc errors: not up yet
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        client.close()
+
+
+def wait_ready(
+    url: str, timeout_s: float = 120.0, models: Sequence[str] = (), *, poll_s: float = 0.2
+) -> None:
+    """Block until ``url`` answers Triton's readiness (``/v2/health/ready``, and each of
+    ``models`` ready); TimeoutError naming the url and the last thing that was not ready."""
+    scheme, hostport = parse_url(url)
+    deadline = time.monotonic() + timeout_s
+    last = "no attempt"
+    while True:
+        last = _ready_once(scheme, hostport, models, timeout_s=min(5.0, max(0.5, timeout_s))) or ""
+        if not last:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"critic server at {url} not ready after {timeout_s:.0f} s: tried "
+                f"{scheme} readiness of the server and models {list(models)}; last answer: {last}"
+            )
+        time.sleep(poll_s)
+
+
+class ServerProcess:
+    """A running ``servers/serve_critic.py`` child (in its own process group)."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path | None, nproc: int = 1) -> None:
+        self.proc = proc
+        self.nproc = nproc
+        self.log_path = log_path
+        self.url: str = ""
+        self.http_url: str = ""
+        self.ports: dict[str, int] = {}
+        self._lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True, name="critic-server-stdout")
+        self._reader.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self._lines.append(line)
+            if len(self._lines) > 500:
+                del self._lines[:100]
+            if line.startswith("PORTS "):
+                self.ports = {k: int(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+            elif line.startswith("READY "):
+                self.url = line.split(" ", 1)[1].strip()
+                host = self.url.split("://", 1)[1].rsplit(":", 1)[0]
+                if "http" in self.ports:
+                    self.http_url = f"http://{host}:{self.ports['http']}"
+                self._ready.set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def output_tail(self, n: int = 40) -> str:
+        text = "\n".join(self._lines[-n:])
+        if self.log_path and self.log_path.exists():
+            text += "\n--- stderr (" + str(self.log_path) + ") ---\n"
+            text += "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return text
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None:
+                self._reader.join(timeout=2)
+                raise ServerStartError(
+                    f"critic server exited with code {self.proc.returncode} before READY:\n"
+                    f"{self.output_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServerStartError(
+                    f"critic server printed no READY line within {timeout_s:.0f} s:\n{self.output_tail()}"
+                )
+        wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (clean shutdown, save-on-sigterm), then SIGKILL after ``timeout``; the exit code.
+
+        Under torchrun the signal goes to the rank-0 worker (its pid is in the PORTS line): it
+        shuts down cleanly and releases its peers, and torchrun then exits 0. (torchrun itself
+        answers SIGTERM by terminating its workers, which also shut down cleanly, but exits 1.)
+        """
+        if self.proc.poll() is None:
+            target = self.ports.get("pid", self.proc.pid) if self.nproc > 1 else self.proc.pid
+            try:
+                os.kill(target, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait(10)
+        self._signal_group(signal.SIGKILL)  # stray children (Triton, stubs) if any
+        self._reader.join(timeout=2)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (server, Triton, Python backend stubs) at once."""
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(
+    overrides: Sequence[str] = (),
+    *,
+    python: str = sys.executable,
+    ready_timeout_s: float = 120.0,
+    log_path: str | os.PathLike | None = None,
+    nproc: int = 1,
+    cwd: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``servers/serve_critic.py <overrides>`` and return once it printed READY and answers.
+
+    Args:
+        overrides: Hydra overrides, e.g. ``["server.grpc_port=0", "reward.fn=aligner.tasks.digits:copy_reward"]``.
+        python: interpreter to run it with.
+        ready_timeout_s: how long to wait for READY and readiness.
+        log_path: where the server's stderr goes (default: a new temporary file).
+        nproc: > 1 launches it under ``torchrun --nproc_per_node nproc`` (tensor parallel critic).
+        cwd: working directory (default: the repository root).
+        env: extra environment variables.
+
+    Raises:
+        ServerStartError: with the server's last output, if it exits or never becomes ready.
+    """
+    full_env = dict(os.environ)
+    # A parent that joined a torch.distributed world of its own (tests do) must not hand its
+    # rendezvous to the server, which would try to bind the same MASTER_PORT.
+    for key in _DIST_ENV:
+        full_env.pop(key, None)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    full_env.update(env or {})
+    if nproc > 1:
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(SERVE_SCRIPT),
+            *overrides,
+        ]
+    else:
+        cmd = [python, str(SERVE_SCRIPT), *overrides]
+    if log_path is None:
+        import tempfile
+
+        fd, name = tempfile.mkstemp(prefix="critic-server-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stderr = open(log_path, "w")
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=full_env,
+            cwd=str(cwd or REPO_ROOT),
+            start_new_session=True,
+        )
+    finally:
+        stderr.close()
+    server = ServerProcess(proc, log_path, nproc=nproc)
+    try:
+        server.wait_ready(ready_timeout_s)
+    except BaseException:
+        server.kill()
+        raise
+    return server

@@ -1,0 +1,506 @@
+"""Binds :class:`~aligner.critic.service.CriticService` to PyTriton and runs its lifecycle.
+
+Errors. PyTriton 0.7 turns an exception raised by an inference callable into a Triton error
+for *every* request of that execution, and the server stays up (checked in
+``tests/test_critic_server.py``). Triton itself rejects a wrong dtype, rank, fixed
+dimension or an over-long critic_infer batch per request, before the dynamic batcher merges
+anything. What is left, value checks, is done per request inside the callables, which take
+PyTriton's raw request list (no ``@batch``) for exactly this reason: a lone bad request gets
+its own :class:`~aligner.critic.protocol.ProtocolError`. When the batcher has merged a bad
+critic_infer request with good ones, PyTriton cannot fail just one of them; nothing is run,
+and every request of that execution gets one error that names the bad request's field and
+carries :data:`~aligner.critic.protocol.BATCH_PEER_MARK`, which tells
+:class:`~aligner.critic.client.RemoteCriticClient` (whose requests were validated before
+sending) to retry. Training, save and load are never batched, so their errors are their own.
+
+Lifecycle. :func:`run_server` prepares the environment PyTriton needs here (PLATFORM.md:
+``LD_LIBRARY_PATH`` to the interpreter's libdir, a project-local cache), starts Triton on the
+configured (or free) ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout
+once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
+Shutdown finishes the in-flight operation, saves the last applied step if
+``checkpoint.save_on_sigterm``, stops Triton and returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aligner.critic import protocol as P
+from aligner.critic.config import CriticServerConfig
+from aligner.critic.service import CriticService, CriticServiceError
+
+__all__ = [
+    "prepare_environment",
+    "CriticTritonServer",
+    "run_server",
+    "connectable_host",
+    "check_ports_free",
+    "PortInUseError",
+]
+
+log = logging.getLogger("aligner.critic")
+
+
+def prepare_environment(cache_root: str | os.PathLike | None = None) -> Path:
+    """Set what the bundled Triton needs on these machines, before it starts (PLATFORM.md).
+
+    - ``LD_LIBRARY_PATH`` starts with this interpreter's ``LIBDIR``, so the Python backend stub
+      loads the same libpython as the running interpreter;
+    - ``XDG_CACHE_HOME`` / ``PYTRITON_HOME`` point at a project-local cache (default ``.cache``
+      in the working directory) instead of ``~/.cache``.
+
+    Returns the PyTriton workspace root.
+    """
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if libdir:
+        parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+        if not parts or parts[0] != libdir:
+            os.environ["LD_LIBRARY_PATH"] = ":".join([libdir] + [p for p in parts if p != libdir])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.cwd() / ".cache").resolve()
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    root = Path(cache_root).resolve() if cache_root else cache / "pytriton"
+    os.environ.setdefault("PYTRITON_HOME", str(root))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_workspaces(root: Path) -> None:
+    """Leftovers of critic servers that died without cleaning up (SIGKILL): their PyTriton
+    workspaces (~22 MB each) and the Python backend's shared-memory regions in /dev/shm, which
+    PyTriton names ``pytrtion<pid>-...`` after the server's pid."""
+    for d in root.glob("critic-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+    shm = Path("/dev/shm")
+    if shm.is_dir():
+        for f in shm.glob("pytrtion*-*"):
+            digits = f.name[len("pytrtion") :].split("-", 1)[0]
+            if digits.isdigit() and not _pid_alive(int(digits)):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+
+
+class PortInUseError(RuntimeError):
+    """A configured port is taken by another process (Triton would otherwise hang at start-up)."""
+
+
+def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
+    """Raise :class:`PortInUseError` naming every ``server.<key>`` port something listens on.
+
+    Bound with SO_REUSEADDR as servers are, so ports in TIME_WAIT after a restart count as free.
+    """
+    import socket
+
+    taken = []
+    for key, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                taken.append(f"server.{key}={port} ({e.strerror})")
+    if taken:
+        raise PortInUseError(
+            f"cannot serve on {host}: {', '.join(taken)}; stop what uses it or pick another "
+            "port (0 picks a free one)"
+        )
+
+
+def connectable_host(host: str) -> str:
+    """The address a local client dials for a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _bytes_array(blob: bytes) -> np.ndarray:
+    return np.array([blob], dtype=np.bytes_)
+
+
+class CriticTritonServer:
+    """The five Triton models of the protocol, backed by one :class:`CriticService` (rank 0)."""
+
+    def __init__(self, service: CriticService, cfg: CriticServerConfig, workspace_root: Path) -> None:
+        from aligner.distributed import free_port
+
+        self.service = service
+        self.cfg = cfg
+        s = cfg.server
+        self.http_port = s.http_port or free_port(s.host if s.host != "0.0.0.0" else "127.0.0.1")
+        self.grpc_port = s.grpc_port or free_port(s.host if s.host != "0.0.0.0" else "127.0.0.1")
+        while self.grpc_port == self.http_port:
+            self.grpc_port = free_port()
+        self.metrics_port = None
+        if s.metrics_port is not None:
+            self.metrics_port = s.metrics_port or free_port()
+            while self.metrics_port in (self.http_port, self.grpc_port):
+                self.metrics_port = free_port()
+        self.host = s.host
+        self.workspace_root = workspace_root
+        self.triton = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{connectable_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{connectable_host(self.host)}:{self.http_port}"
+
+    # ------------------------------------------------------------------------------------------
+    # Inference callables: each takes PyTriton's list of requests and returns one dict per request.
+    # ------------------------------------------------------------------------------------------
+
+    def _timed(self, model: str, fn, requests) -> list[dict[str, np.ndarray]]:
+        t0 = time.perf_counter()
+        ok = False
+        rows = 0
+        try:
+            out = fn(requests)
+            ok = True
+            rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == P.INFER else len(out)
+            return out
+        except (P.ProtocolError, CriticServiceError) as e:
+            log.warning("%s rejected: %s", model, e)
+            raise
+        finally:
+            self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows)
+
+    def infer_fn(self, requests) -> list[dict[str, np.ndarray]]:
+        return self._timed(P.INFER, self._infer, requests)
+
+    def _infer(self, requests) -> list[dict[str, np.ndarray]]:
+        parsed: list[P.InferRequest] = []
+        errors: list[tuple[int, P.ProtocolError]] = []
+        for i, r in enumerate(requests):
+            try:
+                parsed.append(
+                    P.validate_infer(r["tokens"], r["lengths"], r["prompt_lengths"], self.service.limits)
+                )
+            except P.ProtocolError as e:
+                errors.append((i, e))
+        if errors:
+            if len(requests) == 1:
+                raise errors[0][1]
+            detail = " | ".join(f"request {i}: {str(e)[len(P.ERROR_MARK) :]}" for i, e in errors)
+            # One message for the whole execution (PyTriton cannot fail one request of a batch):
+            # the bad request reads its field, the valid ones read that they may retry.
+            raise P.ProtocolError(
+                P.INFER,
+                errors[0][1].field,
+                errors[0][1].expected,
+                f"{errors[0][1].got}; {P.BATCH_PEER_MARK}{len(errors)} of {len(requests)} requests merged into "
+                f"this dynamic batch were invalid ({detail}); nothing was run and the valid ones may be retried",
+            )
+        return [r.to_wire() for r in self.service.infer_many(parsed)]
+
+    def train_fn(self, requests) -> list[dict[str, np.ndarray]]:
+        def run(reqs):
+            out = []
+            for r in reqs:
+                res = self.service.train(
+                    r["tokens"], r["lengths"], r["returns"], r["old_values"], r["mask"], r["step"]
+                )
+                out.append(res.to_wire())
+            return out
+
+        return self._timed(P.TRAIN, run, requests)
+
+    def save_fn(self, requests) -> list[dict[str, np.ndarray]]:
+        def run(reqs):
+            out = []
+            for r in reqs:
+                self.service.save(r["step"])
+                out.append({"ok": np.ones((1, 1), dtype=np.int64)})
+            return out
+
+        return self._timed(P.SAVE, run, requests)
+
+    def load_fn(self, requests) -> list[dict[str, np.ndarray]]:
+        def run(reqs):
+            out = []
+            for r in reqs:
+                self.service.load(r["step"])
+                out.append({"ok": np.ones((1, 1), dtype=np.int64)})
+            return out
+
+        return self._timed(P.LOAD, run, requests)
+
+    def info_fn(self, requests) -> list[dict[str, np.ndarray]]:
+        def run(reqs):
+            blob = self.service.info().to_json()
+            return [{"info": _bytes_array(blob)} for _ in reqs]
+
+        return self._timed(P.INFO, run, requests)
+
+    # ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start Triton, bind the models and wait until all of them are ready."""
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        s = self.cfg.server
+        check_ports_free(
+            s.host,
+            {"http_port": self.http_port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port},
+        )
+        log_dir = Path(self.cfg.log.dir).resolve()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        triton_cfg = TritonConfig(
+            http_address=s.host,
+            http_port=self.http_port,
+            grpc_address=s.host,
+            grpc_port=self.grpc_port,
+            allow_metrics=self.metrics_port is not None,
+            metrics_address=s.host if self.metrics_port is not None else None,
+            metrics_port=self.metrics_port,
+            exit_timeout_secs=s.exit_timeout_s,
+            log_verbose=0,
+            log_file=log_dir / "triton.log",
+        )
+        root = self.workspace_root
+        # PyTriton puts Unix sockets in the workspace (e.g. critic_infer_0_0-server.sock); their
+        # paths must fit in 107 bytes, so a deep workspace root falls back to a short one.
+        if len(str(root)) > 60:
+            import tempfile
+
+            short = Path(tempfile.gettempdir()) / f"aligner-critic-{os.getuid()}"
+            log.warning("PyTriton workspace root %s is too deep for Unix socket paths; using %s", root, short)
+            root = short
+            root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_workspaces(root)
+        workspace = root / f"critic-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.triton = Triton(config=triton_cfg, workspace=workspace)
+
+        def tensors(specs) -> list[Any]:
+            return [Tensor(name=t.name, dtype=t.dtype, shape=t.shape) for t in specs]
+
+        fns = {
+            P.INFER: self.infer_fn,
+            P.TRAIN: self.train_fn,
+            P.SAVE: self.save_fn,
+            P.LOAD: self.load_fn,
+            P.INFO: self.info_fn,
+        }
+        for name, spec in P.MODELS.items():
+            if spec.batched:
+                batcher = DynamicBatcher(
+                    max_queue_delay_microseconds=s.max_queue_delay_us,
+                    preferred_batch_size=list(s.preferred_batch_size) or None,
+                )
+                mc = ModelConfig(batching=True, max_batch_size=s.max_batch_size, batcher=batcher)
+            else:
+                mc = ModelConfig(batching=False)
+            self.triton.bind(
+                model_name=name,
+                infer_func=fns[name],
+                inputs=tensors(spec.inputs),
+                outputs=tensors(spec.outputs),
+                config=mc,
+                strict=True,
+            )
+        self.triton.run()
+        from aligner.critic.launch import wait_ready
+
+        wait_ready(self.http_url, timeout_s=120.0, models=P.MODEL_NAMES)
+
+    def is_alive(self) -> bool:
+        return self.triton is not None and self.triton.is_alive()
+
+    def stop(self) -> None:
+        """Stop Triton and clean PyTriton's workspace (its model proxies torn down concurrently)."""
+        if self.triton is not None:
+            _parallel_model_cleanup(self.triton)
+            self.triton.stop()
+            self.triton = None
+
+
+def _parallel_model_cleanup(triton: Any) -> None:
+    """Make ``Triton.stop()`` tear down the model proxies concurrently.
+
+    PyTriton 0.7 stops tritonserver and then cleans each bound model in turn, about 1 s each
+    (mostly waiting on its threads); with five models that is ~5 s of a ~7 s stop. Each
+    model's ``clean`` is wrapped so that the first call starts all of them at once. Uses
+    PyTriton internals (``_model_manager``); if they change, stopping is just slower.
+    """
+    models = list(getattr(getattr(triton, "_model_manager", None), "models", None) or [])
+    if len(models) < 2 or not all(callable(getattr(m, "clean", None)) for m in models):
+        return
+    originals = {id(m): m.clean for m in models}
+    threads: dict[int, threading.Thread] = {}
+    lock = threading.Lock()
+
+    def start_all() -> None:
+        with lock:
+            if not threads:
+                for m in models:
+                    th = threading.Thread(target=originals[id(m)], name=f"clean-{m.model_name}", daemon=True)
+                    th.start()
+                    threads[id(m)] = th
+
+    for m in models:
+
+        def clean(m=m) -> None:
+            start_all()
+            threads[id(m)].join()
+
+        m.clean = clean
+
+
+def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
+    level = getattr(logging, cfg.log.level.upper())
+    fmt = f"%(asctime)s %(levelname)s [critic rank {rank}] %(message)s"
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not any(getattr(h, "_aligner_critic", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(fmt))
+        h._aligner_critic = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+        if rank == 0:
+            Path(cfg.log.dir).mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(Path(cfg.log.dir) / "server.log")
+            fh.setFormatter(logging.Formatter(fmt))
+            fh._aligner_critic = True  # type: ignore[attr-defined]
+            root.addHandler(fh)
+    for noisy in ("pytriton", "tritonclient", "sh", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+
+
+def run_server(cfg: CriticServerConfig) -> int:
+    """Run the critic server until SIGTERM/SIGINT; returns the process exit code.
+
+    Under torchrun, rank 0 serves and ranks > 0 follow it (see :mod:`aligner.critic.service`).
+    """
+    import torch
+
+    from aligner.distributed import ParallelConfig, destroy, initialize
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    stop = threading.Event()
+    rank = int(os.environ.get("RANK", "0"))
+
+    def _on_signal(signum, _frame):
+        if rank == 0:
+            log.info("received %s: finishing in-flight work and shutting down", signal.Signals(signum).name)
+            stop.set()
+        # Peers wait for rank 0's stop message: leaving now would hang its final save.
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    _setup_logging(cfg, rank)
+
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != p.tensor_model_parallel_size * p.pipeline_model_parallel_size:
+        print(
+            f"critic server: WORLD_SIZE={world} but parallel.tensor_model_parallel_size="
+            f"{p.tensor_model_parallel_size} x pipeline_model_parallel_size={p.pipeline_model_parallel_size}; "
+            f"launch with torchrun --nproc_per_node {p.tensor_model_parallel_size * p.pipeline_model_parallel_size}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    state = initialize(
+        ParallelConfig(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            backend=p.backend,
+        ),
+        seed=cfg.seed,
+    )
+    metrics = None
+    server = None
+    service = None
+    try:
+        if state.rank == 0:
+            from aligner.critic.metrics import MetricsWriter
+
+            metrics = MetricsWriter(cfg.log.dir, tensorboard=cfg.log.tensorboard)
+        service = CriticService(cfg, state, metrics=metrics)
+        if cfg.checkpoint.resume and state.rank == 0:
+            latest = service.latest_checkpoint()
+            if latest is not None:
+                service.load(latest)
+            else:
+                log.info(
+                    "checkpoint.resume: no complete critic checkpoint under %s; starting fresh",
+                    cfg.checkpoint.dir,
+                )
+        if state.rank != 0:
+            service.serve_peers()
+            return 0
+
+        workspace_root = prepare_environment(cfg.server.workspace_root)
+        server = CriticTritonServer(service, cfg, workspace_root)
+        try:
+            server.start()
+        except PortInUseError as e:
+            print(f"critic server: {e}", file=sys.stderr, flush=True)
+            server = None
+            return 2
+        log.info(
+            "critic server ready: grpc %s, http %s, metrics %s",
+            server.grpc_url,
+            server.http_url,
+            server.metrics_port,
+        )
+        print(
+            f"PORTS http={server.http_port} grpc={server.grpc_port} metrics={server.metrics_port or 0} "
+            f"pid={os.getpid()}",
+            flush=True,
+        )
+        print(f"READY {server.grpc_url}", flush=True)
+        next_stats = time.monotonic() + cfg.log.stats_interval_s
+        while not stop.wait(0.25):
+            if not server.is_alive():
+                log.error("Triton stopped unexpectedly; exiting")
+                service.close(save=cfg.checkpoint.save_on_sigterm)
+                return 1
+            if time.monotonic() >= next_stats:
+                service.flush_stats()
+                next_stats = time.monotonic() + cfg.log.stats_interval_s
+        saved = service.close(save=cfg.checkpoint.save_on_sigterm)
+        if saved is not None:
+            log.info("saved on shutdown: %s", saved)
+        server.stop()
+        server = None
+        log.info("critic server stopped")
+        return 0
+    finally:
+        if service is not None and state.rank == 0:
+            service.close(save=False)  # releases TP peers if something above failed
+        if server is not None:
+            server.stop()
+        if metrics is not None:
+            metrics.close()
+        destroy()

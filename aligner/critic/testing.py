@@ -1,0 +1,149 @@
+"""Helpers shared by the critic tests and benchmark: tiny configs, digit-task batches, raw requests.
+
+Not used by the server or client themselves.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+
+from aligner.critic import protocol as P
+
+__all__ = [
+    "TINY_MODEL",
+    "tiny_overrides",
+    "tiny_config",
+    "digit_batch",
+    "train_arrays",
+    "raw_infer",
+    "raw_error",
+]
+
+TINY_MODEL = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "vocab_size": 14,
+    "max_seq_len": 32,
+}
+
+
+def tiny_overrides(root: str | Path, **extra: object) -> list[str]:
+    """Hydra overrides for a tiny critic server writing under ``root``, on free ports."""
+    root = Path(root)
+    o = {
+        "server.http_port": 0,
+        "server.grpc_port": 0,
+        "server.metrics_port": "null",
+        "log.dir": str(root / "log"),
+        "log.tensorboard": "false",
+        "checkpoint.dir": str(root / "ckpt"),
+        "optim.lr": 1e-3,
+        "server.exit_timeout_s": 1,
+    }
+    o.update({f"model.{k}": v for k, v in TINY_MODEL.items()})
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+def tiny_config(root: str | Path, **sections: dict) -> dict:
+    """The same tiny set-up as a plain dict for :func:`aligner.critic.config.build_config`."""
+    root = Path(root)
+    d: dict = {
+        "server": {"http_port": 0, "grpc_port": 0, "metrics_port": None, "exit_timeout_s": 1},
+        "model": dict(TINY_MODEL),
+        "log": {"dir": str(root / "log"), "tensorboard": False},
+        "checkpoint": {"dir": str(root / "ckpt")},
+        "optim": {"lr": 1e-3},
+    }
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    return d
+
+
+def digit_batch(
+    tokenizer, b: int, seed: int = 0, num_digits: int = 4, pad_to: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str]]:
+    """``b`` sort-task samples ``'<digits>:' + response + eos``, right padded.
+
+    Returns tokens ``[b, s]``, lengths ``[b]``, prompt_lengths ``[b]``, prompts, responses.
+    """
+    rng = random.Random(seed)
+    rows, pls, prompts, responses = [], [], [], []
+    for _ in range(b):
+        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        prompt = digits + ":"
+        resp = (
+            "".join(sorted(digits))
+            if rng.random() < 0.5
+            else "".join(rng.choice("0123456789") for _ in range(rng.randint(1, num_digits)))
+        )
+        ids = tokenizer.encode(prompt) + tokenizer.encode(resp) + [tokenizer.eos_id]
+        rows.append(ids)
+        pls.append(len(tokenizer.encode(prompt)))
+        prompts.append(prompt)
+        responses.append(resp)
+    s = pad_to or max(len(r) for r in rows)
+    tokens = np.full((b, s), tokenizer.pad_id, dtype=np.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return tokens, np.array([len(r) for r in rows], np.int64), np.array(pls, np.int64), prompts, responses
+
+
+def train_arrays(
+    lengths: np.ndarray, prompt_lengths: np.ndarray, s: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(returns, old_values, mask), each ``[b, s-1]`` float32, with the response mask of DESIGN.md."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    t = np.arange(s - 1)[None, :]
+    mask = ((t >= prompt_lengths[:, None] - 1) & (t < lengths[:, None] - 1)).astype(np.float32)
+    returns = (rng.normal(size=(b, s - 1)) * mask).astype(np.float32)
+    old_values = (rng.normal(size=(b, s - 1)) * 0.1 * mask).astype(np.float32)
+    return returns, old_values, mask
+
+
+def _mod(url: str):
+    scheme = url.split("://", 1)[0]
+    if scheme == "http":
+        import tritonclient.http as mod
+    else:
+        import tritonclient.grpc as mod
+    return mod, url.split("://", 1)[1]
+
+
+def raw_infer(
+    url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+) -> dict[str, np.ndarray]:
+    """One request with a bare tritonclient (no validation, no retries): what any client could send."""
+    mod, hostport = _mod(url)
+    client = mod.InferenceServerClient(hostport)
+    try:
+        ins = []
+        for name, a in inputs.items():
+            a = np.asarray(a)
+            dtype = {"i": "INT64", "f": "FP32"}.get(a.dtype.kind, "BYTES")
+            if a.dtype == np.int32:
+                dtype = "INT32"
+            if a.dtype == np.float64:
+                dtype = "FP64"
+            i = mod.InferInput(name, list(a.shape), dtype)
+            i.set_data_from_numpy(a)
+            ins.append(i)
+        outputs = outputs or [t.name for t in P.MODELS[model].outputs]
+        r = client.infer(model, ins, outputs=[mod.InferRequestedOutput(n) for n in outputs])
+        return {n: r.as_numpy(n) for n in outputs}
+    finally:
+        client.close()
+
+
+def raw_error(url: str, model: str, inputs: dict[str, np.ndarray]) -> str:
+    """The error text a bare tritonclient gets for a request that must fail (AssertionError if it does not)."""
+    try:
+        raw_infer(url, model, inputs)
+    except Exception as e:  # InferenceServerException
+        return str(e)
+    raise AssertionError(f"{model} accepted a request that breaks the contract: {sorted(inputs)}")

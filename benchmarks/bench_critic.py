@@ -1,0 +1,269 @@
+"""Critic server benchmark: what critic_infer costs on top of the bare critic forward, and
+requests/s under concurrency.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_critic.py [--batch 8] [--seq 128] [--seconds 5]
+
+Starts a tiny critic server (2 layers, hidden 64, char tokenizer, reward = sort_reward) on free
+ports and, in this process, the same critic for the bare forward. Prints a JSON object and a
+table. Target: round-trip overhead < 3 ms for a [8, 128] batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from aligner.critic.client import RemoteCriticClient  # noqa: E402
+from aligner.critic.config import build_config  # noqa: E402
+from aligner.critic.launch import start_server  # noqa: E402
+from aligner.critic.service import CriticService  # noqa: E402
+from aligner.distributed import ParallelConfig, destroy, initialize  # noqa: E402
+from aligner.models.gpt import token_values  # noqa: E402
+from aligner.tokenizers import build_tokenizer  # noqa: E402
+
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 14}
+
+
+def batch(b: int, s: int, seed: int = 0):
+    """``b`` samples ``'dddd:' + digits + eos`` padded to exactly ``s`` tokens."""
+    tok = build_tokenizer("char")
+    rng = np.random.default_rng(seed)
+    tokens = np.full((b, s), tok.pad_id, dtype=np.int64)
+    lengths = np.zeros(b, np.int64)
+    for i in range(b):
+        n = int(rng.integers(s // 2, s - 1))
+        prompt = tok.encode("".join(map(str, rng.integers(0, 10, 4))) + ":")
+        resp = tok.encode("".join(map(str, rng.integers(0, 10, n - len(prompt) - 1)))) + [tok.eos_id]
+        row = prompt + resp
+        tokens[i, : len(row)] = row
+        lengths[i] = len(row)
+    return tokens, lengths, np.full(b, 5, np.int64)
+
+
+def timeit(fn, n: int, warmup: int = 5) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+def stats(ms: list[float]) -> dict[str, float]:
+    ms = sorted(ms)
+    return {
+        "median_ms": round(statistics.median(ms), 3),
+        "p10_ms": round(ms[len(ms) // 10], 3),
+        "p90_ms": round(ms[(9 * len(ms)) // 10], 3),
+        "mean_ms": round(statistics.fmean(ms), 3),
+    }
+
+
+def throughput(url: str, threads: int, seconds: float, tokens, lengths, pl) -> dict[str, float]:
+    """Requests/s with ``threads`` callers sharing one client (``threads`` workers)."""
+    counts = [0] * threads
+    stop = time.monotonic() + seconds
+    with RemoteCriticClient(url, max_workers=threads) as client:
+        client.infer(tokens, lengths, pl).result()
+
+        def worker(i: int) -> None:
+            while time.monotonic() < stop:
+                client.infer(tokens, lengths, pl).result()
+                counts[i] += 1
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        t0 = time.monotonic()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        elapsed = time.monotonic() - t0
+    total = sum(counts)
+    return {
+        "threads": threads,
+        "requests": total,
+        "requests_per_s": round(total / elapsed, 1),
+        "rows_per_s": round(total * tokens.shape[0] / elapsed, 1),
+    }
+
+
+def pytriton_floor(tokens: np.ndarray, work_s: float, iters: int) -> dict[str, dict[str, float]]:
+    """PyTriton's own transport for the same shapes, with a callable that just sleeps ``work_s``
+    (the server's measured time per request), and with one that returns at once: what any
+    PyTriton model pays, for comparison. (One Triton per process: PyTriton's tensor store is
+    process-wide.)"""
+    import tritonclient.grpc as grpcclient
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    from aligner.critic.server import prepare_environment
+    from aligner.distributed import free_port
+
+    ws = prepare_environment() / f"bench-{os.getpid()}"
+    b, s = tokens.shape
+
+    work = [work_s]
+
+    def infer(requests):
+        if work[0]:
+            time.sleep(work[0])
+        return [{"values": np.zeros((r["tokens"].shape[0], s - 1), np.float32)} for r in requests]
+
+    port = free_port()
+    triton = Triton(
+        config=TritonConfig(
+            http_port=free_port(), grpc_port=port, allow_metrics=False, log_verbose=0, exit_timeout_secs=1
+        ),
+        workspace=ws,
+    )
+    triton.bind(
+        "echo",
+        infer,
+        inputs=[Tensor(name="tokens", dtype=np.int64, shape=(-1,))],
+        outputs=[Tensor(name="values", dtype=np.float32, shape=(-1,))],
+        config=ModelConfig(
+            batching=True, max_batch_size=64, batcher=DynamicBatcher(max_queue_delay_microseconds=0)
+        ),
+    )
+    triton.run()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+
+        def call():
+            i = grpcclient.InferInput("tokens", [b, s], "INT64")
+            i.set_data_from_numpy(tokens)
+            client.infer("echo", [i]).as_numpy("values")
+
+        out = {}
+        for name, w in (("same_work", work_s), ("no_work", 0.0)):
+            work[0] = w
+            rt = timeit(call, iters)
+            out[name] = {
+                "work_ms": round(1000 * w, 3),
+                "round_trip_ms_mean": round(statistics.fmean(rt), 3),
+                "transport_ms_mean": round(statistics.fmean(rt) - 1000 * w, 3),
+            }
+    finally:
+        client.close()
+        triton.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--queue-delay-us", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    root = Path(tempfile.mkdtemp(prefix="bench-critic-"))
+    model = dict(MODEL, max_seq_len=max(args.seq, 64))
+    common = {
+        "log": {"dir": str(root / "log"), "tensorboard": False},
+        "checkpoint": {"dir": str(root / "ckpt")},
+        "model": model,
+    }
+    tokens, lengths, pl = batch(args.batch, args.seq)
+
+    # The bare forward and the in-process service (validation + forward + reward function) run
+    # here; the server runs the same critic in its own process (one core each). Each round trip is
+    # paired with a bare forward timed right before it, so machine noise hits both alike.
+    state = initialize(ParallelConfig(), seed=1234)
+    service = CriticService(build_config({**common, "server": {"http_port": 0, "grpc_port": 0}}), state)
+    t = torch.from_numpy(tokens)
+
+    def bare():
+        with torch.no_grad():
+            token_values(service.critic, t)
+
+    overrides = [
+        "server.http_port=0",
+        "server.grpc_port=0",
+        "server.metrics_port=null",
+        f"server.max_queue_delay_us={args.queue_delay_us}",
+        f"log.dir={root / 'log'}",
+        "log.tensorboard=false",
+        f"checkpoint.dir={root / 'ckpt'}",
+    ]
+    overrides += [f"model.{k}={v}" for k, v in model.items()]
+    server = start_server(overrides, log_path=root / "server.log")
+    try:
+        result: dict = {"batch": [args.batch, args.seq], "model": model}
+        pairs: dict[str, list[tuple[float, float]]] = {"service_infer_in_process": [], "grpc": [], "http": []}
+        with RemoteCriticClient(server.url) as g, RemoteCriticClient(server.http_url) as h:
+            calls = {
+                "service_infer_in_process": lambda: service.infer(tokens, lengths, pl),
+                "grpc": lambda: g.infer(tokens, lengths, pl).result(),
+                "http": lambda: h.infer(tokens, lengths, pl).result(),
+            }
+            for fn in [bare, *calls.values()] * 5:  # warm-up
+                fn()
+            before = g.info()["extra"]["requests"]["critic_infer"]
+            for _ in range(args.iters):
+                for name, fn in calls.items():
+                    b = timeit(bare, 1, warmup=0)[0]
+                    pairs[name].append((b, timeit(fn, 1, warmup=0)[0]))
+            after = g.info()["extra"]["requests"]["critic_infer"]
+        # Time the server itself spent per request (validation, forward, reward function): the rest
+        # of a round trip is transport (client, gRPC/HTTP, Triton, the Python backend hop).
+        server_ms = 1000 * (after["seconds"] - before["seconds"]) / (after["requests"] - before["requests"])
+        result["server_side_ms_mean"] = round(server_ms, 3)
+        result["bare_forward"] = stats([b for name in pairs for b, _ in pairs[name]])
+        for name, pp in pairs.items():
+            key = name if name.startswith("service") else f"{name}_round_trip"
+            result[key] = stats([x for _, x in pp])
+            result[f"{name}_overhead_over_bare_forward_ms"] = round(
+                statistics.median([x - b for b, x in pp]), 3
+            )
+            if not name.startswith("service"):
+                result[f"{name}_transport_ms_mean"] = round(
+                    statistics.fmean([x for _, x in pp]) - server_ms, 3
+                )
+        destroy()
+        result["pytriton_floor"] = pytriton_floor(tokens, server_ms / 1000, args.iters)
+        result["concurrency"] = [
+            throughput(server.url, n, args.seconds, tokens, lengths, pl) for n in (1, 4, 8)
+        ]
+    finally:
+        server.stop()
+    print(json.dumps(result, indent=2))
+    print()
+    print(f"critic_infer on [{args.batch}, {args.seq}] (tiny critic, 1 thread per process)")
+    print(f"{'what':36s} {'median ms':>10s} {'p90 ms':>8s}")
+    for key in ("bare_forward", "service_infer_in_process", "grpc_round_trip", "http_round_trip"):
+        print(f"{key:36s} {result[key]['median_ms']:10.3f} {result[key]['p90_ms']:8.3f}")
+    for name in ("service_infer_in_process", "grpc", "http"):
+        print(
+            f"{name + ' overhead (paired median)':36s} {result[name + '_overhead_over_bare_forward_ms']:10.3f}"
+        )
+    print(f"{'server-side time per request (mean)':36s} {result['server_side_ms_mean']:10.3f}")
+    for name in ("grpc", "http"):
+        print(f"{name + ' transport = round trip - server':36s} {result[name + '_transport_ms_mean']:10.3f}")
+    f, f0 = result["pytriton_floor"]["same_work"], result["pytriton_floor"]["no_work"]
+    print(f"{'bare PyTriton transport, same work':36s} {f['transport_ms_mean']:10.3f}")
+    print(f"{'bare PyTriton transport, no work':36s} {f0['transport_ms_mean']:10.3f}")
+    print(f"{'threads':>8s} {'req/s':>10s} {'rows/s':>10s}")
+    for c in result["concurrency"]:
+        print(f"{c['threads']:8d} {c['requests_per_s']:10.1f} {c['rows_per_s']:10.1f}")
+
+
+if __name__ == "__main__":
+    main()

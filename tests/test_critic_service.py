@@ -1,0 +1,177 @@
+"""The critic service's rules in-process (no Triton): exactly-once training, save/load, rewards."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from aligner.checkpoint import complete_steps
+from aligner.critic import protocol as P
+from aligner.critic.config import build_config
+from aligner.critic.service import CriticService, CriticServiceError
+from aligner.critic.testing import digit_batch, tiny_config, train_arrays
+from aligner.distributed import ParallelConfig, destroy, initialize
+from aligner.models.checkpoint_io import save_model_checkpoint
+from aligner.models.config import ModelConfig
+from aligner.models.gpt import build_reward_model, sequence_scores, tensor_state_dict, token_values
+from aligner.tasks.digits import sort_reward
+
+
+@pytest.fixture(scope="module")
+def pstate():
+    state = initialize(ParallelConfig(), seed=1234)
+    yield state
+    destroy()
+
+
+def _service(pstate, root, **sections) -> CriticService:
+    return CriticService(build_config(tiny_config(root, **sections)), pstate)
+
+
+def _batch(svc, b=4, seed=0):
+    tokens, lengths, pl, prompts, responses = digit_batch(svc.tokenizer, b, seed=seed)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=seed)
+    return tokens, lengths, pl, returns, old_values, mask, prompts, responses
+
+
+def test_infer_values_and_function_rewards(pstate, tmp_path):
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, *_, prompts, responses = _batch(svc)
+    out = svc.infer(tokens, lengths, pl)
+    assert out.values.shape == (4, tokens.shape[1] - 1) and out.values.dtype == np.float32
+    np.testing.assert_allclose(out.rewards, sort_reward(prompts, responses), rtol=0, atol=1e-6)
+    ref = token_values(svc.critic, torch.from_numpy(tokens)).detach().numpy()
+    np.testing.assert_array_equal(out.values, ref)
+
+
+def test_train_is_applied_exactly_once_and_in_order(pstate, tmp_path):
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    v0 = svc.infer(tokens, lengths, pl).values
+    r5 = svc.train(tokens, lengths, returns, old_values, mask, 5)
+    v1 = svc.infer(tokens, lengths, pl).values
+    assert r5.applied_step == 5 and svc.critic_step == 5 and not np.array_equal(v0, v1)
+    # The same step again: the same answer, nothing changes.
+    assert svc.train(tokens, lengths, returns * 3, old_values, mask, 5) == r5
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v1)
+    # Gaps are fine; an older step that was never applied is rejected and changes nothing.
+    svc.train(tokens, lengths, returns, old_values, mask, 9)
+    v2 = svc.infer(tokens, lengths, pl).values
+    with pytest.raises(P.ProtocolError, match="field 'step'.*a step > 9"):
+        svc.train(tokens, lengths, returns, old_values, mask, 7)
+    assert svc.train(tokens, lengths, returns, old_values, mask, 5) == r5  # older but kept
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v2)
+
+
+def test_rejected_train_applies_nothing(pstate, tmp_path):
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    v0 = svc.infer(tokens, lengths, pl).values
+    bad = returns.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(P.ProtocolError, match="'returns'"):
+        svc.train(tokens, lengths, bad, old_values, mask, 0)
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v0)
+    assert svc.critic_step == -1 and not svc.optimizer.state
+
+
+def test_save_load_restores_weights_optimizer_and_bookkeeping(pstate, tmp_path):
+    svc = _service(pstate, tmp_path, checkpoint={"keep_last": 2})
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    r1 = svc.train(tokens, lengths, returns, old_values, mask, 1)
+    path = svc.save(1)
+    assert path == tmp_path / "ckpt" / "step_00000001" / "critic"
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["critic_step"] == 1 and meta["tensor_model_parallel_size"] == 1
+    v_at_1 = svc.infer(tokens, lengths, pl).values
+    svc.train(tokens, lengths, returns, old_values, mask, 2)
+    r3 = svc.train(tokens, lengths, returns, old_values, mask, 3)
+    svc.load(1)
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v_at_1)
+    assert svc.critic_step == 1 and svc.train(tokens, lengths, returns, old_values, mask, 1) == r1
+    # Resume equals continuous: the optimiser state came back too.
+    svc.train(tokens, lengths, returns, old_values, mask, 2)
+    assert svc.train(tokens, lengths, returns, old_values, mask, 3) == r3
+    # keep_last prunes only the critic's own sub-directories.
+    (tmp_path / "ckpt" / "step_00000002" / "actor").mkdir(parents=True)
+    for step in (2, 3, 4):
+        svc.save(step)
+    assert complete_steps(tmp_path / "ckpt", role="critic") == [3, 4]
+    assert (tmp_path / "ckpt" / "step_00000002" / "actor").is_dir()
+    assert not (tmp_path / "ckpt" / "step_00000001").exists()
+
+
+def test_load_of_a_missing_step_changes_nothing(pstate, tmp_path):
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, *_ = _batch(svc)
+    v0 = svc.infer(tokens, lengths, pl).values
+    with pytest.raises(P.ProtocolError, match="field 'step'.*complete critic checkpoint"):
+        svc.load(42)
+    svc.save(0)
+    (tmp_path / "ckpt" / "step_00000000" / "critic" / "model_tp00.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CriticServiceError, match="cannot load critic step 0"):
+        svc.load(0)
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v0)
+
+
+def test_reward_model_scores_are_added_and_critic_starts_from_it(pstate, tmp_path):
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=32)
+    rm = build_reward_model(cfg)
+    save_model_checkpoint(rm, cfg, tmp_path / "rm", role="reward")
+    svc = _service(
+        pstate, tmp_path, reward={"model_path": str(tmp_path / "rm"), "model_mean": 0.5, "model_std": 2.0}
+    )
+    assert svc.init_source == "reward" and svc.info().reward["model_path"] == str(tmp_path / "rm")
+    tokens, lengths, pl, *_, prompts, responses = _batch(svc)
+    out = svc.infer(tokens, lengths, pl)
+    t = torch.from_numpy(tokens)
+    scores = sequence_scores(rm, t, torch.from_numpy(lengths)).detach().numpy()
+    expected = np.asarray(sort_reward(prompts, responses)) + (scores - 0.5) / 2.0
+    np.testing.assert_allclose(out.rewards, expected, rtol=1e-6, atol=1e-6)
+    # The critic is the reward model's weights: its value at length-1 is the raw score.
+    values = token_values(rm, t).detach().numpy()
+    np.testing.assert_array_equal(out.values, values)
+
+
+def test_critic_from_policy_keeps_trunk_and_fresh_head(pstate, tmp_path):
+    from aligner.models.gpt import build_policy
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=32)
+    policy = build_policy(cfg)
+    save_model_checkpoint(policy, cfg, tmp_path / "policy", role="policy")
+    svc = _service(pstate, tmp_path, init={"policy_path": str(tmp_path / "policy")})
+    assert svc.init_source == "policy"
+    own = tensor_state_dict(svc.critic)
+    for k, v in tensor_state_dict(policy).items():
+        if not k.startswith("output_layer."):
+            assert torch.equal(own[k], v), k
+    assert own["output_layer.weight"].shape == (1, 32)
+
+
+def test_hf_sequence_classification_reward_model(pstate, tmp_path):
+    """reward.hf_path: a HF reward model scores like HF itself (read at the last real token)."""
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=14,
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        num_labels=1,
+        pad_token_id=13,
+    )
+    hf = transformers.LlamaForSequenceClassification(hf_cfg)
+    hf.save_pretrained(tmp_path / "hf")
+    svc = _service(pstate, tmp_path, reward={"hf_path": str(tmp_path / "hf"), "fn": None})
+    assert svc.init_source == "reward" and svc.model_cfg.ffn_hidden_size == 88
+    tokens, lengths, pl, *_ = _batch(svc, b=3)
+    assert svc.tokenizer.pad_id == hf_cfg.pad_token_id  # HF finds the last token by the pad id
+    out = svc.infer(tokens, lengths, pl)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(tokens)).logits[:, 0].numpy()
+    np.testing.assert_allclose(out.rewards, want, rtol=1e-5, atol=1e-5)

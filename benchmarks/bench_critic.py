@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -102,27 +103,24 @@ def throughput(url: str, threads: int, seconds: float, tokens, lengths, pl) -> d
     }
 
 
-def pytriton_floor(tokens: np.ndarray, work_s: float, iters: int) -> dict[str, dict[str, float]]:
-    """PyTriton's own transport for the same shapes, with a callable that just sleeps ``work_s``
-    (the server's measured time per request), and with one that returns at once: what any
-    PyTriton model pays, for comparison. (One Triton per process: PyTriton's tensor store is
-    process-wide.)"""
-    import tritonclient.grpc as grpcclient
+def echo_server(work_ms: float) -> None:
+    """(Child process) a bare PyTriton model shaped like critic_infer whose callable only sleeps
+    ``work_ms``; prints ``ECHO <grpc port>`` and serves until stdin closes."""
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
     from aligner.critic.server import prepare_environment
     from aligner.distributed import free_port
 
-    ws = prepare_environment() / f"bench-{os.getpid()}"
-    b, s = tokens.shape
-
-    work = [work_s]
+    ws = prepare_environment() / f"bench-echo-{os.getpid()}"
 
     def infer(requests):
-        if work[0]:
-            time.sleep(work[0])
-        return [{"values": np.zeros((r["tokens"].shape[0], s - 1), np.float32)} for r in requests]
+        if work_ms:
+            time.sleep(work_ms / 1000)
+        return [
+            {"values": np.zeros((r["tokens"].shape[0], r["tokens"].shape[1] - 1), np.float32)}
+            for r in requests
+        ]
 
     port = free_port()
     triton = Triton(
@@ -141,26 +139,55 @@ def pytriton_floor(tokens: np.ndarray, work_s: float, iters: int) -> dict[str, d
         ),
     )
     triton.run()
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    try:
+    print(f"ECHO {port}", flush=True)
+    sys.stdin.read()
+    triton.stop()
 
-        def call():
-            i = grpcclient.InferInput("tokens", [b, s], "INT64")
-            i.set_data_from_numpy(tokens)
-            client.infer("echo", [i]).as_numpy("values")
 
-        out = {}
-        for name, w in (("same_work", work_s), ("no_work", 0.0)):
-            work[0] = w
+def pytriton_floor(tokens: np.ndarray, work_s: float, iters: int) -> dict[str, dict[str, float]]:
+    """PyTriton's own transport for the same shapes, measured like the critic server (a separate
+    server process, a gRPC client here), with a callable that just sleeps ``work_s`` (the critic
+    server's measured time per request) and with one that returns at once."""
+    import subprocess
+
+    import tritonclient.grpc as grpcclient
+
+    b, s = tokens.shape
+    out = {}
+    for name, w in (("same_work", work_s), ("no_work", 0.0)):
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--echo-server-ms", str(1000 * w)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            line = ""
+            while not line.startswith("ECHO "):
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError("the PyTriton echo server did not start")
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{int(line.split()[1])}")
+
+            def call(client=client):
+                i = grpcclient.InferInput("tokens", [b, s], "INT64")
+                i.set_data_from_numpy(tokens)
+                client.infer("echo", [i]).as_numpy("values")
+
             rt = timeit(call, iters)
-            out[name] = {
-                "work_ms": round(1000 * w, 3),
-                "round_trip_ms_mean": round(statistics.fmean(rt), 3),
-                "transport_ms_mean": round(statistics.fmean(rt) - 1000 * w, 3),
-            }
-    finally:
-        client.close()
-        triton.stop()
+            client.close()
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        out[name] = {
+            "work_ms": round(1000 * w, 3),
+            "round_trip_ms_mean": round(statistics.fmean(rt), 3),
+            "transport_ms_mean": round(statistics.fmean(rt) - 1000 * w, 3),
+        }
     return out
 
 
@@ -171,7 +198,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--queue-delay-us", type=int, default=0)
+    ap.add_argument("--echo-server-ms", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.echo_server_ms is not None:
+        echo_server(args.echo_server_ms)
+        return
     torch.set_num_threads(1)
 
     root = Path(tempfile.mkdtemp(prefix="bench-critic-"))
@@ -244,6 +275,7 @@ def main() -> None:
         ]
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(result, indent=2))
     print()
     print(f"critic_infer on [{args.batch}, {args.seq}] (tiny critic, 1 thread per process)")

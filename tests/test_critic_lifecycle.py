@@ -65,7 +65,11 @@ def test_a_taken_port_fails_fast_naming_it(tmp_path):
         with pytest.raises(
             ServerStartError, match=f"exited with code 2 before READY(.|\n)*server.grpc_port={port}"
         ):
-            start_server(tiny_overrides(tmp_path, **{"server.grpc_port": port}), ready_timeout_s=60)
+            start_server(
+                tiny_overrides(tmp_path, **{"server.grpc_port": port}),
+                ready_timeout_s=60,
+                log_path=tmp_path / "server.log",
+            )
 
 
 def test_kill_restart_recovery_and_clean_sigterm(tmp_path):

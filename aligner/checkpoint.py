@@ -79,8 +79,9 @@ def atomic_directory(final: str | os.PathLike, marker: dict[str, Any] | None = N
         raise
 
 
-def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
-                 metadata: dict[str, str] | None = None) -> None:
+def save_tensors(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     """Write tensors (made contiguous, on CPU, not sharing storage) to a safetensors file."""
     clean = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(clean, str(path), metadata=metadata)
@@ -127,13 +128,17 @@ def optimizer_to_safe(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
                 tensors[f"{pid}.{k}"] = v
             else:
                 scalars.setdefault(str(pid), {})[k] = v
-    meta = {"param_groups": sd["param_groups"], "scalars": scalars,
-            "param_ids": [str(p) for p in sd["state"].keys()]}
+    meta = {
+        "param_groups": sd["param_groups"],
+        "scalars": scalars,
+        "param_ids": [str(p) for p in sd["state"].keys()],
+    }
     return tensors, meta
 
 
-def optimizer_from_safe(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
-                        meta: dict[str, Any]) -> None:
+def optimizer_from_safe(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     """Inverse of :func:`optimizer_to_safe`."""
     state: dict[int, dict[str, Any]] = {}
     for name, t in tensors.items():
@@ -143,10 +148,13 @@ def optimizer_from_safe(optimizer: torch.optim.Optimizer, tensors: dict[str, tor
         state.setdefault(int(pid), {}).update(sc)
     own_groups = optimizer.state_dict()["param_groups"]
     # JSON turns tuples (Adam's betas) into lists; torch's optimizers expect tuples back.
-    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
-              for g in meta["param_groups"]]
-    if len(groups) != len(own_groups) or any(len(a["params"]) != len(b["params"])
-                                             for a, b in zip(groups, own_groups)):
+    groups = [
+        {k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+        for g in meta["param_groups"]
+    ]
+    if len(groups) != len(own_groups) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(groups, own_groups)
+    ):
         raise CheckpointError(
             "optimizer state does not match the model's parameters: "
             f"saved groups of sizes {[len(g['params']) for g in groups]}, "

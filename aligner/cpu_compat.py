@@ -49,13 +49,30 @@ REDIRECTED_CALL_SITES: dict[str, tuple[str, ...]] = {
 }
 
 _FACTORIES = frozenset(
-    {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "empty_like",
-     "zeros_like", "ones_like", "full_like"}
+    {
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "tensor",
+        "arange",
+        "rand",
+        "randn",
+        "randint",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+    }
 )
 
 # megatron-core announces its fallbacks to plain PyTorch on every import; they are expected here.
-for _message in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
-                 ".*full scope is deprecated.*", ".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
+for _message in (
+    ".*Apex is not installed.*",
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*full scope is deprecated.*",
+    ".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+):
     warnings.filterwarnings("ignore", message=_message)
 
 _lock = threading.Lock()

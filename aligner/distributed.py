@@ -132,12 +132,15 @@ def initialize(parallel: ParallelConfig | None = None, seed: int = 1234) -> Para
             f"pipeline_model_parallel_size ({pp}); launch a multiple of {tp * pp} processes"
         )
     if mpu.model_parallel_is_initialized():
-        if (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            raise RuntimeError("model parallel state is already initialised with other sizes; call destroy() first")
+        if (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()) != (
+            tp,
+            pp,
+        ):
+            raise RuntimeError(
+                "model parallel state is already initialised with other sizes; call destroy() first"
+            )
     else:
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-        )
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

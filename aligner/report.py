@@ -55,7 +55,9 @@ def plot_run(metrics_path: str, out_path: str) -> str:
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
     fig, ax1 = plt.subplots(figsize=(7, 4), dpi=110)
-    ax1.plot(steps, [r["objective/scores"] for r in rows], color="tab:blue", label="reward (objective/scores)")
+    ax1.plot(
+        steps, [r["objective/scores"] for r in rows], color="tab:blue", label="reward (objective/scores)"
+    )
     ax1.set_xlabel("PPO step")
     ax1.set_ylabel("mean reward", color="tab:blue")
     ax1.set_ylim(-0.02, 1.02)

@@ -122,7 +122,7 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if spec == "char":
         return CharTokenizer()
     if spec.startswith("char:"):
-        return CharTokenizer(spec[len("char:"):])
+        return CharTokenizer(spec[len("char:") :])
     if os.path.isdir(spec):
         return HFTokenizer(spec)
     raise ValueError(

@@ -42,10 +42,20 @@ def main(argv: list[str] | None = None) -> dict:
     if len(cores) >= 2:
         os.sched_setaffinity(0, {cores[0]})  # the server inherits this core
     tmp = Path(tempfile.mkdtemp(prefix="bench-actor-"))
-    server = start_server(["server.http_port=0", "server.grpc_port=0", "server.metrics_port=null",
-                           "model.max_seq_len=16", "optim.lr=1e-3", "reward.fn=aligner.tasks.digits:sort_reward",
-                           f"log.dir={tmp / 'critic'}", "checkpoint.save_on_sigterm=false", "log.tensorboard=false"],
-                          log_path=tmp / "server.log")
+    server = start_server(
+        [
+            "server.http_port=0",
+            "server.grpc_port=0",
+            "server.metrics_port=null",
+            "model.max_seq_len=16",
+            "optim.lr=1e-3",
+            "reward.fn=aligner.tasks.digits:sort_reward",
+            f"log.dir={tmp / 'critic'}",
+            "checkpoint.save_on_sigterm=false",
+            "log.tensorboard=false",
+        ],
+        log_path=tmp / "server.log",
+    )
     try:
         if len(cores) >= 2:
             os.sched_setaffinity(0, {cores[1]})  # the actor (this process) on the other core
@@ -55,9 +65,17 @@ def main(argv: list[str] | None = None) -> dict:
         entry = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(entry)
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
-            dcfg = compose("actor", overrides=[
-                f"critic.url={server.url}", f"logging.run_dir={tmp / 'actor'}", f"ppo.num_steps={args.steps}",
-                f"ppo.global_batch_size={args.batch}", "logging.progress_bar=false", "logging.tensorboard=false"])
+            dcfg = compose(
+                "actor",
+                overrides=[
+                    f"critic.url={server.url}",
+                    f"logging.run_dir={tmp / 'actor'}",
+                    f"ppo.num_steps={args.steps}",
+                    f"ppo.global_batch_size={args.batch}",
+                    "logging.progress_bar=false",
+                    "logging.tensorboard=false",
+                ],
+            )
         cfg = OmegaConf.to_object(dcfg)
         entry.run(cfg)
     finally:
@@ -93,8 +111,15 @@ def _no_cache_tokens_per_s(cfg, batch: int) -> float:
         prompts = [tok.encode(p) for p in get_task(cfg.data.task, cfg.data.num_digits).prompts(batch, seed=0)]
         sp = SamplingParams(max_new_tokens=cfg.generation.max_new_tokens, seed=1)
         t = time.perf_counter()
-        out = generate_no_cache(model, prompts, sp, pad_id=tok.pad_id, eos_id=tok.eos_id,
-                                max_seq_len=cfg.model.max_seq_len, vocab_size=tok.sample_vocab_size)
+        out = generate_no_cache(
+            model,
+            prompts,
+            sp,
+            pad_id=tok.pad_id,
+            eos_id=tok.eos_id,
+            max_seq_len=cfg.model.max_seq_len,
+            vocab_size=tok.sample_vocab_size,
+        )
         dt = time.perf_counter() - t
         return float(out.response_lengths.sum()) / dt
     finally:

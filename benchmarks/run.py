@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-    .venv/bin/python benchmarks/run.py [actor|critic|generation ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation ...]
 """
 
 from __future__ import annotations

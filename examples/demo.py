@@ -62,15 +62,21 @@ def main(argv: list[str]) -> int:
         os.sched_setaffinity(0, {server_core})  # the server inherits the launcher's core
     print("starting the critic/reward server ...", flush=True)
     try:
-        server = start_server(server_overrides, log_path=RUN_DIR / "critic_server.log",
-                              env={"OMP_NUM_THREADS": "1"})
+        server = start_server(
+            server_overrides, log_path=RUN_DIR / "critic_server.log", env={"OMP_NUM_THREADS": "1"}
+        )
     except ServerStartError as e:
         print(f"the critic server did not start:\n{e}", file=sys.stderr)
         return 1
     print(f"critic server ready at {server.url} (log: {RUN_DIR / 'critic_server.log'})", flush=True)
     try:
-        cmd = [sys.executable, str(ROOT / "examples" / "train_actor.py"), f"critic.url={server.url}",
-               f"logging.run_dir={RUN_DIR / 'actor'}", *argv]
+        cmd = [
+            sys.executable,
+            str(ROOT / "examples" / "train_actor.py"),
+            f"critic.url={server.url}",
+            f"logging.run_dir={RUN_DIR / 'actor'}",
+            *argv,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         return subprocess.call(cmd, cwd=str(ROOT), env=env, preexec_fn=_pin_to(actor_core))
     except KeyboardInterrupt:

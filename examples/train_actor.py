@@ -45,23 +45,30 @@ def run(cfg: ActorConfig) -> dict:
     validate_actor_config(cfg, world_size=world, vocab_size=tokenizer.vocab_size)
     url = resolve_critic_url(cfg.critic.url)
     if cfg.data.prompt_file:
-        prompts = load_prompts(cfg.data.prompt_file, tokenizer, cfg.model.max_seq_len - cfg.generation.max_new_tokens)
+        prompts = load_prompts(
+            cfg.data.prompt_file, tokenizer, cfg.model.max_seq_len - cfg.generation.max_new_tokens
+        )
     else:
         prompts = get_task(cfg.data.task, cfg.data.num_digits).prompts(cfg.data.num_prompts, seed=cfg.seed)
 
     state = distributed.initialize(cfg.parallel, seed=cfg.seed)
     try:
         log = state.is_logging_rank
-        critic = RemoteCriticClient(url, timeout_s=cfg.critic.timeout_s, ready_timeout_s=cfg.critic.ready_timeout_s,
-                                    retries=cfg.critic.retries)
-        critic.check_compatible(cfg.model.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
+        critic = RemoteCriticClient(
+            url,
+            timeout_s=cfg.critic.timeout_s,
+            ready_timeout_s=cfg.critic.ready_timeout_s,
+            retries=cfg.critic.retries,
+        )
+        critic.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
         applied = critic.server_info().critic_step
         if applied > 0:
             # This run's step ids start at 1: the server would treat them as repeats of steps it
             # already applied and silently skip the critic's training.
             raise RuntimeError(
                 f"the critic server at {url} has already applied training step {applied} from an earlier "
-                "run; start a fresh server for a fresh run (or resume the run that trained it)")
+                "run; start a fresh server for a fresh run (or resume the run that trained it)"
+            )
 
         policy = gpt.build_policy(cfg.model)
         if cfg.init_from:
@@ -77,15 +84,23 @@ def run(cfg: ActorConfig) -> dict:
             reference.eval().requires_grad_(False)
             if cfg.ppo.reference_on_cpu:
                 reference.cpu()
-        engine = NativeEngine(policy, tokenizer, parallel_state=state,
-                              vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size))
-        sampler = PromptSampler(prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed,
-                                cfg.data.shuffle)
+        engine = NativeEngine(
+            policy,
+            tokenizer,
+            parallel_state=state,
+            vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
+        )
+        sampler = PromptSampler(
+            prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed, cfg.data.shuffle
+        )
         logger = MetricsLogger(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log)
         if log:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
-            print(f"actor: {state.world_size} rank(s) (TP={state.tp_size}, DP={state.dp_size}), critic at {url}, "
-                  f"run dir {cfg.logging.run_dir}", flush=True)
+            print(
+                f"actor: {state.world_size} rank(s) (TP={state.tp_size}, DP={state.dp_size}), critic at {url}, "
+                f"run dir {cfg.logging.run_dir}",
+                flush=True,
+            )
 
         bar = None
         if log and cfg.logging.progress_bar:
@@ -97,13 +112,18 @@ def run(cfg: ActorConfig) -> dict:
             if not log:
                 return
             if bar is not None:
-                bar.set_postfix(reward=f"{m['objective/scores']:.3f}", kl=f"{m['objective/kl']:.3f}",
-                                step_s=f"{m['timers/step']:.2f}")
+                bar.set_postfix(
+                    reward=f"{m['objective/scores']:.3f}",
+                    kl=f"{m['objective/kl']:.3f}",
+                    step_s=f"{m['timers/step']:.2f}",
+                )
                 bar.update(1)
             elif step % cfg.logging.log_interval == 0:
                 print(format_console(step, m), flush=True)
 
-        trainer = PPOTrainer(cfg, state, policy, reference, engine, critic, tokenizer, sampler, logger, on_step)
+        trainer = PPOTrainer(
+            cfg, state, policy, reference, engine, critic, tokenizer, sampler, logger, on_step
+        )
         t0 = time.time()
         trainer.train()
         if bar is not None:

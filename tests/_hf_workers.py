@@ -12,21 +12,31 @@ from pathlib import Path
 
 
 def _setup(rank: int, world_size: int, port: int, tp: int, pp: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                      TRANSFORMERS_VERBOSITY="error")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+        TRANSFORMERS_VERBOSITY="error",
+    )
     import torch
 
     torch.set_num_threads(1)
     from aligner import distributed
 
     return distributed.initialize(
-        distributed.ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                   backend="gloo", timeout_s=120.0), seed=1234)
+        distributed.ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo", timeout_s=120.0
+        ),
+        seed=1234,
+    )
 
 
-def tp_worker(rank: int, world_size: int, port: int, hf_dir: str, rm_dir: str, out_dir: str,
-              tokens: list[list[int]]) -> None:
+def tp_worker(
+    rank: int, world_size: int, port: int, hf_dir: str, rm_dir: str, out_dir: str, tokens: list[list[int]]
+) -> None:
     """TP=2: policy logits (vocab-parallel, gathered), export, checkpoint; reward-model scores."""
     import torch
     import torch.distributed as dist
@@ -57,13 +67,18 @@ def tp_worker(rank: int, world_size: int, port: int, hf_dir: str, rm_dir: str, o
             scores = gpt.sequence_scores(rm, tok, lengths)
         hf.export_hf(rm, rm_cfg, out / "rm_tp2", "llama", hf_config=rm_dir)
         if rank == 0:
-            save_file({"logits": full.contiguous(), "scores": scores.contiguous()}, str(out / "tp_results.safetensors"))
+            save_file(
+                {"logits": full.contiguous(), "scores": scores.contiguous()},
+                str(out / "tp_results.safetensors"),
+            )
         dist.barrier()
     finally:
         distributed.destroy()
 
 
-def pp_worker(rank: int, world_size: int, port: int, hf_dir: str, out_dir: str, tokens: list[list[int]]) -> None:
+def pp_worker(
+    rank: int, world_size: int, port: int, hf_dir: str, out_dir: str, tokens: list[list[int]]
+) -> None:
     """PP=2: a hand-run two-stage forward (stage 0 sends its hidden states to stage 1), export,
     checkpoint."""
     import torch

@@ -22,18 +22,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small and fast: 3-digit tasks, the demo's model and learning rate.
 FAST = [
-    "data.num_digits=3", "generation.max_new_tokens=4", "ppo.global_batch_size=256",
-    "ppo.mini_batch_size=64", "ppo.micro_batch_size=64", "logging.progress_bar=false",
+    "data.num_digits=3",
+    "generation.max_new_tokens=4",
+    "ppo.global_batch_size=256",
+    "ppo.mini_batch_size=64",
+    "ppo.micro_batch_size=64",
+    "logging.progress_bar=false",
     "logging.tensorboard=false",
 ]
 
 
 def _server(tmp_path: Path, task: str):
-    return start_server([
-        "server.http_port=0", "server.grpc_port=0", "server.metrics_port=null", "model.max_seq_len=16",
-        "optim.lr=1e-3", f"reward.fn=aligner.tasks.digits:{task}_reward", f"log.dir={tmp_path / 'critic'}",
-        "checkpoint.save_on_sigterm=false", "log.tensorboard=false",
-    ], log_path=tmp_path / "server.log")
+    return start_server(
+        [
+            "server.http_port=0",
+            "server.grpc_port=0",
+            "server.metrics_port=null",
+            "model.max_seq_len=16",
+            "optim.lr=1e-3",
+            f"reward.fn=aligner.tasks.digits:{task}_reward",
+            f"log.dir={tmp_path / 'critic'}",
+            "checkpoint.save_on_sigterm=false",
+            "log.tensorboard=false",
+        ],
+        log_path=tmp_path / "server.log",
+    )
 
 
 def _load_entry():
@@ -57,7 +70,7 @@ def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]
 def _best_window(rows: list[dict], n: int = 5) -> float:
     """The best mean reward over n consecutive steps: "reached 0.9 within the budget"."""
     s = [r["objective/scores"] for r in rows]
-    return max(sum(s[i:i + n]) / n for i in range(len(s) - n + 1))
+    return max(sum(s[i : i + n]) / n for i in range(len(s) - n + 1))
 
 
 @pytest.mark.slow
@@ -65,8 +78,15 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     """The real command line: a subprocess running examples/train_actor.py."""
     with _server(tmp_path, "copy") as server:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(ROOT / "examples" / "train_actor.py"), f"critic.url={server.url}",
-               f"logging.run_dir={tmp_path / 'run'}", "data.task=copy", "ppo.num_steps=120", *FAST]
+        cmd = [
+            sys.executable,
+            str(ROOT / "examples" / "train_actor.py"),
+            f"critic.url={server.url}",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "data.task=copy",
+            "ppo.num_steps=120",
+            *FAST,
+        ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
@@ -74,10 +94,25 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     assert rows[0]["objective/scores"] < 0.3
     assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
     assert "reward at end" in out.stdout and (tmp_path / "run" / "reward_kl.png").is_file()
-    for key in ("objective/kl", "objective/entropy", "policy/approxkl", "policy/clipfrac", "policy/ratio_mean",
-                "loss/policy", "loss/value", "critic/explained_variance", "rollout/response_length",
-                "rollout/ended_fraction", "timers/generate", "timers/logprobs", "timers/critic_wait",
-                "timers/train", "throughput/tokens_per_s", "lr", "objective/non_score_reward"):
+    for key in (
+        "objective/kl",
+        "objective/entropy",
+        "policy/approxkl",
+        "policy/clipfrac",
+        "policy/ratio_mean",
+        "loss/policy",
+        "loss/value",
+        "critic/explained_variance",
+        "rollout/response_length",
+        "rollout/ended_fraction",
+        "timers/generate",
+        "timers/logprobs",
+        "timers/critic_wait",
+        "timers/train",
+        "throughput/tokens_per_s",
+        "lr",
+        "objective/non_score_reward",
+    ):
         assert key in rows[-1], key
     # Generation and the training forward agree on the log-probs of the sampled tokens.
     assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-3
@@ -86,7 +121,9 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
 @pytest.mark.slow
 def test_reverse_is_learned(tmp_path):
     with _server(tmp_path, "reverse") as server:
-        rows = _run_in_process(server.url, tmp_path / "run", ["data.task=reverse", "ppo.num_steps=300", *FAST])
+        rows = _run_in_process(
+            server.url, tmp_path / "run", ["data.task=reverse", "ppo.num_steps=300", *FAST]
+        )
     assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
 
 
@@ -113,8 +150,11 @@ def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
     finals = {}
     for beta in (0.005, 0.5):
         with _server(tmp_path / f"b{beta}", "copy") as server:
-            rows = _run_in_process(server.url, tmp_path / f"run{beta}",
-                                   ["data.task=copy", "ppo.num_steps=40", f"ppo.init_kl_coef={beta}", *FAST])
+            rows = _run_in_process(
+                server.url,
+                tmp_path / f"run{beta}",
+                ["data.task=copy", "ppo.num_steps=40", f"ppo.init_kl_coef={beta}", *FAST],
+            )
         finals[beta] = sum(r["objective/kl"] for r in rows[-5:]) / 5
     assert finals[0.5] < finals[0.005], finals
 
@@ -125,17 +165,39 @@ def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
     so its first rollout is the TP=1 rollout and scores the same."""
     from aligner.distributed import free_port
 
-    small = ["data.task=copy", "ppo.num_steps=3", "ppo.global_batch_size=64", "ppo.mini_batch_size=32",
-             "ppo.micro_batch_size=32", *FAST[:2], *FAST[5:]]
+    small = [
+        "data.task=copy",
+        "ppo.num_steps=3",
+        "ppo.global_batch_size=64",
+        "ppo.mini_batch_size=32",
+        "ppo.micro_batch_size=32",
+        *FAST[:2],
+        *FAST[5:],
+    ]
     runs = {}
     for tp in (1, 2):
         with _server(tmp_path / f"tp{tp}", "copy") as server:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}",
-                   "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-                   str(ROOT / "examples" / "train_actor.py"), f"critic.url={server.url}",
-                   f"logging.run_dir={tmp_path / f'run{tp}'}", f"parallel.tensor_model_parallel_size={tp}", *small]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={tp}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                str(ROOT / "examples" / "train_actor.py"),
+                f"critic.url={server.url}",
+                f"logging.run_dir={tmp_path / f'run{tp}'}",
+                f"parallel.tensor_model_parallel_size={tp}",
+                *small,
+            ]
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                cwd=str(ROOT),
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+            )
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         runs[tp] = read_metrics(str(tmp_path / f"run{tp}" / "metrics.jsonl"))
     assert len(runs[2]) == 3
@@ -146,11 +208,23 @@ def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
 
 def test_bad_config_fails_before_any_model_is_built(tmp_path):
     """Every problem reported at once, naming key and value; no server is needed to get there."""
-    cmd = [sys.executable, str(ROOT / "examples" / "train_actor.py"), "critic.url=grpc://127.0.0.1:9",
-           "ppo.global_batch_size=100", "ppo.mini_batch_size=64", "generation.temperature=0",
-           "ppo.kl_estimator=k9"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_actor.py"),
+        "critic.url=grpc://127.0.0.1:9",
+        "ppo.global_batch_size=100",
+        "ppo.mini_batch_size=64",
+        "generation.temperature=0",
+        "ppo.kl_estimator=k9",
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode != 0
     err = out.stderr
     assert "ppo.global_batch_size (100) must be divisible by ppo.mini_batch_size (64)" in err

@@ -55,7 +55,9 @@ def test_tensors_and_optimizer_roundtrip_without_pickle(tmp_path):
     ck.save_tensors(tmp_path / "opt.safetensors", tensors)
     ck.write_json(tmp_path / "opt.json", meta)
     opt2 = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
-    ck.optimizer_from_safe(opt2, ck.load_tensors(tmp_path / "opt.safetensors"), ck.read_json(tmp_path / "opt.json"))
+    ck.optimizer_from_safe(
+        opt2, ck.load_tensors(tmp_path / "opt.safetensors"), ck.read_json(tmp_path / "opt.json")
+    )
     a, b = opt.state_dict(), opt2.state_dict()
     for pid in a["state"]:
         for k, v in a["state"][pid].items():

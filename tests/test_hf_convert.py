@@ -35,13 +35,23 @@ def _randomize(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or ".ln_" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p))
+                p.copy_(
+                    1.0 + 0.3 * torch.randn_like(p) if name.endswith("weight") else 0.1 * torch.randn_like(p)
+                )
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
 
 
-_LLAMA_LIKE = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5)
+_LLAMA_LIKE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=VOCAB,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-5,
+)
 _GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32)
 
 CASES = {
@@ -49,10 +59,16 @@ CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_LIKE, tie_word_embeddings=False)),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_LIKE, tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_LIKE, tie_word_embeddings=True)),
-    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_LIKE, tie_word_embeddings=False,
-                                                            rope_theta=1000000.0)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_LIKE, num_key_value_heads=1,
-                                                            sliding_window=None, rope_theta=500000.0)),
+    "qwen2_untied": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_LLAMA_LIKE, tie_word_embeddings=False, rope_theta=1000000.0),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(_LLAMA_LIKE, num_key_value_heads=1, sliding_window=None, rope_theta=500000.0),
+    ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2)),
     "gpt2_untied": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, tie_word_embeddings=False, n_inner=96)),
 }
@@ -174,7 +190,10 @@ def test_import_from_sharded_index(llama_dir, tmp_path):
     folder = tmp_path / "sharded"
     folder.mkdir()
     shutil.copy(os.path.join(src, "config.json"), folder / "config.json")
-    files = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    files = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     weight_map = {}
     for fname, keys in files.items():
         save_file({k: state[k] for k in keys}, str(folder / fname), metadata={"format": "pt"})
@@ -215,8 +234,12 @@ def test_export_copies_tokenizer_files(llama_dir, tmp_path):
     (tok / "unrelated.txt").write_text("x")
     model, cfg = hf.import_hf(src)
     out = hf.export_hf(model, cfg, tmp_path / "out", "LlamaForCausalLM", tokenizer_dir=tok)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                      "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     with pytest.raises(hf.ConversionError, match="tokenizer folder .*nowhere does not exist"):
         hf.export_hf(model, cfg, tmp_path / "out2", "llama", tokenizer_dir=tmp_path / "nowhere")
 
@@ -226,8 +249,9 @@ def test_export_copies_tokenizer_files(llama_dir, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case,cls", [("llama", "LlamaForSequenceClassification"),
-                                      ("qwen2", "Qwen2ForSequenceClassification")])
+@pytest.mark.parametrize(
+    "case,cls", [("llama", "LlamaForSequenceClassification"), ("qwen2", "Qwen2ForSequenceClassification")]
+)
 def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     ref = _hf_model(case, model_class=cls, num_labels=1, pad_token_id=0)
     src = _save(ref, tmp_path / "rm")
@@ -280,14 +304,25 @@ def test_critic_from_causal_lm_keeps_fresh_head(llama_dir):
 
 def test_model_config_from_hf_fields():
     c = hf.model_config_from_hf(transformers.GPT2Config(**_GPT2))
-    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_size, c.max_seq_len) == (2, 64, 4, 256, 32)
-    assert (c.activation, c.normalization, c.position_embedding) == ("gelu_tanh", "LayerNorm", "learned_absolute")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_size, c.max_seq_len) == (
+        2,
+        64,
+        4,
+        256,
+        32,
+    )
+    assert (c.activation, c.normalization, c.position_embedding) == (
+        "gelu_tanh",
+        "LayerNorm",
+        "learned_absolute",
+    )
     assert c.tie_embeddings and c.add_bias_linear
     q = hf.model_config_from_hf(transformers.Qwen2Config(**_LLAMA_LIKE, rope_theta=1e6))
     assert q.add_qkv_bias and not q.add_bias_linear and q.rotary_base == 1e6 and q.kv_heads == 2
     assert q.norm_epsilon == 1e-5 and q.ffn_size == 96 and q.activation == "swiglu"
-    m = hf.model_config_from_hf(transformers.MistralConfig(**{**_LLAMA_LIKE, "max_position_embeddings": 4096},
-                                                           sliding_window=1024))
+    m = hf.model_config_from_hf(
+        transformers.MistralConfig(**{**_LLAMA_LIKE, "max_position_embeddings": 4096}, sliding_window=1024)
+    )
     assert m.max_seq_len == 1024  # capped at the sliding window
     lb = hf.model_config_from_hf(transformers.LlamaConfig(**_LLAMA_LIKE, attention_bias=True, mlp_bias=True))
     assert lb.add_bias_linear
@@ -301,7 +336,9 @@ def test_model_config_from_hf_fields():
 def test_checkpoint_round_trip_across_vocab_padding(llama_dir, tmp_path):
     ref, src = llama_dir
     model, cfg = hf.import_hf(src, make_vocab_size_divisible_by=16)
-    ckpt = checkpoint_io.save_model_checkpoint(model, cfg, tmp_path / "ckpt", hf_architecture="LlamaForCausalLM")
+    ckpt = checkpoint_io.save_model_checkpoint(
+        model, cfg, tmp_path / "ckpt", hf_architecture="LlamaForCausalLM"
+    )
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["format"] == "aligner-model" and meta["version"] == 1 and meta["role"] == "policy"
     assert ModelConfig.from_dict(meta["model_config"]) == cfg
@@ -347,14 +384,18 @@ def test_checkpoint_errors_name_the_file(llama_dir, tmp_path):
     (ckpt / "meta.json").write_text("{not json")
     with pytest.raises(hf.ConversionError, match=r"meta\.json.*not valid JSON"):
         checkpoint_io.load_model_checkpoint(model, ckpt)
-    (ckpt / "meta.json").write_text(json.dumps({**meta, "model_config": {**meta["model_config"], "num_layers": 3}}))
+    (ckpt / "meta.json").write_text(
+        json.dumps({**meta, "model_config": {**meta["model_config"], "num_layers": 3}})
+    )
     with pytest.raises(hf.ConversionError, match=r"num_layers: 2 != 3"):
         checkpoint_io.load_model_checkpoint(model, ckpt)
     (ckpt / "meta.json").write_text(json.dumps(meta))
     state = load_file(str(ckpt / "model.safetensors"))
     state["decoder.final_layernorm.weight"] = torch.ones(63)
     save_file(state, str(ckpt / "model.safetensors"))
-    with pytest.raises(hf.ConversionError, match=r"decoder\.final_layernorm\.weight: expected shape \(64,\), got \(63,\)"):
+    with pytest.raises(
+        hf.ConversionError, match=r"decoder\.final_layernorm\.weight: expected shape \(64,\), got \(63,\)"
+    ):
         checkpoint_io.load_model_checkpoint(model, ckpt)
 
 
@@ -421,9 +462,11 @@ def test_tensor_with_wrong_shape(llama_dir, tmp_path):
     state = load_file(path)
     state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
     save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(hf.ConversionError,
-                       match=r"model\.layers\.1\.self_attn\.k_proj\.weight in .*model\.safetensors: "
-                             r"expected shape \(32, 64\), got \(16, 64\)"):
+    with pytest.raises(
+        hf.ConversionError,
+        match=r"model\.layers\.1\.self_attn\.k_proj\.weight in .*model\.safetensors: "
+        r"expected shape \(32, 64\), got \(16, 64\)",
+    ):
         hf.import_hf(d)
 
 
@@ -445,14 +488,17 @@ def test_missing_safetensors(llama_dir, tmp_path):
 
 
 def test_tp_size_that_does_not_divide_heads(llama_dir):
-    with pytest.raises(hf.ConversionError,
-                       match=r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"):
+    with pytest.raises(
+        hf.ConversionError, match=r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"
+    ):
         hf.validate_hf_folder(llama_dir[1], tensor_parallel_size=3)
 
 
 def test_policy_from_sequence_classifier_is_refused(tmp_path):
-    src = _save(_hf_model("llama", model_class="LlamaForSequenceClassification", num_labels=1, pad_token_id=0),
-                tmp_path / "rm")
+    src = _save(
+        _hf_model("llama", model_class="LlamaForSequenceClassification", num_labels=1, pad_token_id=0),
+        tmp_path / "rm",
+    )
     with pytest.raises(hf.ConversionError, match="not as a policy"):
         hf.import_hf(src, "policy")
 
@@ -460,7 +506,9 @@ def test_policy_from_sequence_classifier_is_refused(tmp_path):
 def test_export_to_a_family_that_cannot_hold_the_model(tmp_path):
     src = _save(_hf_model("gpt2"), tmp_path / "gpt2")
     model, cfg = hf.import_hf(src)
-    with pytest.raises(hf.ConversionError, match=r"(?s)cannot export this model as LlamaForCausalLM.*normalization"):
+    with pytest.raises(
+        hf.ConversionError, match=r"(?s)cannot export this model as LlamaForCausalLM.*normalization"
+    ):
         hf.export_hf(model, cfg, tmp_path / "out", "llama")
     assert not (tmp_path / "out").exists()
 

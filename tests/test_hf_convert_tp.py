@@ -43,9 +43,18 @@ def _randomize(model: torch.nn.Module) -> None:
 def _llama(tmp_path, name, cls="LlamaForCausalLM", layers=2, **kw):
     torch.manual_seed(7)
     config = transformers.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=32, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, attn_implementation="eager", **kw)
+        num_hidden_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **kw,
+    )
     model = getattr(transformers, cls)(config).eval()
     _randomize(model)
     path = tmp_path / name
@@ -72,8 +81,9 @@ def _reload_logits(folder, tokens, cls="LlamaForCausalLM"):
 
 def test_tp2_import_export_and_checkpoint(tmp_path):
     ref_model, hf_dir = _llama(tmp_path, "llama")
-    rm_ref, rm_dir = _llama(tmp_path, "llama_rm", cls="LlamaForSequenceClassification", num_labels=1,
-                            pad_token_id=0)
+    rm_ref, rm_dir = _llama(
+        tmp_path, "llama_rm", cls="LlamaForSequenceClassification", num_labels=1, pad_token_id=0
+    )
     tokens = _tokens()
     out = tmp_path / "out"
     out.mkdir()

@@ -24,8 +24,14 @@ def world():
 @pytest.mark.parametrize(
     "kwargs,fragment",
     [
-        (dict(hidden_size=30, num_attention_heads=4), "hidden_size=30 is not divisible by num_attention_heads=4"),
-        (dict(num_attention_heads=4, num_query_groups=3), "num_attention_heads=4 is not divisible by num_query_groups=3"),
+        (
+            dict(hidden_size=30, num_attention_heads=4),
+            "hidden_size=30 is not divisible by num_attention_heads=4",
+        ),
+        (
+            dict(num_attention_heads=4, num_query_groups=3),
+            "num_attention_heads=4 is not divisible by num_query_groups=3",
+        ),
         (dict(num_layers=0), "num_layers=0"),
         (dict(normalization="BatchNorm"), "normalization='BatchNorm'"),
         (dict(activation="tanh"), "activation='tanh'"),
@@ -71,7 +77,9 @@ def test_architecture_diff():
 
 def test_padded_vocab():
     cfg = ModelConfig(**{**TINY, "vocab_size": 14, "make_vocab_size_divisible_by": 4})
-    assert cfg.padded_vocab_size(1) == 16 and cfg.padded_vocab_size(2) == 16 and cfg.padded_vocab_size(3) == 24
+    assert (
+        cfg.padded_vocab_size(1) == 16 and cfg.padded_vocab_size(2) == 16 and cfg.padded_vocab_size(3) == 24
+    )
 
 
 def test_swiglu_ffn_default():
@@ -144,9 +152,16 @@ def test_tied_embeddings_share_one_tensor():
 
 
 def test_gpt2_style_variant_builds():
-    cfg = ModelConfig(**{**TINY, "normalization": "LayerNorm", "activation": "gelu_tanh",
-                         "position_embedding": "learned_absolute", "add_bias_linear": True,
-                         "tie_embeddings": True})
+    cfg = ModelConfig(
+        **{
+            **TINY,
+            "normalization": "LayerNorm",
+            "activation": "gelu_tanh",
+            "position_embedding": "learned_absolute",
+            "add_bias_linear": True,
+            "tie_embeddings": True,
+        }
+    )
     model = gpt.build_policy(cfg)
     names = gpt.tensor_state_dict(model)
     assert "embedding.position_embeddings.weight" in names
@@ -167,7 +182,10 @@ def test_init_from_checkpoint_checks_architecture(tmp_path):
     with torch.no_grad():
         assert torch.equal(gpt.policy_logits(saved, tokens), gpt.policy_logits(fresh, tokens))
     with pytest.raises(ConversionError, match="hidden_size: 64 != 32"):
-        load_weights_from(gpt.build_policy(ModelConfig(**{**TINY, "hidden_size": 64})),
-                          ModelConfig(**{**TINY, "hidden_size": 64}), tmp_path / "ckpt")
+        load_weights_from(
+            gpt.build_policy(ModelConfig(**{**TINY, "hidden_size": 64})),
+            ModelConfig(**{**TINY, "hidden_size": 64}),
+            tmp_path / "ckpt",
+        )
     with pytest.raises(ConversionError, match="expected a checkpoint folder with meta.json"):
         load_weights_from(fresh, cfg, tmp_path)

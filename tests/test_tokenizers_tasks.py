@@ -44,7 +44,7 @@ def test_hf_tokenizer_from_local_folder(tmp_path):
     fast.save_pretrained(tmp_path)
     tok = build_tokenizer(str(tmp_path))
     assert tok.vocab_size == 5 and tok.eos_id == 1 and tok.pad_id == 0
-    assert tok.decode(tok.encode("abc")) .replace(" ", "") == "abc"
+    assert tok.decode(tok.encode("abc")).replace(" ", "") == "abc"
     assert tok.fingerprint().startswith("hf:")
 
 

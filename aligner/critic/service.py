@@ -59,6 +59,7 @@ from aligner.models.gpt import (
     tensor_state_dict,
     token_values,
 )
+from aligner.optim import clip_grad_norm
 from aligner.ppo.core import explained_variance, value_loss
 
 __all__ = [
@@ -513,27 +514,8 @@ class CriticService:
         return total.astype(np.float32)
 
     def _grad_norm_and_clip(self, max_norm: float | None) -> float:
-        """Global L2 norm of the gradients over the TP group (sharded weights summed across ranks,
-        replicated ones counted once), then clipped to ``max_norm`` if given."""
-        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().float().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp_size > 1:
-            dist.all_reduce(sharded, group=self.state.tp_group)
-        norm = float(torch.sqrt(sharded + replicated))
-        if max_norm and math.isfinite(norm) and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        """Global gradient norm over the TP group, clipped to ``max_norm`` if given."""
+        return clip_grad_norm(self.params, max_norm, self.state.tp_group, self.tp_size, self.tp_rank)
 
     def _train_step(self, req: P.TrainRequest) -> P.TrainResult:
         o = self.cfg.optim

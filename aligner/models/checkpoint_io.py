@@ -42,18 +42,32 @@ from aligner.models.hf import (
     write_tensor_stream,
 )
 
-__all__ = ["FORMAT", "VERSION", "save_model_checkpoint", "read_checkpoint_meta", "load_model_checkpoint",
-           "build_from_checkpoint", "load_weights_from"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "save_model_checkpoint",
+    "read_checkpoint_meta",
+    "load_model_checkpoint",
+    "build_from_checkpoint",
+    "load_weights_from",
+]
 
 FORMAT = "aligner-model"
 VERSION = 1
 _HEAD_ROLE = {head: role for role, head in ROLES.items()}
 
 
-def save_model_checkpoint(model: torch.nn.Module, cfg: ModelConfig | None, out_dir: str | os.PathLike,
-                          role: str | None = None, *, hf_architecture: str | None = None,
-                          hf_config: dict | None = None, dtype: torch.dtype | str | None = None,
-                          overwrite: bool = False) -> Path:
+def save_model_checkpoint(
+    model: torch.nn.Module,
+    cfg: ModelConfig | None,
+    out_dir: str | os.PathLike,
+    role: str | None = None,
+    *,
+    hf_architecture: str | None = None,
+    hf_config: dict | None = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write ``model`` (sharded over the current TP/PP layout) as a full checkpoint.
 
     Collective: call on every rank; global rank 0 writes. ``role`` defaults to the model's head.
@@ -70,15 +84,22 @@ def save_model_checkpoint(model: torch.nn.Module, cfg: ModelConfig | None, out_d
     wire = dtype or next(iter(m.parameters())).dtype
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
-    meta: dict[str, Any] = {"format": FORMAT, "version": VERSION, "model_config": cfg.to_dict(), "role": role,
-                            "hf_architecture": hf_architecture}
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_config": cfg.to_dict(),
+        "role": role,
+        "hf_architecture": hf_architecture,
+    }
     if hf_config is not None:
         meta["hf_config"] = hf_config
     entries = [(s.name, s.shape, wire) for s in megatron_tensor_specs(cfg, head)]
     stream = iter_megatron_tensors(m, cfg, dtype=wire)
     if _is_writer():
         with atomic_output_dir(out_dir, overwrite) as tmp:
-            write_tensor_stream(stream, tmp / "model.safetensors", entries, {"format": "pt", "producer": FORMAT})
+            write_tensor_stream(
+                stream, tmp / "model.safetensors", entries, {"format": "pt", "producer": FORMAT}
+            )
             with open(tmp / "meta.json", "w", encoding="utf-8") as fh:
                 json.dump(meta, fh, indent=2, sort_keys=True)
                 fh.write("\n")
@@ -130,12 +151,16 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
     cfg: ModelConfig = getattr(m, "aligner_config", saved)
     saved_head = ROLES[meta["role"]]
     if (saved_head == "lm") != (head == "lm"):
-        raise ConversionError(f"{folder / 'meta.json'}: role {meta['role']!r} cannot be loaded into a model "
-                              f"with a {head!r} head")
+        raise ConversionError(
+            f"{folder / 'meta.json'}: role {meta['role']!r} cannot be loaded into a model "
+            f"with a {head!r} head"
+        )
     diff = weight_layout_diff(cfg, saved, head)
     if diff:
-        raise ConversionError(f"{folder / 'meta.json'}: model_config does not match the model (model != file): "
-                              + "; ".join(diff))
+        raise ConversionError(
+            f"{folder / 'meta.json'}: model_config does not match the model (model != file): "
+            + "; ".join(diff)
+        )
     path = folder / "model.safetensors"
     specs = megatron_tensor_specs(cfg, head)
     try:
@@ -149,16 +174,23 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
             if s.name not in names:
                 problems.append(f"missing tensor {s.name} (expected shape {s.shape})")
             elif tuple(fh.get_slice(s.name).get_shape()) != s.shape:
-                problems.append(f"tensor {s.name}: expected shape {s.shape}, "
-                                f"got {tuple(fh.get_slice(s.name).get_shape())}")
+                problems.append(
+                    f"tensor {s.name}: expected shape {s.shape}, "
+                    f"got {tuple(fh.get_slice(s.name).get_shape())}"
+                )
         if problems:
             raise ConversionError(f"{path} does not match the model:\n  " + "\n  ".join(problems[:20]))
         load_megatron_tensors(m, cfg, fh.get_tensor)
     return meta
 
 
-def build_from_checkpoint(ckpt_dir: str | os.PathLike, role: str | None = None, *,
-                          params_dtype: torch.dtype = torch.float32, **overrides: Any):
+def build_from_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    role: str | None = None,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
     """Build a model of the checkpoint's config (``overrides``: e.g. ``make_vocab_size_divisible_by``)
     on the current TP/PP layout and load it. Returns ``(model, cfg, meta)``."""
     meta = read_checkpoint_meta(ckpt_dir)
@@ -184,12 +216,16 @@ def load_weights_from(model: torch.nn.Module, cfg: ModelConfig, path: str | os.P
         saved = model_config_from_hf(folder, max_seq_len=cfg.max_seq_len)
         kind = "hf"
     else:
-        raise ConversionError(f"init_from={str(path)!r}: expected a checkpoint folder with meta.json "
-                              "(aligner-convert import) or a Hugging Face folder with config.json")
+        raise ConversionError(
+            f"init_from={str(path)!r}: expected a checkpoint folder with meta.json "
+            "(aligner-convert import) or a Hugging Face folder with config.json"
+        )
     diff = cfg.architecture_diff(saved)
     if diff:
-        raise ConversionError(f"init_from={str(path)!r} holds a different architecture than the config "
-                              f"(config vs checkpoint): {'; '.join(diff)}")
+        raise ConversionError(
+            f"init_from={str(path)!r} holds a different architecture than the config "
+            f"(config vs checkpoint): {'; '.join(diff)}"
+        )
     if kind == "aligner":
         load_model_checkpoint(model, folder)
     else:

@@ -75,8 +75,14 @@ class ModelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 e.append(f"{name}={v!r}: expected a positive integer")
 
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_seq_len",
-                     "make_vocab_size_divisible_by"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_seq_len",
+            "make_vocab_size_divisible_by",
+        ):
             positive(name)
         if self.num_query_groups is not None:
             positive("num_query_groups")
@@ -85,11 +91,15 @@ class ModelConfig:
         if e:
             return e
         if self.hidden_size % self.num_attention_heads:
-            e.append(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                     f"{self.num_attention_heads}")
+            e.append(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.kv_heads:
-            e.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                     f"num_query_groups={self.kv_heads}")
+            e.append(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.kv_heads}"
+            )
         if self.normalization not in NORMS:
             e.append(f"normalization={self.normalization!r}: expected one of {NORMS}")
         if self.activation not in ACTIVATIONS:
@@ -107,12 +117,18 @@ class ModelConfig:
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         if tp > 1:
             if self.num_attention_heads % tp:
-                e.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                         f"tensor_model_parallel_size={tp}")
+                e.append(
+                    f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                    f"tensor_model_parallel_size={tp}"
+                )
             if self.kv_heads % tp:
-                e.append(f"num_query_groups={self.kv_heads} is not divisible by tensor_model_parallel_size={tp}")
+                e.append(
+                    f"num_query_groups={self.kv_heads} is not divisible by tensor_model_parallel_size={tp}"
+                )
             if self.ffn_size % tp:
-                e.append(f"ffn_hidden_size={self.ffn_size} is not divisible by tensor_model_parallel_size={tp}")
+                e.append(
+                    f"ffn_hidden_size={self.ffn_size} is not divisible by tensor_model_parallel_size={tp}"
+                )
         if pp > 1 and self.num_layers % pp:
             e.append(f"num_layers={self.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
         return e

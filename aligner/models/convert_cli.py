@@ -24,29 +24,42 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aligner-convert", description="Hugging Face folders <-> our model checkpoints.")
+    p = argparse.ArgumentParser(
+        prog="aligner-convert", description="Hugging Face folders <-> our model checkpoints."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def parallel(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--tp", type=int, default=1, help="tensor-parallel size to build the model with")
         sp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to build the model with")
-        sp.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
-                        help="dtype of the model while converting, and of the written tensors")
+        sp.add_argument(
+            "--dtype",
+            choices=sorted(_DTYPES),
+            default="float32",
+            help="dtype of the model while converting, and of the written tensors",
+        )
         sp.add_argument("--overwrite", action="store_true", help="replace the output folder if it exists")
 
     imp = sub.add_parser("import", help="HF folder -> our checkpoint folder")
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
     imp.add_argument("--role", choices=("policy", "critic", "reward"), default="policy")
-    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
-                     help="stored in the checkpoint's model config (the files hold the un-padded vocab)")
+    imp.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=None,
+        help="stored in the checkpoint's model config (the files hold the un-padded vocab)",
+    )
     parallel(imp)
 
     exp = sub.add_parser("export", help="our checkpoint folder -> HF folder")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
-    exp.add_argument("--arch", default=None,
-                     help="HF architecture or family (default: the one recorded at import, else llama)")
+    exp.add_argument(
+        "--arch",
+        default=None,
+        help="HF architecture or family (default: the one recorded at import, else llama)",
+    )
     exp.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied alongside")
     parallel(exp)
     return p
@@ -73,24 +86,45 @@ def _run(args: argparse.Namespace) -> None:
 
     owned = not dist.is_initialized() and not mpu.model_parallel_is_initialized()
     if owned:
-        distributed.initialize(distributed.ParallelConfig(tensor_model_parallel_size=args.tp,
-                                                          pipeline_model_parallel_size=args.pp))
+        distributed.initialize(
+            distributed.ParallelConfig(
+                tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+            )
+        )
     elif (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size()) != (
-            args.tp, args.pp):
+        args.tp,
+        args.pp,
+    ):
         raise hf.ConversionError(
             f"the process is already set up for TP={mpu.get_tensor_model_parallel_world_size()}, "
-            f"PP={mpu.get_pipeline_model_parallel_world_size()}, not --tp {args.tp} --pp {args.pp}")
+            f"PP={mpu.get_pipeline_model_parallel_world_size()}, not --tp {args.tp} --pp {args.pp}"
+        )
     try:
         if args.command == "import":
             model, cfg = hf.import_hf(args.hf_dir, args.role, params_dtype=dtype, **overrides)
             checkpoint_io.save_model_checkpoint(
-                model, cfg, args.out_dir, args.role, hf_architecture=hf.hf_architecture(args.hf_dir),
-                hf_config=hf.read_hf_config(args.hf_dir), dtype=dtype, overwrite=args.overwrite)
+                model,
+                cfg,
+                args.out_dir,
+                args.role,
+                hf_architecture=hf.hf_architecture(args.hf_dir),
+                hf_config=hf.read_hf_config(args.hf_dir),
+                dtype=dtype,
+                overwrite=args.overwrite,
+            )
         else:
             model, cfg, meta = checkpoint_io.build_from_checkpoint(args.ckpt_dir, params_dtype=dtype)
             arch = args.arch or meta.get("hf_architecture") or "llama"
-            hf.export_hf(model, cfg, args.out_dir, arch, tokenizer_dir=args.tokenizer, dtype=dtype,
-                         hf_config=meta.get("hf_config"), overwrite=args.overwrite)
+            hf.export_hf(
+                model,
+                cfg,
+                args.out_dir,
+                arch,
+                tokenizer_dir=args.tokenizer,
+                dtype=dtype,
+                hf_config=meta.get("hf_config"),
+                overwrite=args.overwrite,
+            )
     finally:
         if owned:
             distributed.destroy()

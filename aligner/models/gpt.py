@@ -56,8 +56,12 @@ class ScalarHead(nn.Module):
             p.tensor_model_parallel = False
             p.sequence_parallel = False
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, None]:
         """hidden [s, b, h] -> ([s, b, 1], None), the output-layer calling convention."""
         return F.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None
 
@@ -72,8 +76,12 @@ def _activation(name: str):
     }[name]
 
 
-def transformer_config(cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                       params_dtype: torch.dtype = torch.float32):
+def transformer_config(
+    cfg: ModelConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+):
     """The Megatron ``TransformerConfig`` for ``cfg`` on a given TP x PP layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,8 +121,15 @@ def transformer_config(cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline
     )
 
 
-def _build(cfg: ModelConfig, head: str, tensor_parallel_size: int | None, pipeline_parallel_size: int | None,
-           pre_process: bool | None, post_process: bool | None, params_dtype: torch.dtype):
+def _build(
+    cfg: ModelConfig,
+    head: str,
+    tensor_parallel_size: int | None,
+    pipeline_parallel_size: int | None,
+    pre_process: bool | None,
+    post_process: bool | None,
+    params_dtype: torch.dtype,
+):
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -147,42 +162,67 @@ def _build(cfg: ModelConfig, head: str, tensor_parallel_size: int | None, pipeli
     return model
 
 
-def build_policy(cfg: ModelConfig, *, tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
-                 post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+def build_policy(
+    cfg: ModelConfig,
+    *,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+):
     """A GPT with an LM head. Call after :func:`aligner.distributed.initialize`."""
-    return _build(cfg, "lm", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
-                  params_dtype)
+    return _build(
+        cfg, "lm", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process, params_dtype
+    )
 
 
-def build_critic(cfg: ModelConfig, *, init_from=None, tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
-                 post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+def build_critic(
+    cfg: ModelConfig,
+    *,
+    init_from=None,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+):
     """A GPT with a value head (one value per token).
 
     ``init_from``: a reward model (or its state dict) of the same shape to start from, as the
     N+ implementation details recommend; otherwise a fresh trunk and an N(0, 1/sqrt(d+1)) head.
     """
-    model = _build(cfg, "value", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
-                   params_dtype)
+    model = _build(
+        cfg, "value", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process, params_dtype
+    )
     if init_from is not None:
         state = init_from.state_dict() if isinstance(init_from, nn.Module) else init_from
         load_state_dict_strict(model, state, what="critic initialised from the reward model")
     return model
 
 
-def build_reward_model(cfg: ModelConfig, *, tensor_parallel_size: int | None = None,
-                       pipeline_parallel_size: int | None = None, pre_process: bool | None = None,
-                       post_process: bool | None = None, params_dtype: torch.dtype = torch.float32):
+def build_reward_model(
+    cfg: ModelConfig,
+    *,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+):
     """A GPT with a scalar head read at each sample's last token."""
-    return _build(cfg, "reward", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process,
-                  params_dtype)
+    return _build(
+        cfg, "reward", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process, params_dtype
+    )
 
 
 def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors by name, without Megatron's ``_extra_state`` placeholders."""
-    return {k: v for k, v in model.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return {
+        k: v
+        for k, v in model.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
 
 
 def load_state_dict_strict(model: nn.Module, state: dict, what: str = "model") -> None:
@@ -191,8 +231,11 @@ def load_state_dict_strict(model: nn.Module, state: dict, what: str = "model") -
     given = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     missing = sorted(set(own) - set(given))
     unexpected = sorted(set(given) - set(own))
-    wrong = [f"{k}: expected {tuple(own[k].shape)}, got {tuple(given[k].shape)}"
-             for k in sorted(set(own) & set(given)) if tuple(own[k].shape) != tuple(given[k].shape)]
+    wrong = [
+        f"{k}: expected {tuple(own[k].shape)}, got {tuple(given[k].shape)}"
+        for k in sorted(set(own) & set(given))
+        if tuple(own[k].shape) != tuple(given[k].shape)
+    ]
     if missing or unexpected or wrong:
         parts = []
         if missing:

@@ -260,8 +260,15 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
         L, H = _int_field(c, "n_layer", where), _int_field(c, "n_embd", where)
         heads = _int_field(c, "n_head", where)
         inner = getattr(c, "n_inner", None)
-        act_map = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-                   "gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu"}
+        act_map = {
+            "gelu_new": "gelu_tanh",
+            "gelu_pytorch_tanh": "gelu_tanh",
+            "gelu_fast": "gelu_tanh",
+            "gelu": "gelu",
+            "relu": "relu",
+            "silu": "silu",
+            "swish": "silu",
+        }
         act = getattr(c, "activation_function", "gelu_new")
         if act not in act_map:
             errors.append(f"activation_function={act!r} is not supported; supported: {sorted(act_map)}")
@@ -272,14 +279,20 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
         if getattr(c, "add_cross_attention", False):
             errors.append("add_cross_attention=True is not supported (decoder-only models only)")
         fields: dict[str, Any] = dict(
-            num_layers=L, hidden_size=H, num_attention_heads=heads, num_query_groups=None,
+            num_layers=L,
+            hidden_size=H,
+            num_attention_heads=heads,
+            num_query_groups=None,
             ffn_hidden_size=int(inner) if inner else 4 * H,
             vocab_size=_int_field(c, "vocab_size", where),
             max_seq_len=_int_field(c, "n_positions", where),
-            normalization="LayerNorm", norm_epsilon=float(getattr(c, "layer_norm_epsilon", 1e-5)),
-            activation=act_map.get(act, "gelu_tanh"), position_embedding="learned_absolute",
+            normalization="LayerNorm",
+            norm_epsilon=float(getattr(c, "layer_norm_epsilon", 1e-5)),
+            activation=act_map.get(act, "gelu_tanh"),
+            position_embedding="learned_absolute",
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
-            add_bias_linear=True, add_qkv_bias=False,
+            add_bias_linear=True,
+            add_qkv_bias=False,
         )
     else:
         L, H = _int_field(c, "num_hidden_layers", where), _int_field(c, "hidden_size", where)
@@ -290,16 +303,20 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
             errors.append(f"hidden_act={act!r} is not supported (the Llama family converts with 'silu' only)")
         head_dim = getattr(c, "head_dim", None)
         if head_dim is not None and heads and head_dim * heads != H:
-            errors.append(f"head_dim={head_dim} differs from hidden_size/num_attention_heads="
-                          f"{H}/{heads}; ModelConfig has no separate head dimension")
+            errors.append(
+                f"head_dim={head_dim} differs from hidden_size/num_attention_heads="
+                f"{H}/{heads}; ModelConfig has no separate head dimension"
+            )
         rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
         if rp and all(isinstance(v, dict) for v in rp.values()):
             errors.append(f"rope_parameters per layer type {sorted(rp)} are not supported")
             rp = {}
         rope_type = rp.get("rope_type") or rp.get("type") or "default"
         if rope_type != "default":
-            errors.append(f"rope_parameters.rope_type={rope_type!r} (rope scaling) is not supported; "
-                          "supported: 'default'")
+            errors.append(
+                f"rope_parameters.rope_type={rope_type!r} (rope scaling) is not supported; "
+                "supported: 'default'"
+            )
         theta = rp.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
         prf = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
         if prf not in (None, 1, 1.0):
@@ -307,14 +324,17 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
         max_pos = _int_field(c, "max_position_embeddings", where)
         window = getattr(c, "sliding_window", None)
         uses_window = window is not None and (
-            family == "mistral" or getattr(c, "use_sliding_window", False)
+            family == "mistral"
+            or getattr(c, "use_sliding_window", False)
             or "sliding_attention" in (getattr(c, "layer_types", None) or [])
         )
         if uses_window and window is not None:
             max_pos = min(max_pos, int(window))
             if overrides.get("max_seq_len", max_pos) > max_pos:
-                errors.append(f"max_seq_len={overrides['max_seq_len']} is longer than sliding_window={window}: "
-                              "Megatron's local attention has no sliding window")
+                errors.append(
+                    f"max_seq_len={overrides['max_seq_len']} is longer than sliding_window={window}: "
+                    "Megatron's local attention has no sliding window"
+                )
         attn_bias = bool(getattr(c, "attention_bias", False))
         mlp_bias = bool(getattr(c, "mlp_bias", False))
         add_bias_linear, add_qkv_bias = False, False
@@ -324,23 +344,38 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
             if attn_bias and mlp_bias:
                 add_bias_linear = True
             else:
-                errors.append(f"attention_bias={attn_bias}, mlp_bias={mlp_bias}: only both or neither "
-                              "are supported (Megatron's add_bias_linear covers every linear layer)")
+                errors.append(
+                    f"attention_bias={attn_bias}, mlp_bias={mlp_bias}: only both or neither "
+                    "are supported (Megatron's add_bias_linear covers every linear layer)"
+                )
         fields = dict(
-            num_layers=L, hidden_size=H, num_attention_heads=heads, num_query_groups=int(kv),
+            num_layers=L,
+            hidden_size=H,
+            num_attention_heads=heads,
+            num_query_groups=int(kv),
             ffn_hidden_size=_int_field(c, "intermediate_size", where),
-            vocab_size=_int_field(c, "vocab_size", where), max_seq_len=max_pos,
-            normalization="RMSNorm", norm_epsilon=float(getattr(c, "rms_norm_eps", 1e-6)),
-            activation="swiglu", position_embedding="rope", rotary_base=float(theta),
+            vocab_size=_int_field(c, "vocab_size", where),
+            max_seq_len=max_pos,
+            normalization="RMSNorm",
+            norm_epsilon=float(getattr(c, "rms_norm_eps", 1e-6)),
+            activation="swiglu",
+            position_embedding="rope",
+            rotary_base=float(theta),
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            add_bias_linear=add_bias_linear, add_qkv_bias=add_qkv_bias,
+            add_bias_linear=add_bias_linear,
+            add_qkv_bias=add_qkv_bias,
         )
     if errors:
         raise ConversionError(f"{where} ({arch}) cannot be converted:\n  " + "\n  ".join(errors))
-    if (fields["position_embedding"] == "learned_absolute" and "max_seq_len" in overrides
-            and overrides["max_seq_len"] != fields["max_seq_len"]):
-        raise ConversionError(f"{where}: max_seq_len={overrides['max_seq_len']} differs from n_positions="
-                              f"{fields['max_seq_len']}, the size of the learned position table")
+    if (
+        fields["position_embedding"] == "learned_absolute"
+        and "max_seq_len" in overrides
+        and overrides["max_seq_len"] != fields["max_seq_len"]
+    ):
+        raise ConversionError(
+            f"{where}: max_seq_len={overrides['max_seq_len']} differs from n_positions="
+            f"{fields['max_seq_len']}, the size of the learned position table"
+        )
     fields.update(overrides)
     try:
         return ModelConfig(**fields)
@@ -375,8 +410,10 @@ def _export_problems(cfg: ModelConfig, family: str) -> list[str]:
         if cfg.add_bias_linear or cfg.add_qkv_bias:
             e.append("biases: Mistral has no biases")
     elif cfg.add_qkv_bias and not cfg.add_bias_linear:
-        e.append("add_qkv_bias=True without add_bias_linear: Llama's attention_bias also biases o_proj; "
-                 "export as Qwen2ForCausalLM instead")
+        e.append(
+            "add_qkv_bias=True without add_bias_linear: Llama's attention_bias also biases o_proj; "
+            "export as Qwen2ForCausalLM instead"
+        )
     return e
 
 
@@ -387,8 +424,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def hf_config_from_model_config(cfg: ModelConfig, arch: str, base: Any = None,
-                                dtype: torch.dtype | None = None):
+def hf_config_from_model_config(
+    cfg: ModelConfig, arch: str, base: Any = None, dtype: torch.dtype | None = None
+):
     """The ``transformers`` config object for ``cfg`` as ``arch``.
 
     ``base`` (an HF config dict/folder, e.g. the one the model was imported from) supplies
@@ -411,26 +449,52 @@ def hf_config_from_model_config(cfg: ModelConfig, arch: str, base: Any = None,
             same_family = False
     kw: dict[str, Any] = {}
     if same_family:
-        drop = {"architectures", "transformers_version", "_name_or_path", "id2label", "label2id",
-                "num_labels", "torch_dtype", "dtype", "rope_scaling"}
+        drop = {
+            "architectures",
+            "transformers_version",
+            "_name_or_path",
+            "id2label",
+            "label2id",
+            "num_labels",
+            "torch_dtype",
+            "dtype",
+            "rope_scaling",
+        }
         kw.update({k: v for k, v in base_d.items() if k not in drop})
     else:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if k in base_d:
                 kw[k] = base_d[k]
     if family == "gpt2":
-        kw.update(n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
-                  n_inner=cfg.ffn_size, n_positions=cfg.max_seq_len, vocab_size=cfg.vocab_size,
-                  layer_norm_epsilon=cfg.norm_epsilon, activation_function=_GPT2_ACT[cfg.activation],
-                  tie_word_embeddings=cfg.tie_embeddings)
+        kw.update(
+            n_layer=cfg.num_layers,
+            n_embd=cfg.hidden_size,
+            n_head=cfg.num_attention_heads,
+            n_inner=cfg.ffn_size,
+            n_positions=cfg.max_seq_len,
+            vocab_size=cfg.vocab_size,
+            layer_norm_epsilon=cfg.norm_epsilon,
+            activation_function=_GPT2_ACT[cfg.activation],
+            tie_word_embeddings=cfg.tie_embeddings,
+        )
     else:
-        keep_window = same_family and isinstance(base_d.get("max_position_embeddings"), int) \
+        keep_window = (
+            same_family
+            and isinstance(base_d.get("max_position_embeddings"), int)
             and base_d["max_position_embeddings"] >= cfg.max_seq_len
-        kw.update(num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads,
-                  intermediate_size=cfg.ffn_size, vocab_size=cfg.vocab_size, hidden_act="silu",
-                  rms_norm_eps=cfg.norm_epsilon, tie_word_embeddings=cfg.tie_embeddings,
-                  rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)})
+        )
+        kw.update(
+            num_hidden_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.kv_heads,
+            intermediate_size=cfg.ffn_size,
+            vocab_size=cfg.vocab_size,
+            hidden_act="silu",
+            rms_norm_eps=cfg.norm_epsilon,
+            tie_word_embeddings=cfg.tie_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+        )
         kw.pop("rope_theta", None)
         if not keep_window:
             kw["max_position_embeddings"] = cfg.max_seq_len
@@ -485,7 +549,9 @@ def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[TensorSpec
     glu = cfg.activation == "swiglu"
     out = [TensorSpec("embedding.word_embeddings.weight", (V, H), "vocab", "first")]
     if cfg.position_embedding == "learned_absolute":
-        out.append(TensorSpec("embedding.position_embeddings.weight", (cfg.max_seq_len, H), "replicated", "first"))
+        out.append(
+            TensorSpec("embedding.position_embeddings.weight", (cfg.max_seq_len, H), "replicated", "first")
+        )
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
 
@@ -535,9 +601,11 @@ class _Layout:
         if not mpu.model_parallel_is_initialized():
             return cls()
         return cls(
-            tp=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
+            tp=mpu.get_tensor_model_parallel_world_size(),
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
             tp_group=mpu.get_tensor_model_parallel_group(),
-            pp=mpu.get_pipeline_model_parallel_world_size(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            pp=mpu.get_pipeline_model_parallel_world_size(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
             pp_group=mpu.get_pipeline_model_parallel_group(),
         )
 
@@ -554,12 +622,15 @@ class _Layout:
             return spec.name
         offset = self.owner(spec, cfg) * (cfg.num_layers // self.pp)
         prefix = f"decoder.layers.{spec.layer}."
-        return f"decoder.layers.{spec.layer - offset}." + spec.name[len(prefix):]
+        return f"decoder.layers.{spec.layer - offset}." + spec.name[len(prefix) :]
 
     def targets(self, cfg: ModelConfig, head: str) -> list[tuple[TensorSpec, str]]:
         """(spec, local name) of every tensor this rank holds."""
-        out = [(s, self.local_name(s, cfg)) for s in megatron_tensor_specs(cfg, head)
-               if self.owner(s, cfg) == self.pp_rank]
+        out = [
+            (s, self.local_name(s, cfg))
+            for s in megatron_tensor_specs(cfg, head)
+            if self.owner(s, cfg) == self.pp_rank
+        ]
         if head == "lm" and cfg.tie_embeddings and self.pp > 1 and self.pp_rank == self.pp - 1:
             # The last stage keeps its own copy of the tied embedding as the LM head.
             emb = megatron_tensor_specs(cfg, head)[0]
@@ -622,8 +693,11 @@ def _check_local_model(model: torch.nn.Module, cfg: ModelConfig, head: str, lay:
     expected = {name: lay.shard_shape(spec, cfg) for spec, name in lay.targets(cfg, head)}
     missing = sorted(set(expected) - set(local))
     unexpected = sorted(set(local) - set(expected))
-    wrong = [f"{k}: expected {expected[k]}, got {tuple(local[k].shape)}"
-             for k in sorted(set(expected) & set(local)) if tuple(local[k].shape) != expected[k]]
+    wrong = [
+        f"{k}: expected {expected[k]}, got {tuple(local[k].shape)}"
+        for k in sorted(set(expected) & set(local))
+        if tuple(local[k].shape) != expected[k]
+    ]
     if missing or unexpected or wrong:
         parts = []
         if missing:
@@ -634,12 +708,14 @@ def _check_local_model(model: torch.nn.Module, cfg: ModelConfig, head: str, lay:
             parts.append("shape mismatch " + "; ".join(wrong[:8]))
         raise ConversionError(
             f"the model on this rank (TP {lay.tp_rank}/{lay.tp}, PP {lay.pp_rank}/{lay.pp}) does not match "
-            f"its model config: " + ", ".join(parts))
+            f"its model config: " + ", ".join(parts)
+        )
     return local
 
 
-def iter_megatron_tensors(model: torch.nn.Module, cfg: ModelConfig | None = None, *,
-                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_megatron_tensors(
+    model: torch.nn.Module, cfg: ModelConfig | None = None, *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model's full canonical tensors (see :func:`megatron_tensor_specs`).
 
     Collective: every rank must iterate to the end. Each tensor is all-gathered over the TP
@@ -668,8 +744,13 @@ def iter_megatron_tensors(model: torch.nn.Module, cfg: ModelConfig | None = None
         yield spec.name, full
 
 
-def load_megatron_tensors(model: torch.nn.Module, cfg: ModelConfig | None,
-                          get: Callable[[str], torch.Tensor], *, skip: frozenset | set = frozenset()) -> None:
+def load_megatron_tensors(
+    model: torch.nn.Module,
+    cfg: ModelConfig | None,
+    get: Callable[[str], torch.Tensor],
+    *,
+    skip: frozenset | set = frozenset(),
+) -> None:
     """Load full canonical tensors (``get(name)``) as this rank's shards of ``model``.
 
     Only the tensors of this rank's PP stage are requested. Names in ``skip`` keep their current
@@ -694,7 +775,9 @@ def load_megatron_tensors(model: torch.nn.Module, cfg: ModelConfig | None,
                 continue
             full = get(spec.name)
             if tuple(full.shape) != spec.shape:
-                raise ConversionError(f"tensor {spec.name}: expected shape {spec.shape}, got {tuple(full.shape)}")
+                raise ConversionError(
+                    f"tensor {spec.name}: expected shape {spec.shape}, got {tuple(full.shape)}"
+                )
             target.copy_(_shard(full, spec, cfg, lay))
 
 
@@ -724,8 +807,11 @@ def _qkv_split(cfg: ModelConfig, w: torch.Tensor) -> list[torch.Tensor]:
     r = cfg.num_attention_heads // g
     rest = tuple(w.shape[1:])
     x = w.reshape(g, r + 2, d, *rest)
-    return [x[:, :r].reshape(g * r * d, *rest), x[:, r].reshape(g * d, *rest).contiguous(),
-            x[:, r + 1].reshape(g * d, *rest).contiguous()]
+    return [
+        x[:, :r].reshape(g * r * d, *rest),
+        x[:, r].reshape(g * d, *rest).contiguous(),
+        x[:, r + 1].reshape(g * d, *rest).contiguous(),
+    ]
 
 
 def _ident(hf: str, shape: tuple[int, ...]) -> _Rule:
@@ -742,7 +828,8 @@ def _zero_bias_rule(name: str) -> _Rule:
         if torch.count_nonzero(t).item():
             raise ConversionError(
                 f"{name}={t.float().tolist()} is not zero, and the HF sequence-classification head "
-                "(score) has no bias; export would change every score by this constant")
+                "(score) has no bias; export would change every score by this constant"
+            )
         return []
 
     return _Rule((), (), to_hf, lambda ts: torch.zeros(1))
@@ -759,9 +846,11 @@ def _rules(cfg: ModelConfig, family: str, head: str, hf_head: str) -> dict[str, 
     for spec in megatron_tensor_specs(cfg, head):
         n = spec.name
         if spec.layer is not None:
-            suffix = n[len(f"decoder.layers.{spec.layer}."):]
+            suffix = n[len(f"decoder.layers.{spec.layer}.") :]
             p = f"{pre}h.{spec.layer}." if gpt2 else f"{pre}layers.{spec.layer}."
-            rules[n] = _gpt2_layer_rule(cfg, p, suffix) if gpt2 else _llama_layer_rule(cfg, p, suffix, qkv_shapes)
+            rules[n] = (
+                _gpt2_layer_rule(cfg, p, suffix) if gpt2 else _llama_layer_rule(cfg, p, suffix, qkv_shapes)
+            )
         elif n == "embedding.word_embeddings.weight":
             rules[n] = _ident(pre + ("wte.weight" if gpt2 else "embed_tokens.weight"), (V, H))
         elif n == "embedding.position_embeddings.weight":
@@ -789,8 +878,12 @@ def _llama_layer_rule(cfg: ModelConfig, p: str, suffix: str, qkv_shapes) -> _Rul
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         shapes = qkv_shapes if kind == "weight" else tuple(s[:1] for s in qkv_shapes)
-        return _Rule(tuple(f"{a}{x}_proj.{kind}" for x in "qkv"), shapes,
-                     lambda t: _qkv_split(cfg, t), lambda ts: _qkv_fuse(cfg, *ts))
+        return _Rule(
+            tuple(f"{a}{x}_proj.{kind}" for x in "qkv"),
+            shapes,
+            lambda t: _qkv_split(cfg, t),
+            lambda ts: _qkv_fuse(cfg, *ts),
+        )
     if suffix == "self_attention.linear_proj.weight":
         return _ident(a + "o_proj.weight", (H, cfg.num_attention_heads * cfg.head_dim))
     if suffix == "self_attention.linear_proj.bias":
@@ -798,8 +891,12 @@ def _llama_layer_rule(cfg: ModelConfig, p: str, suffix: str, qkv_shapes) -> _Rul
     if suffix.startswith("mlp.linear_fc1."):
         kind = suffix.rsplit(".", 1)[1]
         shape = (F, H) if kind == "weight" else (F,)
-        return _Rule((f"{m}gate_proj.{kind}", f"{m}up_proj.{kind}"), (shape, shape),
-                     lambda t: [x.contiguous() for x in t.chunk(2, 0)], lambda ts: torch.cat(ts, 0))
+        return _Rule(
+            (f"{m}gate_proj.{kind}", f"{m}up_proj.{kind}"),
+            (shape, shape),
+            lambda t: [x.contiguous() for x in t.chunk(2, 0)],
+            lambda ts: torch.cat(ts, 0),
+        )
     if suffix == "mlp.linear_fc2.weight":
         return _ident(m + "down_proj.weight", (H, F))
     if suffix == "mlp.linear_fc2.bias":
@@ -814,13 +911,19 @@ def _gpt2_layer_rule(cfg: ModelConfig, p: str, suffix: str) -> _Rule:
         return _ident(p + ln + suffix.rsplit(".", 1)[1], (H,))
     if suffix == "self_attention.linear_qkv.weight":
         # c_attn: Conv1D [H, 3H] = [q | k | v] along the output dim.
-        return _Rule((p + "attn.c_attn.weight",), ((H, 3 * H),),
-                     lambda t: [torch.cat(_qkv_split(cfg, t), 0).t().contiguous()],
-                     lambda ts: _qkv_fuse(cfg, *ts[0].t().chunk(3, 0)))
+        return _Rule(
+            (p + "attn.c_attn.weight",),
+            ((H, 3 * H),),
+            lambda t: [torch.cat(_qkv_split(cfg, t), 0).t().contiguous()],
+            lambda ts: _qkv_fuse(cfg, *ts[0].t().chunk(3, 0)),
+        )
     if suffix == "self_attention.linear_qkv.bias":
-        return _Rule((p + "attn.c_attn.bias",), ((3 * H,),),
-                     lambda t: [torch.cat(_qkv_split(cfg, t), 0)],
-                     lambda ts: _qkv_fuse(cfg, *ts[0].chunk(3, 0)))
+        return _Rule(
+            (p + "attn.c_attn.bias",),
+            ((3 * H,),),
+            lambda t: [torch.cat(_qkv_split(cfg, t), 0)],
+            lambda ts: _qkv_fuse(cfg, *ts[0].chunk(3, 0)),
+        )
     if suffix == "self_attention.linear_proj.weight":
         return _transposed(p + "attn.c_proj.weight", (H, H))
     if suffix == "self_attention.linear_proj.bias":
@@ -836,7 +939,9 @@ def _gpt2_layer_rule(cfg: ModelConfig, p: str, suffix: str) -> _Rule:
     raise ConversionError(f"no GPT-2 name for decoder layer tensor {suffix!r}")
 
 
-def hf_tensor_specs(cfg: ModelConfig, arch: str, head: str | None = None) -> list[tuple[str, tuple[int, ...]]]:
+def hf_tensor_specs(
+    cfg: ModelConfig, arch: str, head: str | None = None
+) -> list[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every tensor an HF checkpoint of ``arch`` holds for ``cfg``, in
     export order. ``head`` defaults to the one ``arch`` holds."""
     family, hf_head = resolve_architecture(arch)
@@ -859,8 +964,9 @@ def _export_arch(arch: str, head: str) -> tuple[str, str, str]:
     return full, family, SUPPORTED_ARCHITECTURES[full][1]
 
 
-def iter_hf_tensors(model: torch.nn.Module, cfg: ModelConfig | None, arch: str, *,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    model: torch.nn.Module, cfg: ModelConfig | None, arch: str, *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(HF name, full tensor)`` pairs of ``model`` as ``arch`` (a family or an
     architecture name; a critic/reward model becomes the family's sequence classifier).
 
@@ -889,17 +995,30 @@ def iter_hf_tensors(model: torch.nn.Module, cfg: ModelConfig | None, arch: str, 
             yield hf_name, t
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor, knowing every name/shape/dtype in advance
     (the header comes first in the format). Tensors must arrive in the declared order."""
 
-    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         self.path = Path(path)
         self._entries = list(entries)
         self._next = 0
@@ -909,7 +1028,11 @@ class StreamingSafetensorsWriter:
             if dtype not in _ST_DTYPES:
                 raise ConversionError(f"safetensors cannot hold dtype {dtype} ({name})")
             n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
@@ -922,8 +1045,10 @@ class StreamingSafetensorsWriter:
             raise ConversionError(f"{self.path}: unexpected extra tensor {name}")
         exp_name, shape, dtype = self._entries[self._next]
         if name != exp_name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise ConversionError(f"{self.path}: expected tensor {exp_name} {tuple(shape)} {dtype} next, got "
-                                  f"{name} {tuple(tensor.shape)} {tensor.dtype}")
+            raise ConversionError(
+                f"{self.path}: expected tensor {exp_name} {tuple(shape)} {dtype} next, got "
+                f"{name} {tuple(tensor.shape)} {tensor.dtype}"
+            )
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         if t.numel():
             self._fh.write(t.view(torch.uint8).numpy().tobytes())
@@ -936,7 +1061,7 @@ class StreamingSafetensorsWriter:
         os.fsync(self._fh.fileno())
         self._fh.close()
         if self._next != len(self._entries):
-            missing = [e[0] for e in self._entries[self._next:]]
+            missing = [e[0] for e in self._entries[self._next :]]
             raise ConversionError(f"{self.path}: {len(missing)} tensors were never written: {missing[:5]}")
 
     def abort(self) -> None:
@@ -957,7 +1082,9 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError(f"output {out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ConversionError(f"output folder {out_dir} exists and is not empty (pass overwrite=True to replace it)")
+        raise ConversionError(
+            f"output folder {out_dir} exists and is not empty (pass overwrite=True to replace it)"
+        )
 
 
 @contextlib.contextmanager
@@ -985,9 +1112,12 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_tensor_stream(stream: Iterator[tuple[str, torch.Tensor]], path: Path | None,
-                        entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-                        metadata: dict[str, str] | None = None) -> None:
+def write_tensor_stream(
+    stream: Iterator[tuple[str, torch.Tensor]],
+    path: Path | None,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Drain ``stream`` (on every rank: it is collective) and write it to ``path`` where given."""
     writer = StreamingSafetensorsWriter(path, entries, metadata) if path is not None else None
     try:
@@ -1002,9 +1132,19 @@ def write_tensor_stream(stream: Iterator[tuple[str, torch.Tensor]], path: Path |
         raise
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
-                    "chat_template.json", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dst: Path) -> None:
@@ -1019,16 +1159,30 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dst: Path) -> None:
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if dtype not in names:
         raise ConversionError(f"dtype={dtype!r}: expected one of {sorted(names)}")
     return names[dtype]
 
 
-def export_hf(model: torch.nn.Module, cfg: ModelConfig | None, out_dir: str | os.PathLike, arch: str,
-              tokenizer_dir: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None, *,
-              hf_config: Any = None, overwrite: bool = False) -> Path:
+def export_hf(
+    model: torch.nn.Module,
+    cfg: ModelConfig | None,
+    out_dir: str | os.PathLike,
+    arch: str,
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    hf_config: Any = None,
+    overwrite: bool = False,
+) -> Path:
     """Write ``model`` as an HF folder (``config.json`` + ``model.safetensors``, tokenizer files
     copied from ``tokenizer_dir``). Collective: call on every rank; global rank 0 writes, into a
     temporary folder renamed into place. ``hf_config``: the HF config the model came from, to
@@ -1042,7 +1196,9 @@ def export_hf(model: torch.nn.Module, cfg: ModelConfig | None, out_dir: str | os
     full_arch, family, hf_head = _export_arch(arch, head)
     out_dir = Path(out_dir)
     wire = dtype or next(iter(m.parameters())).dtype
-    hf_conf = hf_config_from_model_config(cfg, full_arch, base=hf_config, dtype=wire)  # raises before any comm.
+    hf_conf = hf_config_from_model_config(
+        cfg, full_arch, base=hf_config, dtype=wire
+    )  # raises before any comm.
     _check_out_dir(out_dir, overwrite)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ConversionError(f"tokenizer folder {tokenizer_dir} does not exist")
@@ -1099,7 +1255,9 @@ class HFTensorSource:
         elif single.is_file():
             self._where = {k: str(single) for k in self._open(str(single)).keys()}
         else:
-            others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+            others = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+                p.name for p in folder.glob("*.pt")
+            )
             hint = f" (found {others[:3]}: only safetensors are read, never pickles)" if others else ""
             raise ConversionError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
 
@@ -1117,8 +1275,8 @@ class HFTensorSource:
         if name in self._where:
             return name
         for prefix in ("transformer.",):
-            if name.startswith(prefix) and name[len(prefix):] in self._where:
-                return name[len(prefix):]
+            if name.startswith(prefix) and name[len(prefix) :] in self._where:
+                return name[len(prefix) :]
         return None
 
     def where(self, name: str) -> str:
@@ -1163,16 +1321,25 @@ def _validate_source(src: HFTensorSource, rules: dict[str, _Rule | None], arch: 
                 continue
             got = src.shape(name)
             if got != tuple(shape):
-                problems.append(f"tensor {name} in {src.where(name)}: expected shape {tuple(shape)}, got {got}")
+                problems.append(
+                    f"tensor {name} in {src.where(name)}: expected shape {tuple(shape)}, got {got}"
+                )
     if problems:
         where = src.folder or "the given state dict"
-        raise ConversionError(f"{where} does not hold a {arch} of the expected shape:\n  "
-                              + "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more"
-                                                              if len(problems) > 20 else ""))
+        raise ConversionError(
+            f"{where} does not hold a {arch} of the expected shape:\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
 
 
-def validate_hf_folder(folder: str | os.PathLike, role: str = "policy", tensor_parallel_size: int = 1,
-                       pipeline_parallel_size: int = 1, **overrides: Any) -> tuple[ModelConfig, str]:
+def validate_hf_folder(
+    folder: str | os.PathLike,
+    role: str = "policy",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    **overrides: Any,
+) -> tuple[ModelConfig, str]:
     """Check an HF folder before any work: config.json, the architecture, the TP/PP layout,
     and every tensor's presence and shape. Returns ``(cfg, architecture)``."""
     folder = _check_folder(folder)
@@ -1204,12 +1371,18 @@ def weight_layout_diff(given: ModelConfig, other: ModelConfig, head: str) -> lis
 def _check_role(arch: str, head: str, where: Any) -> None:
     _, hf_head = resolve_architecture(arch)
     if head == "lm" and hf_head == "score":
-        raise ConversionError(f"{where}: {arch} has a sequence-classification head, not an LM head; "
-                              "it can be imported as a reward model or critic, not as a policy")
+        raise ConversionError(
+            f"{where}: {arch} has a sequence-classification head, not an LM head; "
+            "it can be imported as a reward model or critic, not as a policy"
+        )
 
 
-def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | Mapping[str, torch.Tensor],
-                          cfg: ModelConfig | None = None, arch: str | None = None) -> None:
+def load_hf_into_megatron(
+    model: torch.nn.Module,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    cfg: ModelConfig | None = None,
+    arch: str | None = None,
+) -> None:
     """Load full HF tensors (a folder, or a state dict with ``arch`` given) into this rank's
     TP shard and PP stage of ``model``. Validates everything first (one error naming the
     file/tensor/field, expected vs got).
@@ -1236,14 +1409,18 @@ def load_hf_into_megatron(model: torch.nn.Module, source: str | os.PathLike | Ma
         if arch is None:
             arch = file_arch
         elif resolve_architecture(arch)[0] != resolve_architecture(file_arch)[0]:
-            raise ConversionError(f"{folder / 'config.json'}: architecture {file_arch!r} is not the family of "
-                                  f"the requested {arch!r}")
+            raise ConversionError(
+                f"{folder / 'config.json'}: architecture {file_arch!r} is not the family of "
+                f"the requested {arch!r}"
+            )
         else:
             arch = file_arch
         diff = weight_layout_diff(cfg, model_config_from_hf(folder), head)
         if diff:
-            raise ConversionError(f"{folder / 'config.json'} does not describe the given model config "
-                                  f"(given != file): " + "; ".join(diff))
+            raise ConversionError(
+                f"{folder / 'config.json'} does not describe the given model config "
+                f"(given != file): " + "; ".join(diff)
+            )
     family, hf_head = resolve_architecture(arch)
     _check_role(arch, head, source if not isinstance(source, Mapping) else "state dict")
     rules = _rules(cfg, family, head, hf_head)
@@ -1268,8 +1445,13 @@ def build_model(cfg: ModelConfig, role: str = "policy", params_dtype: torch.dtyp
     return builder[role](cfg, params_dtype=params_dtype)
 
 
-def import_hf(folder: str | os.PathLike, role: str = "policy", *, params_dtype: torch.dtype = torch.float32,
-              **overrides: Any) -> tuple[torch.nn.Module, ModelConfig]:
+def import_hf(
+    folder: str | os.PathLike,
+    role: str = "policy",
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> tuple[torch.nn.Module, ModelConfig]:
     """Build our ``role`` model from an HF folder on the current TP/PP layout (call after
     :func:`aligner.distributed.initialize` on every rank). ``overrides``: ModelConfig fields
     such as ``make_vocab_size_divisible_by``. Returns ``(model, cfg)``."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.models import gpt
+from aligner.optim import allreduce_gradients, clip_grad_norm
 from aligner.ppo import core
 from aligner.ppo.config import ActorConfig
 
@@ -136,46 +137,6 @@ def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None) -> None:
         param.requires_grad_(keep)
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:
-    """Average gradients over the data-parallel group (one flat buffer, one collective)."""
-    if world == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float, tp_group, tp_size: int, tp_rank: int
-) -> float:
-    """Global gradient norm over all TP shards (replicated tensors counted once), clipped in place."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
-    total_sq = sharded + (replicated if tp_rank == 0 else 0.0)
-    if tp_size > 1:
-        dist.all_reduce(total_sq, group=tp_group)
-    norm = float(total_sq.sqrt())
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
-
-
 class PPOTrainer:
     """Owns the policy, the reference, the engine and the critic connection for one run."""
 
@@ -218,8 +179,9 @@ class PPOTrainer:
         # either, or training log-probs would differ from generation's.
         actions = min(getattr(tokenizer, "sample_vocab_size", cfg.model.vocab_size), cfg.model.vocab_size)
         self._actions = actions
-        self._pad_from = (max(0, min(self._vocab_local, actions - self._vocab_start))
-                          if padded > actions else None)
+        self._pad_from = (
+            max(0, min(self._vocab_local, actions - self._vocab_start)) if padded > actions else None
+        )
         self.sampling = SamplingParams(
             max_new_tokens=cfg.generation.max_new_tokens,
             temperature=cfg.generation.temperature,
@@ -337,9 +299,7 @@ class PPOTrainer:
         with torch.no_grad():
             for i in range(0, tokens.shape[0], mb):
                 logits = self._masked_logits(gpt.policy_logits(model, tokens[i : i + mb]))
-                out_lp.append(
-                    self._sequence_logprobs(logits, tokens[i : i + mb])
-                )
+                out_lp.append(self._sequence_logprobs(logits, tokens[i : i + mb]))
                 if with_entropy:
                     out_ent.append(
                         core.entropy_from_logits(
@@ -352,8 +312,13 @@ class PPOTrainer:
     def _sequence_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """logits [b, s, v] (masked), tokens [b, s] -> [b, s-1]; 0 where the target is padding
         (a never-sampled id whose log-prob is -inf; those positions are outside every mask)."""
-        lp = core.sequence_logprobs(logits, tokens, self.cfg.generation.temperature, group=self._tp_group,
-                                    vocab_start=self._vocab_start)
+        lp = core.sequence_logprobs(
+            logits,
+            tokens,
+            self.cfg.generation.temperature,
+            group=self._tp_group,
+            vocab_start=self._vocab_start,
+        )
         if self._pad_from is None:
             return lp
         return lp.masked_fill(tokens[:, 1:] >= self._actions, 0.0)

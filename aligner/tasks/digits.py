@@ -54,8 +54,9 @@ def _transform(kind: str, digits: str) -> str:
 
 
 def _reward_fn(kind: str) -> Callable[..., list[float]]:
-    def reward(prompts: Sequence[str], responses: Sequence[str], prompt_ids=None, response_ids=None,
-               **_: object) -> list[float]:
+    def reward(
+        prompts: Sequence[str], responses: Sequence[str], prompt_ids=None, response_ids=None, **_: object
+    ) -> list[float]:
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         return [match_score(r, _transform(kind, _split_prompt(p))) for p, r in zip(prompts, responses)]

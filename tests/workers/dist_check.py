@@ -28,8 +28,11 @@ def main(tp: int, pp: int) -> None:
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        logits = gpt.policy_logits(model, batch) if state.pp_size == 1 else model(
-            batch, gpt.position_ids_for(batch), attention_mask=None)
+        logits = (
+            gpt.policy_logits(model, batch)
+            if state.pp_size == 1
+            else model(batch, gpt.position_ids_for(batch), attention_mask=None)
+        )
 
         def loss_func(output):
             loss = output.float().pow(2).mean()
@@ -48,9 +51,13 @@ def main(tp: int, pp: int) -> None:
     )
     grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
     result = {
-        "rank": state.rank, "world": state.world_size, "tp": [state.tp_rank, state.tp_size],
-        "pp": [state.pp_rank, state.pp_size], "dp": [state.dp_rank, state.dp_size],
-        "device": str(state.device), "has_grads": grads > 0,
+        "rank": state.rank,
+        "world": state.world_size,
+        "tp": [state.tp_rank, state.tp_size],
+        "pp": [state.pp_rank, state.pp_size],
+        "dp": [state.dp_rank, state.dp_size],
+        "device": str(state.device),
+        "has_grads": grads > 0,
         "loss": float(losses[0]["loss"]) if losses else None,
     }
     gathered = [None] * state.world_size

@@ -1,0 +1,59 @@
+"""Gradient plumbing shared by the actor's policy and the server's critic: data-parallel
+averaging and global-norm clipping over tensor-parallel shards (replicated weights counted
+once). Optimizers themselves are torch's."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["allreduce_gradients", "clip_grad_norm"]
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:
+    """Average gradients over the data-parallel group (one flat buffer, one collective)."""
+    if world == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float | None, tp_group, tp_size: int, tp_rank: int
+) -> float:
+    """Global L2 norm of the gradients of a tensor-parallel model, then clip in place.
+
+    Weights split over TP (``tensor_model_parallel``) contribute their shard's squares from
+    every rank; replicated weights (norms, scalar heads) hold the same gradient on every TP
+    rank and are counted once, from TP rank 0. Accumulates in float64 on the gradients'
+    device, so NCCL reduces CUDA tensors. ``max_norm`` None or 0 only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    total_sq = sharded + replicated if tp_rank == 0 else sharded
+    if tp_size > 1:
+        dist.all_reduce(total_sq, group=tp_group)
+    norm = float(total_sq.sqrt())
+    if max_norm and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

@@ -46,7 +46,7 @@ def _tp_worker(rank: int, port: int, q) -> None:
         full_w = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 10  # split by rows over TP
         shared = torch.tensor([3.0, -4.0])  # replicated: same on both ranks
         w = torch.nn.Parameter(torch.zeros(3, 4))
-        w.grad = full_w[rank * 3:(rank + 1) * 3].clone()
+        w.grad = full_w[rank * 3 : (rank + 1) * 3].clone()
         w.tensor_model_parallel = True
         r = torch.nn.Parameter(torch.zeros(2))
         r.grad = shared.clone()
@@ -67,6 +67,6 @@ def test_tp2_norm_counts_shards_once_and_replicated_once():
     results = [q.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(timeout=30)
-    for rank, norm, expected in results:
+    for _rank, norm, expected in results:
         assert expected is not None, norm
         assert norm == pytest.approx(expected, rel=1e-6)  # reference summed in float32

@@ -54,16 +54,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+def atomic_directory(
+    final: str | os.PathLike, marker: dict[str, Any] | None = None, *, mark_complete: bool = True
+) -> Iterator[Path]:
     """Yield a temporary directory beside ``final``; on success, mark it complete and rename it
     to ``final`` (replacing an older one). On an exception the temporary directory is removed
-    and ``final`` is untouched."""
+    and ``final`` is untouched. ``mark_complete=False`` writes no ``complete.json`` (folders in
+    another tool's layout, such as a HF model folder)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=final.parent))
     try:
         yield tmp
-        write_json(tmp / COMPLETE_MARKER, marker or {})
+        if mark_complete:
+            write_json(tmp / COMPLETE_MARKER, marker or {})
         _fsync_dir(tmp)
         if final.exists():
             # Move the old one aside first: os.replace cannot replace a non-empty directory.

@@ -34,6 +34,7 @@ __all__ = [
     "unwrap",
     "tensor_state_dict",
     "load_state_dict_strict",
+    "shape_mismatches",
 ]
 
 
@@ -225,26 +226,39 @@ def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def shape_mismatches(expected: dict[str, tuple], got: dict[str, tuple], most: int = 8) -> list[str]:
+    """How ``got`` (tensor name -> shape) differs from ``expected``: missing names, unexpected
+    names and wrong shapes, each listed up to ``most`` entries; empty when they agree."""
+
+    def listed(names: list[str]) -> str:
+        return f"{names[:most]}{' ...' if len(names) > most else ''}"
+
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = [
+        f"{k}: expected {tuple(expected[k])}, got {tuple(got[k])}"
+        for k in sorted(set(expected) & set(got))
+        if tuple(got[k]) != tuple(expected[k])
+    ]
+    parts = []
+    if missing:
+        parts.append(f"missing {listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {listed(unexpected)}")
+    if wrong:
+        parts.append("shape mismatch " + "; ".join(wrong[:most]))
+    return parts
+
+
 def load_state_dict_strict(model: nn.Module, state: dict, what: str = "model") -> None:
     """Load ``state`` into ``model``, failing with the names and shapes that do not match."""
     own = tensor_state_dict(model)
     given = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-    missing = sorted(set(own) - set(given))
-    unexpected = sorted(set(given) - set(own))
-    wrong = [
-        f"{k}: expected {tuple(own[k].shape)}, got {tuple(given[k].shape)}"
-        for k in sorted(set(own) & set(given))
-        if tuple(own[k].shape) != tuple(given[k].shape)
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
-        if wrong:
-            parts.append("shape mismatch " + "; ".join(wrong[:8]))
-        raise ValueError(f"cannot load {what}: " + ", ".join(parts))
+    problems = shape_mismatches(
+        {k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in given.items()}
+    )
+    if problems:
+        raise ValueError(f"cannot load {what}: " + ", ".join(problems))
     with torch.no_grad():
         for k, v in given.items():
             own[k].copy_(v)

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aligner.checkpoint import atomic_directory
 from aligner.models.config import ConfigError, ModelConfig
 
 __all__ = [
@@ -686,29 +686,16 @@ def _gather(shard: torch.Tensor, spec: TensorSpec, cfg: ModelConfig, lay: _Layou
 
 
 def _check_local_model(model: torch.nn.Module, cfg: ModelConfig, head: str, lay: _Layout) -> dict:
-    from aligner.models.gpt import tensor_state_dict
+    from aligner.models.gpt import shape_mismatches, tensor_state_dict
 
     cfg.check_parallel(lay.tp, lay.pp)
     local = tensor_state_dict(model)
     expected = {name: lay.shard_shape(spec, cfg) for spec, name in lay.targets(cfg, head)}
-    missing = sorted(set(expected) - set(local))
-    unexpected = sorted(set(local) - set(expected))
-    wrong = [
-        f"{k}: expected {expected[k]}, got {tuple(local[k].shape)}"
-        for k in sorted(set(expected) & set(local))
-        if tuple(local[k].shape) != expected[k]
-    ]
-    if missing or unexpected or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:8]}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:8]}")
-        if wrong:
-            parts.append("shape mismatch " + "; ".join(wrong[:8]))
+    problems = shape_mismatches(expected, {k: tuple(v.shape) for k, v in local.items()})
+    if problems:
         raise ConversionError(
             f"the model on this rank (TP {lay.tp_rank}/{lay.tp}, PP {lay.pp_rank}/{lay.pp}) does not match "
-            f"its model config: " + ", ".join(parts)
+            f"its model config: " + ", ".join(problems)
         )
     return local
 
@@ -1089,27 +1076,13 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False):
-    """Yield a temporary folder next to ``out_dir``; on success it replaces ``out_dir``
-    (``os.replace``), on failure it is removed. Call on the writing rank only."""
+    """Yield a temporary folder next to ``out_dir``; on success it replaces ``out_dir``, on
+    failure it is removed (:func:`aligner.checkpoint.atomic_directory`, with no completion
+    marker). Call on the writing rank only."""
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir, mark_complete=False) as tmp:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out_dir.exists():
-        if any(out_dir.iterdir()):
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-        else:
-            out_dir.rmdir()
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_tensor_stream(

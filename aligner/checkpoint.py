@@ -23,6 +23,9 @@ from safetensors.torch import load_file, save_file
 
 __all__ = [
     "atomic_directory",
+    "commit_directory",
+    "rng_state_tensors",
+    "restore_rng_state",
     "save_tensors",
     "load_tensors",
     "write_json",
@@ -66,21 +69,92 @@ def atomic_directory(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=final.parent))
     try:
         yield tmp
-        if mark_complete:
-            write_json(tmp / COMPLETE_MARKER, marker or {})
-        _fsync_dir(tmp)
-        if final.exists():
-            # Move the old one aside first: os.replace cannot replace a non-empty directory.
-            old = final.parent / f".old.{final.name}.{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        commit_directory(tmp, final, marker if mark_complete else None, mark_complete=mark_complete)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def commit_directory(
+    tmp: str | os.PathLike,
+    final: str | os.PathLike,
+    marker: dict[str, Any] | None = None,
+    *,
+    mark_complete: bool = True,
+) -> None:
+    """Finish a directory written under a temporary name: write the ``complete.json`` marker
+    last, flush, and rename it to ``final`` (replacing an older one). For writers that fill one
+    temporary directory from several processes before one of them commits it."""
+    tmp, final = Path(tmp), Path(final)
+    if mark_complete:
+        write_json(tmp / COMPLETE_MARKER, marker or {})
+    _fsync_dir(tmp)
+    if final.exists():
+        # Move the old one aside first: os.replace cannot replace a non-empty directory.
+        old = final.parent / f".old.{final.name}.{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def rng_state_tensors() -> dict[str, torch.Tensor]:
+    """Every random-number state of this process as tensors: torch (CPU and CUDA), Python's
+    ``random``, NumPy's global generator and Megatron's model-parallel RNG tracker."""
+    import random
+
+    import numpy as np
+
+    out: dict[str, torch.Tensor] = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["torch_cuda"] = torch.cuda.get_rng_state()
+    version, words, gauss = random.getstate()
+    out["python"] = torch.tensor([version, *words], dtype=torch.int64)
+    out["python_gauss"] = torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64)
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+    out["numpy_pos"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
+    out["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    try:
+        from megatron.core import tensor_parallel
+
+        for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+            out[f"tracker.{name}"] = state
+    except Exception:  # no tracker set up in this process
+        pass
+    return out
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`rng_state_tensors`."""
+    import math
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
+    py = tensors["python"].tolist()
+    gauss = float(tensors["python_gauss"][0])
+    random.setstate((int(py[0]), tuple(int(w) for w in py[1:]), None if math.isnan(gauss) else gauss))
+    pos, has_gauss = (int(x) for x in tensors["numpy_pos"].tolist())
+    np.random.set_state(
+        (
+            "MT19937",
+            tensors["numpy_keys"].numpy().astype(np.uint32),
+            pos,
+            has_gauss,
+            float(tensors["numpy_gauss"][0]),
+        )
+    )
+    tracker_states = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker.")}
+    if tracker_states:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(tracker_states)
 
 
 def save_tensors(

@@ -19,19 +19,40 @@ CONSOLE_KEYS = ("objective/scores", "objective/kl", "policy/clipfrac", "loss/val
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | None, *, tensorboard: bool = True, enabled: bool = True) -> None:
+    """``resume_step``: the run continues after this step (a resume): rows of later steps, written
+    before the run stopped, are dropped from the JSONL files and from TensorBoard's view, so the
+    curves of a resumed run read as one run."""
+
+    def __init__(
+        self,
+        run_dir: str | None,
+        *,
+        tensorboard: bool = True,
+        enabled: bool = True,
+        resume_step: int | None = None,
+        print_fn: Any = print,
+    ) -> None:
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
+        self.print_fn = print_fn
         self._jsonl = None
+        self._samples = None
         self._tb = None
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        jsonl = os.path.join(run_dir, "metrics.jsonl")
+        samples = os.path.join(run_dir, "val_samples.jsonl")
+        if resume_step is not None:
+            for path in (jsonl, samples):
+                _truncate_after(path, resume_step)
+        self._jsonl = open(jsonl, "a", buffering=1)
+        self._samples = open(samples, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -47,14 +68,58 @@ class MetricsLogger:
         if self.enabled and self._tb is not None:
             self._tb.add_text(tag, text, step)
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A small table of prompts, responses and scores: console, ``val_samples.jsonl`` and
+        TensorBoard text (``val/samples``)."""
+        if not self.enabled or not rows:
+            return
+        for r in rows:
+            self._samples.write(json.dumps({"step": step, **r}) + "\n")
+        table = format_samples(rows)
+        self.text(step, "val/samples", table)
+        if self.print_fn is not None:
+            self.print_fn(f"validation samples at step {step}:\n{table}")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep only the JSONL rows of ``path`` whose step is <= ``step`` (rewritten atomically)."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def format_samples(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of prompt | response | score (TensorBoard renders it; readable as text)."""
+
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| prompt | response | score |", "|---|---|---|"]
+    out += [f"| {cell(r['prompt'])} | {cell(r['response'])} | {r['score']:.3f} |" for r in rows]
+    return "\n".join(out)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -12,13 +12,16 @@ __all__ = ["summarize", "format_summary", "plot_run"]
 
 
 def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, float]:
-    """Reward at the start and end (means over ``window`` steps), steps and wall time."""
+    """Reward at the start and end (means over ``window`` steps), steps and wall time, and the
+    last and best validation scores when the run validated."""
+    val = [r for r in rows if "val/scores" in r]
+    rows = [r for r in rows if "objective/scores" in r]  # a step-0 validation row has no rollout
     if not rows:
         raise ValueError("no metrics rows: the run logged no step")
     w = max(1, min(window, len(rows) // 2 or 1))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     scores = [r["objective/scores"] for r in rows]
-    return {
+    out = {
         "steps": len(rows),
         "reward_start": mean(scores[:w]),
         "reward_end": mean(scores[-w:]),
@@ -27,6 +30,10 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, float]:
         "wall_s": rows[-1]["time"] - rows[0]["time"] + rows[0].get("timers/step", 0.0),
         "step_s": mean([r.get("timers/step", 0.0) for r in rows]),
     }
+    if val:
+        out["val_end"] = val[-1]["val/scores"]
+        out["val_best"] = max(r["val/scores"] for r in val)
+    return out
 
 
 def format_summary(s: dict[str, float]) -> str:
@@ -36,6 +43,11 @@ def format_summary(s: dict[str, float]) -> str:
         ("reward at end", f"{s['reward_end']:.3f}"),
         ("best step reward", f"{s['reward_best']:.3f}"),
         ("KL at end", f"{s['kl_end']:.3f}"),
+        *(
+            [("validation at end", f"{s['val_end']:.3f}"), ("best validation", f"{s['val_best']:.3f}")]
+            if "val_end" in s
+            else []
+        ),
         ("mean step time", f"{s['step_s']:.3f} s"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
@@ -52,12 +64,24 @@ def plot_run(metrics_path: str, out_path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
+    all_rows = read_metrics(metrics_path)
+    rows = [r for r in all_rows if "objective/scores" in r]
+    val = [r for r in all_rows if "val/scores" in r]
     steps = [r["step"] for r in rows]
     fig, ax1 = plt.subplots(figsize=(7, 4), dpi=110)
     ax1.plot(
         steps, [r["objective/scores"] for r in rows], color="tab:blue", label="reward (objective/scores)"
     )
+    if val:
+        ax1.plot(
+            [r["step"] for r in val],
+            [r["val/scores"] for r in val],
+            "o-",
+            color="tab:green",
+            markersize=3,
+            label="validation (val/scores, greedy)",
+        )
+        ax1.legend(loc="lower right", fontsize=8)
     ax1.set_xlabel("PPO step")
     ax1.set_ylabel("mean reward", color="tab:blue")
     ax1.set_ylim(-0.02, 1.02)

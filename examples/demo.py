@@ -12,6 +12,7 @@ Extra arguments are passed to the actor as Hydra overrides, e.g.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ SERVER_OVERRIDES = [
     "optim.lr=1e-3",
     "reward.fn=aligner.tasks.digits:sort_reward",
     f"log.dir={RUN_DIR / 'critic'}",
+    f"checkpoint.dir={RUN_DIR / 'checkpoints'}",  # both roles save under one root
     "checkpoint.save_on_sigterm=false",
 ]
 
@@ -56,6 +58,8 @@ def main(argv: list[str]) -> int:
         task = task_overrides[-1].split("=", 1)[1]
         server_overrides = [o for o in server_overrides if not o.startswith("reward.fn=")]
         server_overrides.append(f"reward.fn=aligner.tasks.digits:{task}_reward")
+    if not any(a.startswith("checkpoint.resume=") for a in argv):
+        shutil.rmtree(RUN_DIR / "checkpoints", ignore_errors=True)  # each demo starts over
     cores = _cores()
     server_core, actor_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     if server_core is not None:
@@ -75,6 +79,9 @@ def main(argv: list[str]) -> int:
             str(ROOT / "examples" / "train_actor.py"),
             f"critic.url={server.url}",
             f"logging.run_dir={RUN_DIR / 'actor'}",
+            f"checkpoint.dir={RUN_DIR / 'checkpoints'}",
+            # Each demo starts over; pass checkpoint.resume=auto to continue the last one instead.
+            *([] if any(a.startswith("checkpoint.resume=") for a in argv) else ["checkpoint.resume=none"]),
             *argv,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from aligner.checkpoint import read_json  # noqa: E402
 from aligner.ppo.config import ActorConfig  # noqa: E402
 
 ConfigStore.instance().store(name="actor_schema", node=ActorConfig)
@@ -33,6 +34,7 @@ def run(cfg: ActorConfig) -> dict:
     from aligner.generation.native import NativeEngine
     from aligner.metrics import MetricsLogger, format_console, read_metrics
     from aligner.models import gpt
+    from aligner.ppo.checkpointing import ActorCheckpointer, weights_fingerprint
     from aligner.ppo.config import load_prompts, validate_actor_config
     from aligner.ppo.trainer import PPOTrainer, PromptSampler
     from aligner.report import format_summary, plot_run, summarize
@@ -50,6 +52,11 @@ def run(cfg: ActorConfig) -> dict:
         )
     else:
         prompts = get_task(cfg.data.task, cfg.data.num_digits).prompts(cfg.data.num_prompts, seed=cfg.seed)
+    val_prompts = (
+        _validation_prompts(cfg, tokenizer, prompts)
+        if cfg.validation.interval or (cfg.validation.before_train)
+        else []
+    )
 
     state = distributed.initialize(cfg.parallel, seed=cfg.seed)
     try:
@@ -61,14 +68,6 @@ def run(cfg: ActorConfig) -> dict:
             retries=cfg.critic.retries,
         )
         critic.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
-        applied = critic.server_info().critic_step
-        if applied > 0:
-            # This run's step ids start at 1: the server would treat them as repeats of steps it
-            # already applied and silently skip the critic's training.
-            raise RuntimeError(
-                f"the critic server at {url} has already applied training step {applied} from an earlier "
-                "run; start a fresh server for a fresh run (or resume the run that trained it)"
-            )
 
         policy = gpt.build_policy(cfg.model)
         if cfg.init_from:
@@ -84,6 +83,16 @@ def run(cfg: ActorConfig) -> dict:
             reference.eval().requires_grad_(False)
             if cfg.ppo.reference_on_cpu:
                 reference.cpu()
+        # The initial weights' digest: a resumed run must have the same frozen reference.
+        checkpointer = ActorCheckpointer(
+            cfg,
+            state,
+            critic,
+            tokenizer,
+            reference_fingerprint=weights_fingerprint(reference if reference is not None else policy, state),
+        )
+        # Decided before anything is logged; a fresh start resets a trained server's critic.
+        resume_dir = checkpointer.resolve_resume()
         engine = NativeEngine(
             policy,
             tokenizer,
@@ -93,7 +102,12 @@ def run(cfg: ActorConfig) -> dict:
         sampler = PromptSampler(
             prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed, cfg.data.shuffle
         )
-        logger = MetricsLogger(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log)
+        resume_step = -1  # a fresh start: rows of an earlier run in this run_dir are dropped
+        if resume_dir is not None:
+            resume_step = int(read_json(resume_dir / "actor" / "trainer_state.json")["trainer"]["step"])
+        logger = MetricsLogger(
+            cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log, resume_step=resume_step
+        )
         if log:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
             print(
@@ -106,7 +120,13 @@ def run(cfg: ActorConfig) -> dict:
         if log and cfg.logging.progress_bar:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.ppo.num_steps, desc="PPO", dynamic_ncols=True, file=sys.stdout)
+            bar = tqdm(
+                total=cfg.ppo.num_steps,
+                initial=max(resume_step, 0),
+                desc="PPO",
+                dynamic_ncols=True,
+                file=sys.stdout,
+            )
 
         def on_step(step: int, m: dict) -> None:
             if not log:
@@ -122,12 +142,27 @@ def run(cfg: ActorConfig) -> dict:
                 print(format_console(step, m), flush=True)
 
         trainer = PPOTrainer(
-            cfg, state, policy, reference, engine, critic, tokenizer, sampler, logger, on_step
+            cfg,
+            state,
+            policy,
+            reference,
+            engine,
+            critic,
+            tokenizer,
+            sampler,
+            logger,
+            on_step,
+            checkpointer=checkpointer,
+            val_prompts=val_prompts[state.dp_rank :: state.dp_size],
         )
+        if resume_dir is not None:
+            checkpointer.load(trainer, resume_dir)
         t0 = time.time()
         trainer.train()
         if bar is not None:
             bar.close()
+        if cfg.checkpoint.export_hf:
+            _export(cfg, policy, log)
         logger.close()
         critic.close()
         summary: dict = {}
@@ -143,6 +178,41 @@ def run(cfg: ActorConfig) -> dict:
         return summary
     finally:
         distributed.destroy()
+
+
+def _validation_prompts(cfg: ActorConfig, tokenizer, train_prompts: list[str]) -> list[str]:
+    """The fixed evaluation prompts: validation.prompt_file, else the training prompt file's first
+    lines, else the built-in task drawn with validation.seed. Never depends on batch sizes."""
+    from aligner.ppo.config import load_prompts
+    from aligner.tasks import get_task
+
+    v = cfg.validation
+    max_prompt = cfg.model.max_seq_len - cfg.generation.max_new_tokens
+    if v.prompt_file:
+        return load_prompts(v.prompt_file, tokenizer, max_prompt)[: v.num_prompts]
+    if cfg.data.prompt_file:
+        return train_prompts[: v.num_prompts]
+    return get_task(cfg.data.task, cfg.data.num_digits).prompts(v.num_prompts, seed=v.seed)
+
+
+def _export(cfg: ActorConfig, policy, log: bool) -> None:
+    """The final policy as a Hugging Face folder (tokenizer files copied when it is a HF one)."""
+    from aligner.models.hf import export_hf
+
+    arch = cfg.checkpoint.export_arch
+    if arch is None and cfg.init_from:
+        meta = os.path.join(cfg.init_from, "meta.json")
+        hf_conf = os.path.join(cfg.init_from, "config.json")
+        if os.path.isfile(meta):
+            arch = read_json(meta).get("hf_architecture")
+        elif os.path.isfile(hf_conf):
+            arch = (read_json(hf_conf).get("architectures") or [None])[0]
+    tok_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else None
+    out = export_hf(
+        policy, cfg.model, cfg.checkpoint.export_hf, arch or "llama", tokenizer_dir=tok_dir, overwrite=True
+    )
+    if log:
+        print(f"exported the policy as a Hugging Face folder: {out}", flush=True)
 
 
 @hydra.main(config_path="../configs", config_name="actor", version_base=None)

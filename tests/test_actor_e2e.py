@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from aligner.checkpoint import complete_steps
 from aligner.critic.launch import start_server
 from aligner.metrics import read_metrics
 
@@ -64,7 +65,29 @@ def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         dcfg = compose("actor", overrides=[f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides])
     entry.run(OmegaConf.to_object(dcfg))
-    return read_metrics(str(run_dir / "metrics.jsonl"))
+    return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
+
+
+def _check_hf_export(folder: Path, task: str) -> None:
+    """transformers loads the exported policy and, greedily, answers the task."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from aligner.tasks import get_task
+    from aligner.tokenizers import CharTokenizer
+
+    tok = CharTokenizer()
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    t = get_task(task, 3)
+    prompts = t.prompts(32, seed=7)
+    ids = torch.tensor([tok.encode(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
+        )
+    answers = [tok.decode(row[ids.shape[1] :].tolist()) for row in out]
+    score = sum(t.reward(prompts, answers)) / len(prompts)
+    assert score > 0.5, list(zip(prompts, answers))[:4]
 
 
 def _best_window(rows: list[dict], n: int = 5) -> float:
@@ -85,12 +108,22 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
             f"logging.run_dir={tmp_path / 'run'}",
             "data.task=copy",
             "ppo.num_steps=120",
+            f"checkpoint.export_hf={tmp_path / 'hf'}",
             *FAST,
         ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    all_rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    rows = [r for r in all_rows if "objective/scores" in r]
     assert len(rows) == 120
+    # configs/actor.yaml validates before training and every 50 steps, and saves every 100.
+    val = {r["step"]: r["val/scores"] for r in all_rows if "val/scores" in r}
+    assert sorted(val) == [0, 50, 100] and val[100] > val[0]
+    assert "validation samples at step 50" in out.stdout
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert {100, 120} <= set(complete_steps(ckpt, role="actor"))
+    assert (ckpt / "best").is_symlink()
+    _check_hf_export(tmp_path / "hf", task="copy")
     assert rows[0]["objective/scores"] < 0.3
     assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
     assert "reward at end" in out.stdout and (tmp_path / "run" / "reward_kl.png").is_file()

@@ -327,6 +327,8 @@ class ServerInfo:
     """Tensor/pipeline parallel sizes."""
     last_saved_step: int = -1
     """Newest step this server saved or loaded (-1: none)."""
+    checkpoint_steps: list[int] = field(default_factory=list)
+    """Steps with a complete critic checkpoint under the server's checkpoint dir (ascending)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else (pid, start time, optimizer settings)."""
 

@@ -456,6 +456,8 @@ def run_server(cfg: CriticServerConfig) -> int:
                     "checkpoint.resume: no complete critic checkpoint under %s; starting fresh",
                     cfg.checkpoint.dir,
                 )
+        if cfg.checkpoint.save_initial and state.rank == 0 and service.critic_step < 0:
+            service.save(0)
         if state.rank != 0:
             service.serve_peers()
             return 0

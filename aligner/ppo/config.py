@@ -22,6 +22,8 @@ __all__ = [
     "OptimConfig",
     "CriticClientConfig",
     "LoggingConfig",
+    "CheckpointConfig",
+    "ValidationConfig",
     "ConfigError",
     "validate_actor_config",
     "load_prompts",
@@ -165,6 +167,50 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints of the run under ``<dir>/step_XXXXXXXX/actor/`` (the critic server writes
+    ``.../critic/`` beside it when it shares the folder), and resuming from them."""
+
+    dir: str | None = None
+    """Root of the run's checkpoints; None = <logging.run_dir>/checkpoints."""
+    save_interval: int = 0
+    """Save every N steps (0 = only at the end)."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    keep_last: int = 3
+    """Actor checkpoints kept (older ones are removed once a newer one is complete); 0 keeps all."""
+    keep_best: bool = True
+    """When validation reaches a new best val/scores, save that step and keep it as 'best'
+    (never pruned; <dir>/best links to it)."""
+    resume: str = "auto"
+    """'auto': continue from the newest step both roles completed (fresh if none); 'none': start
+    fresh; or a checkpoint folder (<dir>/step_XXXXXXXX) to continue from."""
+    export_hf: str | None = None
+    """At the end, export the policy as a Hugging Face folder here (None = no export)."""
+    export_arch: str | None = None
+    """HF architecture of the export (default: the one recorded when the policy was imported, else llama)."""
+
+
+@dataclass
+class ValidationConfig:
+    """Greedy generation on a fixed prompt set, scored by the server."""
+
+    interval: int = 0
+    """Validate every N steps (0 = never)."""
+    before_train: bool = False
+    """Also validate the initial policy, logged at step 0."""
+    num_prompts: int = 64
+    """Evaluation prompts drawn from the built-in task (fixed; independent of the batch sizes)."""
+    prompt_file: str | None = None
+    """A JSONL file of {"prompt": ...} lines to validate on instead (default: the training
+    prompt_file's first num_prompts lines, or the built-in task with its own seed)."""
+    seed: int = 20_231
+    """Seed that draws the built-in task's evaluation prompts (distinct from training's)."""
+    num_samples: int = 4
+    """Prompts and responses shown in the samples table (console, val_samples.jsonl, TensorBoard)."""
+
+
+@dataclass
 class ActorConfig:
     """Everything the actor needs."""
 
@@ -180,6 +226,8 @@ class ActorConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     tokenizer: str = "char"
     """'char' (the built-in digit vocabulary) or a HF tokenizer folder."""
     init_from: str | None = None
@@ -294,6 +342,24 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
                 )
     elif not os.path.isfile(d.prompt_file):
         e.append(f"data.prompt_file={d.prompt_file!r}: file does not exist")
+    c, v = cfg.checkpoint, cfg.validation
+    for obj, prefix, names in (
+        (c, "checkpoint", ("save_interval", "keep_last")),
+        (v, "validation", ("interval", "num_samples")),
+    ):
+        for n in names:
+            x = getattr(obj, n)
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                e.append(f"{prefix}.{n}={x!r}: expected an integer >= 0")
+    if not isinstance(v.num_prompts, int) or v.num_prompts < 1:
+        e.append(f"validation.num_prompts={v.num_prompts!r}: expected a positive integer")
+    if c.resume not in ("auto", "none") and not os.path.isdir(c.resume):
+        e.append(
+            f"checkpoint.resume={c.resume!r}: expected 'auto', 'none' or an existing checkpoint folder "
+            "(<checkpoint.dir>/step_XXXXXXXX)"
+        )
+    if v.prompt_file is not None and not os.path.isfile(v.prompt_file):
+        e.append(f"validation.prompt_file={v.prompt_file!r}: file does not exist")
     e += [f"model: {m}" for m in cfg.model.problems(tp, pp)]
     if e:
         raise ConfigError("invalid actor config:\n  " + "\n  ".join(e))

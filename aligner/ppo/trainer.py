@@ -152,11 +152,19 @@ class PPOTrainer:
         sampler: PromptSampler,
         logger: Any,
         on_step: Callable[[int, dict], None] | None = None,
+        *,
+        checkpointer: Any = None,
+        val_prompts: list[str] | None = None,
     ) -> None:
+        """``checkpointer``: an :class:`aligner.ppo.checkpointing.ActorCheckpointer` (saves at the
+        configured interval and at the end); ``val_prompts``: this data-parallel rank's share of
+        the fixed evaluation prompts (validation is off without them)."""
         self.cfg, self.state = cfg, state
         self.policy, self.reference, self.engine = policy, reference, engine
         self.critic, self.tokenizer, self.sampler, self.logger = critic, tokenizer, sampler, logger
         self.on_step = on_step
+        self.checkpointer = checkpointer
+        self.val_prompts = list(val_prompts) if val_prompts else []
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(policy, cfg)
@@ -169,6 +177,7 @@ class PPOTrainer:
         self.score_moments = core.RunningMoments()
         self.step_count = 0
         self._pending_train: Future | None = None
+        self._completed_train: dict[str, Any] | None = None  # its result, not yet reported
         self._tp_group = state.tp_group if state.tp_size > 1 else None
         self._dp_group = state.dp_group if state.dp_size > 1 else None
         padded = cfg.model.padded_vocab_size(state.tp_size)
@@ -194,17 +203,61 @@ class PPOTrainer:
 
     def train(self, num_steps: int | None = None) -> None:
         end = num_steps if num_steps is not None else self.cfg.ppo.num_steps
+        v = self.cfg.validation
+        if v.before_train and self.val_prompts and self.step_count == 0:
+            self.logger.log(0, self.validate(0))
         while self.step_count < end:
             metrics = self.step()
             if self.on_step is not None:
                 self.on_step(self.step_count, metrics)
+            if self.checkpointer is not None:
+                self.checkpointer.after_step(self, metrics, last=self.step_count >= end)
         self.finish()
 
-    def finish(self) -> None:
-        """Wait for the critic's last training request (its result is logged nowhere else)."""
+    def wait_critic(self) -> None:
+        """Wait for the critic's pending training request; its result is reported with the next
+        step's metrics (``loss/value`` is the critic's loss on the previous step's batch)."""
         if self._pending_train is not None:
-            self._pending_train.result()
+            self._completed_train = self._pending_train.result()
             self._pending_train = None
+
+    def finish(self) -> None:
+        """Wait for the critic's last training request."""
+        self.wait_critic()
+
+    # -- state for checkpoints ---------------------------------------------------------------
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything besides weights and optimizer moments that the next step depends on, as
+        JSON (call after :meth:`wait_critic`)."""
+        if self._pending_train is not None:
+            raise RuntimeError("training_state() while a critic training request is in flight")
+        return {
+            "step": self.step_count,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "score_moments": self.score_moments.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "scheduler_last_epoch": int(self.scheduler.last_epoch),
+            "last_critic_train": self._completed_train,
+        }
+
+    def load_training_state(self, d: dict[str, Any]) -> None:
+        """Inverse of :meth:`training_state`. The learning-rate schedule continues from the saved
+        position under *this* run's settings (a changed LR or step budget takes effect)."""
+        self.step_count = int(d["step"])
+        self.kl_ctl.load_state_dict(d["kl_ctl"])
+        self.score_moments.load_state_dict(d["score_moments"])
+        self.sampler.load_state_dict(d["sampler"])
+        last = int(d["scheduler_last_epoch"])
+        self.scheduler.last_epoch = last
+        self.scheduler._step_count = last + 1
+        for group, base, fn in zip(
+            self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas
+        ):
+            group["lr"] = base * fn(last)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._completed_train = d.get("last_critic_train")
+        self._pending_train = None
 
     def step(self) -> dict[str, float]:
         cfg, p = self.cfg, self.cfg.ppo
@@ -234,11 +287,8 @@ class PPOTrainer:
         timers["timers/logprobs"] = time.perf_counter() - t
         t = time.perf_counter()
         values, scores = self._critic_result(critic_future, tokens.shape)
-        if self._pending_train is not None:  # last step's critic update, normally long done
-            last_train = self._pending_train.result()
-            self._pending_train = None
-        else:
-            last_train = None
+        self.wait_critic()  # last step's critic update, normally long done
+        last_train, self._completed_train = self._completed_train, None
         timers["timers/critic_wait"] = time.perf_counter() - t
 
         # 3. KL-shaped rewards, GAE and whitened advantages.
@@ -283,8 +333,54 @@ class PPOTrainer:
             beta,
             timers,
         )
+        v = cfg.validation
+        if self.val_prompts and v.interval and step_id % v.interval == 0:
+            metrics.update(self.validate(step_id))
         self.logger.log(step_id, metrics)
         return metrics
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy responses to the fixed evaluation prompts, scored by the server: ``val/scores``,
+        ``val/kl`` (summed over the response, policy vs reference), ``val/response_length``; a
+        samples table goes to the logger. Changes no training state and draws no randomness."""
+        t = time.perf_counter()
+        encoded = [self.tokenizer.encode(x) for x in self.val_prompts]
+        params = SamplingParams(**{**self.sampling.__dict__, "greedy": True, "seed": 0})
+        gen = self.engine.generate(encoded, params)
+        tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
+        mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
+        future = self._critic_infer(tokens, lengths, prompt_lengths)
+        logprobs, _ = self._logprobs(self.policy, tokens)
+        if self.reference is not None:
+            ref_logprobs, _ = self._logprobs(self.reference, tokens)
+            kl = ((logprobs - ref_logprobs) * mask).sum(1)
+        else:
+            kl = torch.zeros(tokens.shape[0])
+        _, scores = self._critic_result(future, tokens.shape)
+        resp_len = (lengths - prompt_lengths).float()
+        sums = torch.stack([scores.sum(), kl.sum(), resp_len.sum(), torch.tensor(float(len(encoded)))])
+        sums = sums.double()
+        if self._dp_group is not None:
+            dist.all_reduce(sums, group=self._dp_group)
+        n = max(float(sums[3]), 1.0)
+        rows = []
+        for i in range(min(self.cfg.validation.num_samples, tokens.shape[0])):
+            pl, ln = int(prompt_lengths[i]), int(lengths[i])
+            rows.append(
+                {
+                    "prompt": self.val_prompts[i],
+                    "response": self.tokenizer.decode(tokens[i, pl:ln].tolist()),
+                    "score": float(scores[i]),
+                }
+            )
+        if hasattr(self.logger, "samples"):
+            self.logger.samples(step, rows)
+        return {
+            "val/scores": float(sums[0]) / n,
+            "val/kl": float(sums[1]) / n,
+            "val/response_length": float(sums[2]) / n,
+            "timers/validation": time.perf_counter() - t,
+        }
 
     # -- pieces ----------------------------------------------------------------------------
 

@@ -1,0 +1,463 @@
+"""The actor's checkpoints: saving both roles at the same step, and resuming exactly.
+
+Layout under the run's checkpoint root (shared with the critic server when both mount it)::
+
+    <root>/step_00000040/actor/     written here (complete.json last, then renamed into place)
+        policy/                     the policy as a full model checkpoint (meta.json + model.safetensors,
+                                    any TP layout loads it; ``init_from`` and ``aligner-convert export``
+                                    read it)
+        optim_tp00.safetensors      AdamW moments of tensor-parallel rank 0 (+ optim_tp00.json)
+        rng_rank0000.safetensors    every RNG state of global rank 0
+        trainer_state.json          step, KL controller, score normaliser, data position, LR
+                                    schedule position, the config it was made with, checks
+    <root>/step_00000040/critic/    written by the server (``critic_save``)
+    <root>/best -> step_000000NN    the step with the best validation score (``best.json``)
+
+One step is saved in this order: wait for the critic's pending training, ``critic_save(step)``
+(the server writes and answers), then the actor's files into ``<step>/.tmp.actor`` from every
+rank, then rank 0 writes ``trainer_state.json`` and the marker and renames the folder. A kill
+at any point leaves the previous complete step as the newest step both roles completed, which
+is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
+
+``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
+the save (:data:`FAULT_POINTS`): how the tests show a crash mid-save never yields a checkpoint
+that loads wrongly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aligner.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    commit_directory,
+    complete_steps,
+    load_tensors,
+    optimizer_from_safe,
+    optimizer_to_safe,
+    read_json,
+    restore_rng_state,
+    rng_state_tensors,
+    save_tensors,
+    step_dir_name,
+    write_json,
+)
+from aligner.distributed import ParallelState
+from aligner.models.config import ModelConfig
+
+__all__ = [
+    "ROLE",
+    "FAULT_POINTS",
+    "ActorCheckpointer",
+    "checkpoint_root",
+    "weights_fingerprint",
+    "config_differences",
+]
+
+log = logging.getLogger(__name__)
+
+ROLE = "actor"
+FORMAT_VERSION = 1
+FAULT_POINTS = ("before_critic_save", "after_critic_save", "mid_actor_write", "before_commit", "after_commit")
+_TMP = ".tmp." + ROLE
+
+
+def checkpoint_root(cfg: Any) -> Path:
+    """``checkpoint.dir``, or ``<logging.run_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
+
+
+def _fault(point: str, step: int) -> None:
+    want = os.environ.get("ALIGNER_FAULT_AT")
+    if not want:
+        return
+    name, _, at = want.partition("@")
+    if name == point and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    """Where collectives take their tensors: CUDA under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_json(obj: Any) -> Any:
+    """Rank 0's JSON-able ``obj`` on every rank (as bytes in a tensor: nothing is pickled)."""
+    import json
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    blob = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
+    dev = _comm_device()
+    n = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    buf = torch.zeros(int(n), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return json.loads(bytes(buf.cpu().numpy()))
+
+
+def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
+    """A digest of a model's weights (summed over its TP shards), to recognise the same frozen
+    reference model on resume without storing it."""
+    from aligner.models.gpt import tensor_state_dict
+
+    h = hashlib.sha256()
+    for name, t in sorted(tensor_state_dict(model).items()):
+        t = t.detach().to("cpu", torch.float64)
+        stats = torch.stack([t.sum(), (t * t).sum(), t.abs().max() if t.numel() else t.new_zeros(())])
+        if state.tp_size > 1:
+            stats = stats.to(_comm_device())
+            dist.all_reduce(stats, group=state.tp_group)
+            stats = stats.cpu()
+        h.update(name.encode())
+        h.update(stats.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def config_differences(saved: dict[str, Any], cfg: Any, state: ParallelState, tokenizer: Any) -> list[str]:
+    """What differs between a checkpoint's recorded settings and this run in ways that make it
+    impossible to continue (the architecture, the tokenizer, the tensor-parallel layout, the set
+    of trained parameters). A changed learning rate, step budget or batch size is not listed."""
+    out = []
+    diff = ModelConfig.from_dict(saved["model_config"]).architecture_diff(cfg.model)
+    if diff:
+        out.append("model (checkpoint vs config): " + "; ".join(diff))
+    if saved["tokenizer_fingerprint"] != tokenizer.fingerprint():
+        out.append(
+            f"tokenizer: the checkpoint was made with tokenizer={saved['tokenizer']!r} "
+            f"(fingerprint {saved['tokenizer_fingerprint']}), this run uses {cfg.tokenizer!r} "
+            f"(fingerprint {tokenizer.fingerprint()})"
+        )
+    if saved["tensor_model_parallel_size"] != state.tp_size:
+        out.append(
+            f"parallel.tensor_model_parallel_size: the checkpoint's optimizer state is sharded for "
+            f"{saved['tensor_model_parallel_size']}, this run uses {state.tp_size} (resume at the saved "
+            "size; the policy alone loads at any size through init_from=<step>/actor/policy)"
+        )
+    n_saved, n_now = saved.get("trainable_last_n_layers"), cfg.optim.trainable_last_n_layers
+    if n_saved != n_now:
+        out.append(f"optim.trainable_last_n_layers: checkpoint {n_saved}, config {n_now}")
+    if saved.get("precision", "fp32") != _precision(cfg):
+        out.append(f"precision: checkpoint {saved.get('precision', 'fp32')}, config {_precision(cfg)}")
+    return out
+
+
+def _precision(cfg: Any) -> str:
+    return str(getattr(cfg, "precision", "fp32"))
+
+
+class ActorCheckpointer:
+    """Saves and restores one run's actor state; asks the server to do the same for the critic.
+
+    Collective: every method that touches files is called on every rank."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        state: ParallelState,
+        critic: Any,
+        tokenizer: Any,
+        *,
+        reference_fingerprint: str | None = None,
+        print_fn: Any = print,
+    ) -> None:
+        self.cfg, self.state, self.critic, self.tokenizer = cfg, state, critic, tokenizer
+        self.root = checkpoint_root(cfg)
+        self.reference_fingerprint = reference_fingerprint
+        self.print_fn = print_fn if state.rank == 0 else None
+        self.last_saved = -1
+        self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
+        best_file = self.root / "best.json"
+        if best_file.is_file():
+            try:
+                self.best = read_json(best_file)
+            except CheckpointError:
+                self.best = None
+
+    def _say(self, msg: str) -> None:
+        log.info(msg)
+        if self.print_fn is not None:
+            self.print_fn(msg, flush=True)
+
+    # -- which step to resume ---------------------------------------------------------------------
+
+    def resolve_resume(self) -> Path | None:
+        """The actor step folder to resume from, or None for a fresh start, per
+        ``checkpoint.resume``; resets the server's critic to step 0 for a fresh start when it has
+        trained. Call on every rank (rank 0 asks the server and decides; the rest follow)."""
+        decision: list[Any] = [None, None]
+        if self.state.rank == 0:
+            try:
+                decision = [self._decide(), None]
+            except Exception as e:  # every rank raises, not only rank 0
+                decision = [None, f"{type(e).__name__}: {e}"]
+        path, error = _broadcast_json(decision)
+        if error is not None:
+            raise CheckpointError(error)
+        return None if path is None else Path(path)
+
+    def _decide(self) -> str | None:
+        mode = self.cfg.checkpoint.resume
+        info = self.critic.server_info()
+        server_steps = sorted(int(s) for s in info.checkpoint_steps)
+        if mode == "none":
+            mine = complete_steps(self.root, role=ROLE)
+            if mine:
+                raise CheckpointError(
+                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
+                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
+                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
+                )
+            self._reset_critic(info, server_steps, "checkpoint.resume=none")
+            return None
+        if mode == "auto":
+            mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+            common = sorted(set(mine) & set(server_steps))
+            if not mine:
+                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
+                self._reset_critic(info, server_steps, "a fresh start")
+                return None
+            if not common:
+                raise CheckpointError(
+                    f"resume=auto: actor checkpoints under {self.root} are at steps {mine}, but the critic "
+                    f"server at {self.critic.url} has critic checkpoints at {server_steps or 'no steps'}; "
+                    "no step is complete for both roles. Point the server's checkpoint.dir at this run's "
+                    "checkpoints, resume from a folder with checkpoint.resume=PATH, or start over with "
+                    "checkpoint.resume=none"
+                )
+            step = common[-1]
+            path = self.root / step_dir_name(step)
+            skipped = [s for s in mine if s > step]
+            note = f" (newer actor steps {skipped} have no critic checkpoint)" if skipped else ""
+            self._say(f"resume=auto: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
+            return str(path)
+        path = Path(mode)
+        step_dir = path.parent if path.name == ROLE else path
+        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
+                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
+                f"{complete_steps(step_dir.parent, role=ROLE)}"
+            )
+        step = int(read_json(step_dir / ROLE / "trainer_state.json")["trainer"]["step"])
+        if step not in server_steps:
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r} is step {step}, but the critic server at {self.critic.url} has "
+                f"critic checkpoints at {server_steps or 'no steps'} only"
+            )
+        self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
+        return str(step_dir)
+
+    def _reset_critic(self, info: Any, server_steps: list[int], why: str) -> None:
+        if info.critic_step < 1:
+            return
+        if 0 not in server_steps:
+            raise CheckpointError(
+                f"{why}, but the critic server at {self.critic.url} has already applied training step "
+                f"{info.critic_step} and holds no step-0 checkpoint to reset to (checkpoint.save_initial "
+                "was off); start a fresh server, or resume the run that trained it"
+            )
+        self.critic.load(0)
+        self._say(f"{why}: reset the critic server to its initial state (its step-0 checkpoint)")
+
+    # -- save --------------------------------------------------------------------------------------
+
+    def after_step(self, trainer: Any, metrics: dict[str, float], *, last: bool) -> None:
+        """Save when the interval says so, at the end, or (``keep_best``) at a new best validation."""
+        c = self.cfg.checkpoint
+        step = trainer.step_count
+        new_best = (
+            c.keep_best
+            and "val/scores" in metrics
+            and (self.best is None or metrics["val/scores"] > float(self.best["val/scores"]))
+        )
+        due = (c.save_interval and step % c.save_interval == 0) or (last and c.save_at_end) or new_best
+        if new_best:
+            self.best = {"step": step, "val/scores": float(metrics["val/scores"])}
+        if due and self.last_saved != step:
+            self.save(trainer)
+        if new_best and self.state.rank == 0:
+            self._write_best()
+            self._say(
+                f"new best validation score {self.best['val/scores']:.4f} at step {step}: {self.root / 'best'}"
+            )
+
+    def save(self, trainer: Any) -> Path:
+        step = trainer.step_count
+        st = self.state
+        trainer.wait_critic()
+        _fault("before_critic_save", step)
+        if st.rank == 0:
+            self.critic.save(step)
+        _fault("after_critic_save", step)
+        step_dir = self.root / step_dir_name(step)
+        final, tmp = step_dir / ROLE, step_dir / _TMP
+        if st.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
+            tmp.mkdir(parents=True)
+        _barrier()
+        from aligner.models.checkpoint_io import save_model_checkpoint
+
+        save_model_checkpoint(trainer.policy, self.cfg.model, tmp / "policy", role="policy")
+        _fault("mid_actor_write", step)
+        if st.dp_rank == 0:
+            tensors, meta = optimizer_to_safe(trainer.optimizer)
+            save_tensors(tmp / f"optim_tp{st.tp_rank:02d}.safetensors", tensors)
+            write_json(tmp / f"optim_tp{st.tp_rank:02d}.json", meta)
+        save_tensors(tmp / f"rng_rank{st.rank:04d}.safetensors", rng_state_tensors())
+        _barrier()
+        _fault("before_commit", step)
+        if st.rank == 0:
+            write_json(tmp / "trainer_state.json", self._state_json(trainer))
+            commit_directory(tmp, final, {"step": step, "role": ROLE})
+        _barrier()
+        self.last_saved = step
+        _fault("after_commit", step)
+        if st.rank == 0:
+            self._prune()
+        self._say(f"saved checkpoint step {step}: {final}")
+        return final
+
+    def _state_json(self, trainer: Any) -> dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        cfg, st = self.cfg, self.state
+        return {
+            "format_version": FORMAT_VERSION,
+            "role": ROLE,
+            "trainer": trainer.training_state(),
+            "best": self.best,
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+            "model_config": cfg.model.to_dict(),
+            "tokenizer": cfg.tokenizer,
+            "tokenizer_fingerprint": self.tokenizer.fingerprint(),
+            "tensor_model_parallel_size": st.tp_size,
+            "pipeline_model_parallel_size": st.pp_size,
+            "data_parallel_size": st.dp_size,
+            "world_size": st.world_size,
+            "trainable_last_n_layers": cfg.optim.trainable_last_n_layers,
+            "precision": _precision(cfg),
+            "reference_fingerprint": self.reference_fingerprint,
+            "critic_url": getattr(self.critic, "url", None),
+        }
+
+    def _write_best(self) -> None:
+        """``best.json`` and the ``best`` link (to the step folder), or neither when there is no best."""
+        link, tmp_link = self.root / "best", self.root / ".best.tmp"
+        for p in (tmp_link,) if self.best else (tmp_link, link, self.root / "best.json"):
+            if p.is_symlink() or p.exists():
+                p.unlink()
+        if not self.best:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json(self.root / "best.json", self.best)
+        os.symlink(step_dir_name(int(self.best["step"])), tmp_link)
+        os.replace(tmp_link, link)
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` steps up to the one just saved, and the best. Steps after
+        it belong to a timeline this run abandoned (it resumed from an earlier step): they go too,
+        or a later ``resume=auto`` would jump back to them."""
+        keep = self.cfg.checkpoint.keep_last
+        protect = {int(self.best["step"])} if self.best else set()
+        steps = complete_steps(self.root, role=ROLE)
+        current = [s for s in steps if s <= self.last_saved]
+        doomed = [s for s in steps if s > self.last_saved]
+        if keep > 0:
+            doomed += [s for s in current[:-keep] if s not in protect]
+        for step in doomed:
+            step_dir = self.root / step_dir_name(step)
+            shutil.rmtree(step_dir / ROLE, ignore_errors=True)
+            try:
+                step_dir.rmdir()  # only when the critic's files are gone too
+            except OSError:
+                pass
+
+    # -- load --------------------------------------------------------------------------------------
+
+    def load(self, trainer: Any, step_dir: Path) -> int:
+        """Restore the actor from ``step_dir`` and the server's critic from the same step.
+        Everything is checked before anything changes. Returns the step."""
+        st = self.state
+        d = Path(step_dir) / ROLE
+        saved = read_json(d / "trainer_state.json")
+        if saved.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{d / 'trainer_state.json'}: format_version={saved.get('format_version')!r}, expected "
+                f"{FORMAT_VERSION}"
+            )
+        problems = config_differences(saved, self.cfg, st, self.tokenizer)
+        ref = saved.get("reference_fingerprint")
+        if ref is not None and self.reference_fingerprint is not None and ref != self.reference_fingerprint:
+            problems.append(
+                "reference model: its weights differ from the ones the checkpoint was trained against "
+                "(init_from or seed changed?)"
+            )
+        if problems:
+            raise CheckpointError(f"cannot resume from {d}:\n  " + "\n  ".join(problems))
+        step = int(saved["trainer"]["step"])
+        optim_t = load_tensors(d / f"optim_tp{st.tp_rank:02d}.safetensors")
+        optim_meta = read_json(d / f"optim_tp{st.tp_rank:02d}.json")
+        rng_file = d / f"rng_rank{st.rank:04d}.safetensors"
+        same_layout = saved["world_size"] == st.world_size and saved["data_parallel_size"] == st.dp_size
+        rng = load_tensors(rng_file) if same_layout else None
+
+        from aligner.models.checkpoint_io import load_model_checkpoint
+
+        load_model_checkpoint(trainer.policy, d / "policy")
+        optimizer_from_safe(trainer.optimizer, optim_t, optim_meta)
+        self._apply_current_hyperparameters(trainer.optimizer)
+        trainer.load_training_state(saved["trainer"])
+        if rng is not None:
+            restore_rng_state(rng)
+        else:
+            self._say(
+                f"the checkpoint was made with {saved['world_size']} rank(s) (DP={saved['data_parallel_size']}), "
+                f"this run has {st.world_size} (DP={st.dp_size}): random states are not restored"
+            )
+        trainer.engine.refit(trainer.policy)
+        self.best = saved.get("best")
+        if st.rank == 0:
+            later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
+            if later:
+                self._say(
+                    f"actor checkpoints after step {step} ({later}) belong to the abandoned continuation of "
+                    "this run; they are removed at the next save"
+                )
+            self._write_best()
+        _barrier()
+        if st.rank == 0:
+            self.critic.load(step)
+        _barrier()
+        self.last_saved = step
+        return step
+
+    def _apply_current_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Loaded param groups carry the old run's settings; this run's config wins (the LR is set
+        from the schedule by the trainer)."""
+        o = self.cfg.optim
+        for g in optimizer.param_groups:
+            g["betas"] = (o.adam_beta1, o.adam_beta2)
+            g["eps"] = o.adam_eps
+            g["weight_decay"] = o.weight_decay
+            g["initial_lr"] = o.lr
+            g["lr"] = o.lr

@@ -1,0 +1,210 @@
+"""Checkpoints and exact resume of a whole run, through a real critic server.
+
+One server for the module: every run starts by resetting its critic to the step-0 checkpoint
+(``checkpoint.save_initial``), so runs are independent. The reference is one continuous run;
+every other run is stopped (SIGKILL from outside, or the process killing itself at a named point
+of a save), resumed with ``checkpoint.resume=auto``, and must end with the same policy weights
+and the same metrics at every step as the continuous run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aligner.checkpoint import complete_steps, read_json
+from aligner.critic.launch import start_server
+from aligner.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+RUN = [
+    "data.task=copy",
+    "data.num_digits=3",
+    "generation.max_new_tokens=4",
+    "ppo.global_batch_size=64",
+    "ppo.mini_batch_size=32",
+    "ppo.micro_batch_size=32",
+    "ppo.ppo_epochs=2",
+    "ppo.normalize_scores=true",
+    "ppo.adaptive_kl=true",
+    "optim.min_lr=1e-4",  # a decaying schedule, so its position matters
+    "validation.interval=2",
+    "validation.before_train=true",
+    "validation.num_prompts=16",
+    "checkpoint.save_interval=2",
+    "checkpoint.keep_last=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("critic")
+    with start_server(
+        [
+            "server.http_port=0",
+            "server.grpc_port=0",
+            "server.metrics_port=null",
+            "model.max_seq_len=16",
+            "optim.lr=1e-3",
+            "reward.fn=aligner.tasks.digits:copy_reward",
+            f"log.dir={d}",
+            "checkpoint.keep_last=0",
+            "checkpoint.save_on_sigterm=false",
+            "log.tensorboard=false",
+        ],
+        log_path=d / "server.log",
+    ) as s:
+        s.critic_root = d / "checkpoints"
+        yield s
+
+
+def _cmd(server, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "train_actor.py"),
+        f"critic.url={server.url}",
+        f"logging.run_dir={run_dir}",
+        f"ppo.num_steps={STEPS}",
+        *RUN,
+        *extra,
+    ]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run(server, run_dir: Path, *extra: str, env: dict | None = None, ok: bool = True):
+    out = subprocess.run(
+        _cmd(server, run_dir, *extra),
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT),
+    )
+    if ok:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    return out
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(
+        str(run_dir / "checkpoints" / f"step_{step:08d}" / "actor" / "policy" / "model.safetensors")
+    )
+
+
+def _same_run(a: Path, b: Path) -> None:
+    wa, wb = _weights(a, STEPS), _weights(b, STEPS)
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= 1e-6, worst
+    ra, rb = read_metrics(str(a / "metrics.jsonl")), read_metrics(str(b / "metrics.jsonl"))
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(0, STEPS + 1))
+    for x, y in zip(ra, rb):
+        keys = {k for k in x if not k.startswith("timers/") and k not in ("time", "throughput/tokens_per_s")}
+        assert keys == {
+            k for k in y if not k.startswith("timers/") and k not in ("time", "throughput/tokens_per_s")
+        }
+        for k in keys:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (x["step"], k, x[k], y[k])
+
+
+@pytest.fixture(scope="module")
+def continuous(server, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("continuous")
+    out = _run(server, run_dir, "checkpoint.save_interval=0")
+    assert "starting fresh" in out.stdout
+    return run_dir
+
+
+def test_continuous_run_saves_validates_and_keeps_the_best(continuous):
+    ckpt = continuous / "checkpoints"
+    assert complete_steps(ckpt, role="actor")[-1] == STEPS
+    state = read_json(ckpt / f"step_{STEPS:08d}" / "actor" / "trainer_state.json")
+    assert state["trainer"]["step"] == STEPS
+    assert state["config"]["ppo"]["num_steps"] == STEPS  # the config it was made with
+    rows = read_metrics(str(continuous / "metrics.jsonl"))
+    vals = {r["step"]: r["val/scores"] for r in rows if "val/scores" in r}
+    assert sorted(vals) == [0, 2, 4, 6]
+    for r in rows:
+        if "val/scores" in r:
+            assert {"val/kl", "val/response_length"} <= r.keys()
+    best = read_json(ckpt / "best.json")
+    best_step = max((s for s in vals if s > 0), key=lambda s: (vals[s], -s))
+    assert best["step"] == best_step and best["val/scores"] == pytest.approx(vals[best_step])
+    assert (ckpt / "best").resolve() == (ckpt / f"step_{best_step:08d}").resolve()
+    samples = (continuous / "val_samples.jsonl").read_text().splitlines()
+    assert len(samples) == 4 * 4  # 4 validations x num_samples
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["before_critic_save@4", "after_critic_save@4", "mid_actor_write@4", "before_commit@4", "after_commit@4"],
+)
+def test_killed_during_a_save_resumes_exactly(server, continuous, tmp_path, fault):
+    run_dir = tmp_path / "run"
+    out = _run(server, run_dir, env=_env(ALIGNER_FAULT_AT=fault), ok=False)
+    assert out.returncode == -signal.SIGKILL, out.stdout[-2000:] + out.stderr[-2000:]
+    expect = 4 if fault.startswith("after_commit") else 2
+    assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == expect
+    out = _run(server, run_dir)
+    assert f"resuming from step {expect}" in out.stdout, out.stdout[-2000:]
+    _same_run(continuous, run_dir)
+
+
+def test_sigkill_from_outside_mid_training_resumes_exactly(server, continuous, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cmd(server, run_dir), env=_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and any('"step": 3' in line for line in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = complete_steps(run_dir / "checkpoints", role="actor")
+    assert steps and steps[-1] < STEPS, steps
+    out = _run(server, run_dir)
+    assert f"resuming from step {steps[-1]}" in out.stdout
+    _same_run(continuous, run_dir)
+
+
+def test_resume_refuses_a_changed_model_and_allows_a_changed_lr(server, continuous, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
+    out = _run(server, run_dir, "model.hidden_size=32", ok=False)
+    assert out.returncode != 0
+    assert "cannot resume" in out.stderr and "hidden_size" in out.stderr, out.stderr[-2000:]
+    # A larger step budget with another learning rate continues from the saved step.
+    out = _run(server, run_dir, f"ppo.num_steps={STEPS + 1}", "optim.lr=5e-4", "optim.min_lr=5e-5")
+    assert f"resuming from step {STEPS}" in out.stdout
+    rows = read_metrics(str(run_dir / "metrics.jsonl"))
+    assert rows[-1]["step"] == STEPS + 1
+
+
+def test_fresh_start_refuses_a_root_with_checkpoints(server, continuous, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
+    out = _run(server, run_dir, "checkpoint.resume=none", ok=False)
+    assert out.returncode != 0 and "checkpoint.resume=none" in out.stderr, out.stderr[-2000:]

@@ -1,9 +1,11 @@
 """Gradient plumbing shared by the actor's policy and the server's critic: data-parallel
 averaging and global-norm clipping over tensor-parallel shards (replicated weights counted
-once). Optimizers themselves are torch's."""
+once). The optimizer itself is :class:`aligner.precision.MixedPrecisionAdamW`, which applies
+these to its fp32 master gradients."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -13,11 +15,19 @@ __all__ = ["allreduce_gradients", "clip_grad_norm"]
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:
-    """Average gradients over the data-parallel group (one flat buffer, one collective)."""
+    """Average gradients over the data-parallel group (one flat buffer, one collective).
+
+    The sum is taken in fp32 (fp64 gradients stay fp64) even when the gradients are bf16, and
+    cast back; pass fp32 master gradients (``MixedPrecisionAdamW.allreduce_grads``) to keep the
+    mean itself in fp32.
+    """
     if world == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    if not grads:
+        return
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat, group=group)
     flat /= world
     offset = 0

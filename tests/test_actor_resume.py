@@ -69,9 +69,23 @@ def server(tmp_path_factory):
         yield s
 
 
-def _cmd(server, run_dir: Path, *extra: str) -> list[str]:
+def _cmd(server, run_dir: Path, *extra: str, nproc: int = 1) -> list[str]:
+    from aligner.distributed import free_port
+
+    launcher = (
+        [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
+        if nproc > 1
+        else []
+    )
     return [
         sys.executable,
+        *launcher,
         str(ROOT / "examples" / "train_actor.py"),
         f"critic.url={server.url}",
         f"logging.run_dir={run_dir}",
@@ -85,9 +99,9 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _run(server, run_dir: Path, *extra: str, env: dict | None = None, ok: bool = True):
+def _run(server, run_dir: Path, *extra: str, env: dict | None = None, ok: bool = True, nproc: int = 1):
     out = subprocess.run(
-        _cmd(server, run_dir, *extra),
+        _cmd(server, run_dir, *extra, nproc=nproc),
         env=env or _env(),
         capture_output=True,
         text=True,
@@ -107,13 +121,13 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     )
 
 
-def _same_run(a: Path, b: Path) -> None:
-    wa, wb = _weights(a, STEPS), _weights(b, STEPS)
+def _same_run(a: Path, b: Path, steps: int = STEPS) -> None:
+    wa, wb = _weights(a, steps), _weights(b, steps)
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     assert worst <= 1e-6, worst
     ra, rb = read_metrics(str(a / "metrics.jsonl")), read_metrics(str(b / "metrics.jsonl"))
-    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(0, STEPS + 1))
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(0, steps + 1))
     for x, y in zip(ra, rb):
         keys = {k for k in x if not k.startswith("timers/") and k not in ("time", "throughput/tokens_per_s")}
         assert keys == {
@@ -208,3 +222,25 @@ def test_fresh_start_refuses_a_root_with_checkpoints(server, continuous, tmp_pat
     shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
     out = _run(server, run_dir, "checkpoint.resume=none", ok=False)
     assert out.returncode != 0 and "checkpoint.resume=none" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_run_resumes_exactly(server, tmp_path):
+    """TP=2 on two processes: each rank's optimizer shard and RNG come back; killed while the
+    ranks write their files, the run resumes from the previous step and ends as the
+    uninterrupted TP=2 run."""
+    tp = ["parallel.tensor_model_parallel_size=2", "ppo.num_steps=4"]
+    _run(server, tmp_path / "continuous", *tp, "checkpoint.save_interval=0", nproc=2)
+    run_dir = tmp_path / "run"
+    out = _run(server, run_dir, *tp, env=_env(ALIGNER_FAULT_AT="mid_actor_write@4"), ok=False, nproc=2)
+    assert out.returncode != 0
+    assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == 2
+    assert sorted(
+        p.name for p in (run_dir / "checkpoints" / "step_00000002" / "actor").glob("*_tp*.safetensors")
+    ) == [
+        "optim_tp00.safetensors",
+        "optim_tp01.safetensors",
+    ]
+    out = _run(server, run_dir, *tp, nproc=2)
+    assert "resuming from step 2" in out.stdout, out.stdout[-2000:]
+    _same_run(tmp_path / "continuous", run_dir, steps=4)

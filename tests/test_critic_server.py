@@ -50,6 +50,9 @@ def env(tmp_path_factory):
                 "server.max_batch_size": MAX_BATCH,
                 "server.max_request_batch": MAX_BATCH,
                 "server.max_queue_delay_us": 3000,
+                # fp32: values are compared with an fp32 in-process forward, and merged batches
+                # with unmerged ones, to 1e-5.
+                "precision": "fp32",
             },
         ),
         log_path=root / "server.stderr",

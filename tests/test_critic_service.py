@@ -27,8 +27,11 @@ def pstate():
     destroy()
 
 
-def _service(pstate, root, **sections) -> CriticService:
-    return CriticService(build_config(tiny_config(root, **sections)), pstate)
+def _service(pstate, root, precision: str | None = None, **sections) -> CriticService:
+    cfg = tiny_config(root, **sections)
+    if precision is not None:  # default: the config's 'auto'
+        cfg["precision"] = precision
+    return CriticService(build_config(cfg), pstate)
 
 
 def _batch(svc, b=4, seed=0):
@@ -121,8 +124,11 @@ def test_reward_model_scores_are_added_and_critic_starts_from_it(pstate, tmp_pat
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=32)
     rm = build_reward_model(cfg)
     save_model_checkpoint(rm, cfg, tmp_path / "rm", role="reward")
-    svc = _service(
-        pstate, tmp_path, reward={"model_path": str(tmp_path / "rm"), "model_mean": 0.5, "model_std": 2.0}
+    svc = _service(  # fp32: compared exactly with the fp32 reward model below
+        pstate,
+        tmp_path,
+        precision="fp32",
+        reward={"model_path": str(tmp_path / "rm"), "model_mean": 0.5, "model_std": 2.0},
     )
     assert svc.init_source == "reward" and svc.info().reward["model_path"] == str(tmp_path / "rm")
     tokens, lengths, pl, *_, prompts, responses = _batch(svc)
@@ -142,7 +148,7 @@ def test_critic_from_policy_keeps_trunk_and_fresh_head(pstate, tmp_path):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=32)
     policy = build_policy(cfg)
     save_model_checkpoint(policy, cfg, tmp_path / "policy", role="policy")
-    svc = _service(pstate, tmp_path, init={"policy_path": str(tmp_path / "policy")})
+    svc = _service(pstate, tmp_path, precision="fp32", init={"policy_path": str(tmp_path / "policy")})
     assert svc.init_source == "policy"
     own = tensor_state_dict(svc.critic)
     for k, v in tensor_state_dict(policy).items():
@@ -167,7 +173,7 @@ def test_hf_sequence_classification_reward_model(pstate, tmp_path):
     )
     hf = transformers.LlamaForSequenceClassification(hf_cfg)
     hf.save_pretrained(tmp_path / "hf")
-    svc = _service(pstate, tmp_path, reward={"hf_path": str(tmp_path / "hf"), "fn": None})
+    svc = _service(pstate, tmp_path, precision="fp32", reward={"hf_path": str(tmp_path / "hf"), "fn": None})
     assert svc.init_source == "reward" and svc.model_cfg.ffn_hidden_size == 88
     tokens, lengths, pl, *_ = _batch(svc, b=3)
     assert svc.tokenizer.pad_id == hf_cfg.pad_token_id  # HF finds the last token by the pad id

@@ -28,14 +28,21 @@ def test_tp2_server_matches_tp1(tmp_path):
         save_model_checkpoint(build_reward_model(cfg), cfg, tmp_path / "rm", role="reward")
         reward = {"model_path": str(tmp_path / "rm"), "fn": "aligner.tasks.digits:sort_reward"}
         # The same critic at TP=1, in this process.
-        reference = CriticService(build_config(tiny_config(tmp_path / "tp1", reward=reward)), state)
+        # fp32 on both: TP=2 is compared with TP=1 to 1e-5 (bf16 rounds the shards' partial sums).
+        reference = CriticService(
+            build_config({**tiny_config(tmp_path / "tp1", reward=reward), "precision": "fp32"}), state
+        )
         tokens, lengths, pl, *_ = digit_batch(TOK, 5, seed=9)
         returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=9)
 
         server = start_server(
             tiny_overrides(
                 tmp_path / "tp2",
-                **{"parallel.tensor_model_parallel_size": 2, "reward.model_path": tmp_path / "rm"},
+                **{
+                    "parallel.tensor_model_parallel_size": 2,
+                    "reward.model_path": tmp_path / "rm",
+                    "precision": "fp32",
+                },
             ),
             nproc=2,
             log_path=tmp_path / "tp2.log",

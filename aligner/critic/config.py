@@ -26,10 +26,12 @@ __all__ = [
     "build_config",
     "LOSS_AGGREGATIONS",
     "INIT_SOURCES",
+    "PRECISION_CHOICES",
 ]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 INIT_SOURCES = ("auto", "reward", "policy", "fresh")
+PRECISION_CHOICES = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -172,6 +174,8 @@ class CriticServerConfig:
     """'char', 'char:<alphabet>' or a HF tokenizer folder."""
     seed: int = 1234
     """Seed for weight initialisation and minibatch shuffling."""
+    precision: str = "auto"
+    """'bf16' (bf16 weights and compute; fp32 master weights, gradients and Adam state), 'fp32', or 'auto' (bf16 where the GPU or CPU computes it natively: AVX512-BF16/AMX)."""
 
     def problems(self) -> list[str]:
         """Every cross-field problem, as messages that name the key (empty when consistent)."""
@@ -285,6 +289,9 @@ class CriticServerConfig:
         if problem:
             e.append(f"init.policy_path={i.policy_path!r}: {problem}")
 
+        if self.precision not in PRECISION_CHOICES:
+            e.append(f"precision={self.precision!r}: expected one of {list(PRECISION_CHOICES)}")
+
         c = self.checkpoint
         if c.keep_last < 0:
             e.append(f"checkpoint.keep_last={c.keep_last}: expected >= 0 (0 keeps all)")
@@ -364,11 +371,12 @@ def build_config(data: Any) -> CriticServerConfig:
             "checkpoint": CheckpointConfig,
             "log": LogConfig,
         }
-        known_top = set(sections) | {"tokenizer", "seed"}
+        scalars = ("tokenizer", "seed", "precision")
+        known_top = set(sections) | set(scalars)
         for k in sorted(set(data) - known_top):
             errors.append(f"{k}: unknown key; expected one of {sorted(known_top)}")
         kwargs = {name: _section(cls, data.get(name), name, errors) for name, cls in sections.items()}
-        for k in ("tokenizer", "seed"):
+        for k in scalars:
             if k in data:
                 kwargs[k] = data[k]
         cfg = CriticServerConfig(**kwargs)

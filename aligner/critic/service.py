@@ -39,8 +39,6 @@ from aligner.checkpoint import (
     atomic_directory,
     complete_steps,
     load_tensors,
-    optimizer_from_safe,
-    optimizer_to_safe,
     read_json,
     save_tensors,
     step_dir_name,
@@ -59,8 +57,14 @@ from aligner.models.gpt import (
     tensor_state_dict,
     token_values,
 )
-from aligner.optim import clip_grad_norm
 from aligner.ppo.core import explained_variance, value_loss
+from aligner.precision import (
+    load_master_state_dict,
+    make_optimizer,
+    master_state_dict,
+    precision_dtype,
+    resolve_precision,
+)
 
 __all__ = [
     "CriticService",
@@ -145,6 +149,9 @@ class CriticService:
                     f"the {what}'s vocab_size={c.vocab_size} is smaller than tokenizer="
                     f"{cfg.tokenizer!r}'s {self.tokenizer.vocab_size}: they cannot belong together"
                 )
+        self.precision = resolve_precision(cfg.precision, self.device)
+        # Built and initialised in fp32; the optimizer keeps those values as its fp32 master
+        # weights and casts the critic to bf16 (so the starting point is not rounded).
         self.critic = build_critic(self.model_cfg)
         if self.init_source == "reward":
             # Same architecture and TP layout: the reward model's shards are the critic's.
@@ -158,17 +165,17 @@ class CriticService:
         # Built (and loaded) on the CPU, as Megatron's use_cpu_initialization does; then moved.
         self.critic.to(self.device)
         if self.reward_model is not None:
-            self.reward_model.to(self.device)
+            self.reward_model.to(self.device, precision_dtype(self.precision))
         tp = self.tp_size
         rm_cfg = self.rm_cfg
         o = cfg.optim
-        self.params = [p for p in self.critic.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
+        self.optimizer = make_optimizer(
+            self.critic,
             lr=o.lr,
             betas=(o.adam_beta1, o.adam_beta2),
             eps=o.adam_eps,
             weight_decay=o.weight_decay,
+            precision=self.precision,
         )
         max_len = (
             self.model_cfg.max_seq_len
@@ -183,12 +190,13 @@ class CriticService:
         )
         if self.is_rank0:
             log.info(
-                "critic ready: %s, init=%s, reward fn=%s, reward model=%s, TP=%d",
+                "critic ready: %s, init=%s, reward fn=%s, reward model=%s, TP=%d, precision=%s",
                 self.model_cfg,
                 self.init_source,
                 cfg.reward.fn,
                 cfg.reward.model_path or cfg.reward.hf_path,
                 tp,
+                self.precision,
             )
         self._heartbeat: threading.Thread | None = None
         if self.is_rank0 and self.state.world_size > 1:
@@ -263,6 +271,7 @@ class CriticService:
                 "pid": os.getpid(),
                 "started_at": self.started_at,
                 "optim": dict(vars(c.optim)),
+                "precision": self.precision,
                 "requests": self.request_stats.lifetime(),
             },
         )
@@ -514,8 +523,8 @@ class CriticService:
         return total.astype(np.float32)
 
     def _grad_norm_and_clip(self, max_norm: float | None) -> float:
-        """Global gradient norm over the TP group, clipped to ``max_norm`` if given."""
-        return clip_grad_norm(self.params, max_norm, self.state.tp_group, self.tp_size, self.tp_rank)
+        """Global norm of the fp32 (master) gradients over the TP group, clipped to ``max_norm``."""
+        return self.optimizer.clip_grad_norm(max_norm, self.state.tp_group, self.tp_size, self.tp_rank)
 
     def _train_step(self, req: P.TrainRequest) -> P.TrainResult:
         o = self.cfg.optim
@@ -584,15 +593,16 @@ class CriticService:
     # ------------------------------------------------------------------------------------------
 
     def _local_shards(self) -> dict[str, dict[str, torch.Tensor]]:
-        optim_tensors, _ = optimizer_to_safe(self.optimizer)
+        optim_tensors, _ = self.optimizer.state_tensors()
         return {
-            "model": tensor_state_dict(self.critic),
+            # The fp32 master weights under bf16: the checkpoint holds the truth, not its rounding.
+            "model": master_state_dict(self.critic, self.optimizer),
             "optim": optim_tensors,
             "rng": {"torch_cpu": torch.get_rng_state()},
         }
 
     def _meta(self, step: int) -> dict[str, Any]:
-        _, optim_meta = optimizer_to_safe(self.optimizer)
+        _, optim_meta = self.optimizer.state_tensors()
         return {
             "role": ROLE,
             "step": step,
@@ -604,6 +614,7 @@ class CriticService:
             "tokenizer": self.cfg.tokenizer,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),
             "init_source": self.init_source,
+            "precision": self.precision,
             "optimizer": optim_meta,
             "results": {str(k): v.to_dict() for k, v in self._results.items()},
             "saved_at": time.time(),
@@ -699,13 +710,13 @@ class CriticService:
                     raise CheckpointError(
                         f"checkpoint {d} rank {r}: model tensors do not match the critic: {bad[:8]}"
                     )
+                problems = self.optimizer.state_problems(sh["optim"], meta["optimizer"])
+                if problems:
+                    raise CheckpointError(
+                        f"checkpoint {d} rank {r}: optimizer state does not match the critic's "
+                        f"parameters: {'; '.join(problems)}"
+                    )
                 shards.append(sh)
-            groups = meta["optimizer"]["param_groups"]
-            own_groups = self.optimizer.state_dict()["param_groups"]
-            if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own_groups]:
-                raise CheckpointError(
-                    f"checkpoint {d}: optimizer state does not match the critic's parameters"
-                )
         except CheckpointError as e:
             raise CriticServiceError(f"cannot load critic step {step}: {e}") from e
         return {"meta": meta, "shards": shards}
@@ -716,8 +727,9 @@ class CriticService:
             for peer in range(1, self.tp_size):
                 self._send_payload(peer, meta, payload["shards"][peer])
         mine = payload["shards"][0] if self.is_rank0 else payload["shards"]
-        load_state_dict_strict(self.critic, mine["model"], what="critic checkpoint")
-        optimizer_from_safe(self.optimizer, mine["optim"], meta["optimizer"])
+        self.optimizer.load_state_tensors(mine["optim"], meta["optimizer"])
+        # The model file holds fp32 weights (the masters) whatever the precision it was saved in.
+        load_master_state_dict(self.critic, self.optimizer, mine["model"], what="critic checkpoint")
         torch.set_rng_state(mine["rng"]["torch_cpu"])
         self.critic_step = int(meta["critic_step"])
         self._results = OrderedDict(

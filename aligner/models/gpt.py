@@ -63,8 +63,12 @@ class ScalarHead(nn.Module):
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """hidden [s, b, h] -> ([s, b, 1], None), the output-layer calling convention."""
-        return F.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None
+        """hidden [s, b, h] -> ([s, b, 1] float32, None), the output-layer calling convention.
+
+        Computed in fp32 whatever the weights' dtype: values and scores feed GAE and the value
+        loss, and a bf16 value (8 bits of mantissa) would be off by ~0.4% of its size.
+        """
+        return F.linear(hidden.float(), self.weight.float(), self.bias.float()), None
 
 
 def _activation(name: str):
@@ -158,6 +162,11 @@ def _build(
     )
     if head != "lm" and post_process:
         model.output_layer = ScalarHead(cfg.hidden_size, dtype=params_dtype)
+    if params_dtype != torch.float32:
+        # Megatron's local-spec norms (torch RMSNorm/LayerNorm) keep fp32 weights whatever
+        # params_dtype says; bf16 activations against fp32 norm weights take torch's slow
+        # mixed-dtype path. The whole model is one dtype, as Megatron's Float16Module makes it.
+        model.to(dtype=params_dtype)
     model.aligner_head = head  # "lm", "value" or "reward"
     model.aligner_config = cfg
     return model
@@ -281,9 +290,9 @@ def policy_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Causal LM forward. tokens [b, s] -> logits [b, s, v] (v: this TP rank's vocab shard).
 
     Right padding needs no attention mask: causal attention never lets a real position see a
-    later pad.
+    later pad. fp32 whatever the model's dtype, so logprobs, KL and the losses are fp32.
     """
-    return model(tokens, position_ids_for(tokens), attention_mask=None)
+    return model(tokens, position_ids_for(tokens), attention_mask=None).float()
 
 
 def token_values(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -244,3 +244,20 @@ def test_tensor_parallel_run_resumes_exactly(server, tmp_path):
     out = _run(server, run_dir, *tp, nproc=2)
     assert "resuming from step 2" in out.stdout, out.stdout[-2000:]
     _same_run(tmp_path / "continuous", run_dir, steps=4)
+
+
+def test_any_checkpoint_exports_to_hugging_face(continuous, tmp_path):
+    """On demand: a step's policy folder goes through aligner-convert to a folder transformers
+    loads, with the same next-token logits as our checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from aligner.models.convert_cli import main as convert
+
+    policy = continuous / "checkpoints" / f"step_{STEPS:08d}" / "actor" / "policy"
+    assert convert(["export", str(policy), str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    w = _weights(continuous, STEPS)
+    assert torch.equal(hf.model.embed_tokens.weight.detach(), w["embedding.word_embeddings.weight"])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([[1, 2, 3, 11]]), max_new_tokens=3, do_sample=False, pad_token_id=13)
+    assert out.shape == (1, 7)

@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["wait_ready", "ServerProcess", "start_server", "SERVE_SCRIPT", "ServerStartError", "parse_url"]
@@ -85,10 +85,20 @@ def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: fl
 
 
 def wait_ready(
-    url: str, timeout_s: float = 120.0, models: Sequence[str] = (), *, poll_s: float = 0.2
+    url: str,
+    timeout_s: float = 120.0,
+    models: Sequence[str] = (),
+    *,
+    poll_s: float = 0.2,
+    abort: Callable[[], str | None] | None = None,
 ) -> None:
     """Block until ``url`` answers Triton's readiness (``/v2/health/ready``, and each of
-    ``models`` ready); TimeoutError naming the url and the last thing that was not ready."""
+    ``models`` ready); TimeoutError naming the url and the last thing that was not ready.
+
+    ``abort``, polled between attempts, returns why waiting is pointless (e.g. the server
+    process exited) or None; a reason raises :class:`ServerStartError` at once.
+    The local launcher, the actor's client and ``python -m aligner.critic.wait`` (what the
+    cluster recipes run) all wait through this function."""
     scheme, hostport = parse_url(url)
     deadline = time.monotonic() + timeout_s
     last = "no attempt"
@@ -96,6 +106,9 @@ def wait_ready(
         last = _ready_once(scheme, hostport, models, timeout_s=min(5.0, max(0.5, timeout_s))) or ""
         if not last:
             return
+        reason = abort() if abort is not None else None
+        if reason:
+            raise ServerStartError(f"critic server at {url} will not become ready: {reason}")
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"critic server at {url} not ready after {timeout_s:.0f} s: tried "
@@ -164,7 +177,14 @@ class ServerProcess:
                 raise ServerStartError(
                     f"critic server printed no READY line within {timeout_s:.0f} s:\n{self.output_tail()}"
                 )
-        wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()))
+        wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()), abort=self._exit_reason)
+
+    def _exit_reason(self) -> str | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self._reader.join(timeout=2)
+        return f"the server process exited with code {code}:\n{self.output_tail()}"
 
     def _signal_group(self, sig: int) -> None:
         try:

@@ -1,0 +1,95 @@
+"""Wait until a critic/reward server can serve: the step every launch recipe runs before the actor.
+
+    python -m aligner.critic.wait --url grpc://critic:8001 --timeout 600
+    aligner-wait-critic                          # the URL from $ALIGNER_CRITIC_URL, as the actor
+
+The Kubernetes actor runs it as an init container and the SLURM script before starting the
+actor, so a run that cannot reach its server fails with one clear line instead of a stack of
+retries. It waits through :func:`aligner.critic.launch.wait_ready`, the check the local launcher
+(``make demo``) and the actor's client use: Triton's ``/v2/health/ready`` (or its gRPC
+equivalent) and every model of the wire protocol ready.
+
+Exit status: 0 ready; 1 not ready within ``--timeout``, or the process named by ``--pid`` exited;
+2 a malformed URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from aligner.critic import protocol as P
+from aligner.critic.client import DEFAULT_URL, ENV_URL, resolve_critic_url
+from aligner.critic.launch import ServerStartError, wait_ready
+
+__all__ = ["main", "SERVED_MODELS"]
+
+SERVED_MODELS: tuple[str, ...] = tuple(P.MODELS)
+"""The models a server must have loaded before an actor can use it."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m aligner.critic.wait",
+        description="Wait until the critic/reward server answers Triton's readiness for every model.",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help=f"grpc://HOST:PORT or http://HOST:PORT (default: ${ENV_URL}, else {DEFAULT_URL})",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
+    p.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="give up as soon as this process (the server started in the background) has exited",
+    )
+    p.add_argument("--quiet", action="store_true", help="print nothing when the server is ready")
+    return p
+
+
+def _process_gone(pid: int):
+    def reason() -> str | None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"process {pid} (the server) has exited"
+        except PermissionError:  # alive, owned by someone else
+            return None
+        return None
+
+    return reason
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        url = resolve_critic_url(args.url)
+    except ValueError as e:
+        print(f"aligner.critic.wait: {e}", file=sys.stderr, flush=True)
+        return 2
+    if not args.quiet:
+        print(f"waiting up to {args.timeout:.0f} s for the critic server at {url} ...", flush=True)
+    t0 = time.monotonic()
+    try:
+        wait_ready(
+            url,
+            timeout_s=args.timeout,
+            models=SERVED_MODELS,
+            poll_s=1.0,
+            abort=_process_gone(args.pid) if args.pid else None,
+        )
+    except (TimeoutError, ServerStartError) as e:
+        print(f"aligner.critic.wait: {e}", file=sys.stderr, flush=True)
+        return 1
+    if not args.quiet:
+        print(f"critic server at {url} is ready ({time.monotonic() - t0:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Render the Kubernetes recipe from one values file: what this prints is what you apply.
+
+    python examples/k8s/render.py                            # the defaults of values.yaml
+    python examples/k8s/render.py -f my-values.yaml | kubectl apply -f -
+    python examples/k8s/render.py -f my-values.yaml --set run_name=exp2 --only actor
+
+The manifests beside this file (storage.yaml, critic.yaml, and actor-job.yaml for one actor node
+or actor-pytorchjob.yaml for several) hold ``${name}`` placeholders for the keys of values.yaml.
+Rendering is text substitution, so YAML reads a value as it would read it typed in place: a
+placeholder in quotes stays a string, a bare one takes the value's type (``replicas: ${n}`` is a
+number), a mapping or list becomes a flow collection. Two rules beyond that:
+
+- a list item that is only a placeholder (``- ${actor_overrides}``) takes the value's items, one
+  per line (none for an empty list);
+- a line ``key: ${name}`` whose value is null is left out, so the field stays unset.
+
+Your values file needs only the keys it changes; an unknown key, a value of the wrong type or a
+placeholder without a value is an error that names it. Needs Python 3.10+ and PyYAML (installed
+with the project).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_VALUES = HERE / "values.yaml"
+PARTS = ("storage", "critic", "actor")
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SPLICE = re.compile(r"^(\s*)- \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
+_NULLABLE_FIELD = re.compile(r"^\s*[A-Za-z0-9_.\-/]+: \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Keys whose value is computed from others; a values file may not set them.
+DERIVED = ("actor_workers",)
+
+
+class RenderError(ValueError):
+    """A values file or template problem; the message names the key."""
+
+
+def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict[str, Any]:
+    """values.yaml's defaults, updated by each file in ``files`` and each ``key=value`` in ``sets``
+    (the value read as YAML); checked with :func:`check_values`."""
+    defaults = yaml.safe_load(DEFAULT_VALUES.read_text())
+    values = dict(defaults)
+    errors: list[str] = []
+    for f in files:
+        data = yaml.safe_load(Path(f).read_text()) or {}
+        if not isinstance(data, dict):
+            raise RenderError(f"{f}: expected a mapping of values, got {type(data).__name__}")
+        for k, v in data.items():
+            if k not in defaults:
+                errors.append(f"{f}: unknown key {k!r}; expected one of {sorted(defaults)}")
+            values[k] = v
+    for s in sets:
+        if "=" not in s:
+            errors.append(f"--set {s!r}: expected key=value")
+            continue
+        k, v = s.split("=", 1)
+        if k not in defaults:
+            errors.append(f"--set {k}: unknown key; expected one of {sorted(defaults)}")
+        values[k] = yaml.safe_load(v) if v else ""
+    if errors:
+        raise RenderError("\n".join(errors))
+    check_values(values, defaults)
+    return values
+
+
+def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Types as in values.yaml (a null default takes a string or null), plus the rules Kubernetes
+    and the two roles impose; every problem is reported together."""
+    e: list[str] = []
+    for k, default in defaults.items():
+        v = values.get(k)
+        if default is None:
+            ok = v is None or (isinstance(v, str) and v != "")
+            want = "a non-empty string or null"
+        elif isinstance(default, bool):
+            ok, want = isinstance(v, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = isinstance(v, int) and not isinstance(v, bool), "an integer"
+        elif isinstance(default, str):
+            ok, want = isinstance(v, str) and v != "", "a non-empty string"
+        elif isinstance(default, list):
+            ok, want = isinstance(v, list), "a list"
+        else:
+            ok, want = isinstance(v, dict), "a mapping"
+        if not ok:
+            e.append(f"{k}={v!r}: expected {want}")
+            continue
+        for s in _strings(v):
+            if any(c in s for c in '"\\\n') or "${" in s:
+                e.append(f"{k}={v!r}: strings may not hold quotes, backslashes, newlines or '${{'")
+    if e:
+        raise RenderError("invalid values:\n  " + "\n  ".join(e))
+    name = values["run_name"]
+    if not _DNS_LABEL.match(name) or len(name) > 40:
+        e.append(
+            f"run_name={name!r}: expected a DNS label of at most 40 characters (lowercase letters, "
+            "digits and '-', starting with a letter): it prefixes every object's name"
+        )
+    for k in ("critic_gpus", "actor_nodes", "actor_gpus_per_node", "actor_tensor_parallel"):
+        if values[k] < 1:
+            e.append(f"{k}={values[k]}: expected >= 1")
+    if (
+        values["actor_tensor_parallel"] >= 1
+        and values["actor_gpus_per_node"] % values["actor_tensor_parallel"]
+    ):
+        e.append(
+            f"actor_tensor_parallel={values['actor_tensor_parallel']} does not divide "
+            f"actor_gpus_per_node={values['actor_gpus_per_node']}: a tensor-parallel group stays on one node"
+        )
+    for k in ("save_interval", "wait_timeout_s"):
+        if values[k] < 0:
+            e.append(f"{k}={values[k]}: expected >= 0")
+    for k in ("critic_overrides", "actor_overrides"):
+        bad = [o for o in values[k] if not isinstance(o, str) or "=" not in o]
+        if bad:
+            e.append(f"{k}: {bad!r} are not Hydra overrides (key=value)")
+    if e:
+        raise RenderError("invalid values:\n  " + "\n  ".join(e))
+
+
+def _strings(v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list):
+        return [s for x in v for s in _strings(x)]
+    if isinstance(v, dict):
+        return [s for kv in v.items() for x in kv for s in _strings(x)]
+    return []
+
+
+def _scalar(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)  # JSON is YAML flow syntax
+    return str(v)
+
+
+def render_text(template: str, values: dict[str, Any], name: str = "template") -> str:
+    """``template`` with every placeholder replaced (see the module docstring for the rules)."""
+    missing = sorted({m for m in PLACEHOLDER.findall(template) if m not in values})
+    if missing:
+        raise RenderError(f"{name}: no value for {', '.join('${' + m + '}' for m in missing)}")
+    out: list[str] = []
+    for line in template.splitlines():
+        m = _SPLICE.match(line)
+        if m and isinstance(values[m.group(2)], list):
+            out += [f"{m.group(1)}- {json.dumps(item)}" for item in values[m.group(2)]]
+            continue
+        m = _NULLABLE_FIELD.match(line)
+        if m and values[m.group(1)] is None:
+            continue
+        out.append(PLACEHOLDER.sub(lambda mm: _scalar(values[mm.group(1)]), line))
+    return "\n".join(out) + "\n"
+
+
+def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
+    """The template files for these values, in the order to apply them."""
+    actor = "actor-job.yaml" if values["actor_nodes"] == 1 else "actor-pytorchjob.yaml"
+    chosen = {"storage": ["storage.yaml"], "critic": ["critic.yaml"], "actor": [actor]}
+    parts = [only] if only else list(PARTS)
+    return [HERE / f for p in parts for f in chosen[p]]
+
+
+def render(values: dict[str, Any], only: str | None = None) -> str:
+    """The manifests to apply, as one multi-document YAML text (checked to parse)."""
+    full = dict(values)
+    full["actor_workers"] = values["actor_nodes"] - 1
+    docs = []
+    for path in templates(values, only):
+        text = render_text(path.read_text(), full, path.name)
+        try:
+            list(yaml.safe_load_all(text))
+        except yaml.YAMLError as e:  # a value that YAML reads differently than intended
+            raise RenderError(f"{path.name} does not parse after rendering: {e}") from e
+        docs.append(f"# Source: examples/k8s/{path.name}\n" + text)
+    return "---\n".join(docs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python examples/k8s/render.py",
+        description="Render the Kubernetes manifests of a PPO run from a values file.",
+    )
+    p.add_argument(
+        "-f", "--values", action="append", default=[], help="values file (repeatable; later ones win)"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one value (repeatable)")
+    p.add_argument(
+        "--only", choices=PARTS, help="render one part: the shared volume, the critic or the actor"
+    )
+    args = p.parse_args(argv)
+    try:
+        values = load_values(args.values, args.set)
+        sys.stdout.write(render(values, args.only))
+    except (RenderError, OSError) as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

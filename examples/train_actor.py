@@ -78,7 +78,11 @@ def run(cfg: ActorConfig) -> dict:
         if cfg.ppo.init_kl_coef > 0 or cfg.ppo.adaptive_kl:
             # A second module with the initial weights (not a deepcopy: Megatron modules hold
             # process groups, which cannot be copied).
-            reference = gpt.build_policy(cfg.model)
+            from aligner.precision import precision_dtype, resolve_precision
+
+            # In the policy's compute dtype (bf16 under mixed precision): it only runs forwards.
+            dtype = precision_dtype(resolve_precision(cfg.precision, state.device))
+            reference = gpt.build_policy(cfg.model, params_dtype=dtype)
             gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
             reference.eval().requires_grad_(False)
             if cfg.ppo.reference_on_cpu:

@@ -147,15 +147,22 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
         "objective/non_score_reward",
     ):
         assert key in rows[-1], key
-    # Generation and the training forward agree on the log-probs of the sampled tokens.
-    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-3
+    # This run computes in bf16 (precision=auto on a CPU with AVX512-BF16, fp32 elsewhere).
+    # Generation (KV cache) and the training forward round differently in bf16: their
+    # log-probs of the sampled tokens agree to 0.01 on average and 0.25 at worst (fp32: 1e-3,
+    # see the TP runs). PPO's ratio uses the training forward's, so this costs nothing.
+    assert max(r["rollout/logprob_mismatch_mean"] for r in rows) < 1e-2
+    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 0.25
 
 
 @pytest.mark.slow
 def test_reverse_is_learned(tmp_path):
     with _server(tmp_path, "reverse") as server:
         rows = _run_in_process(
-            server.url, tmp_path / "run", ["data.task=reverse", "ppo.num_steps=300", *FAST]
+            # fp32 here, bf16 (the default where the CPU has it) in the copy run: both learn.
+            server.url,
+            tmp_path / "run",
+            ["data.task=reverse", "ppo.num_steps=300", "precision=fp32", *FAST],
         )
     assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
 
@@ -204,6 +211,7 @@ def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
         "ppo.global_batch_size=64",
         "ppo.mini_batch_size=32",
         "ppo.micro_batch_size=32",
+        "precision=fp32",  # bit-equal TP=1 and TP=2 rollouts need fp32 arithmetic
         *FAST[:2],
         *FAST[5:],
     ]
@@ -232,7 +240,8 @@ def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
                 env=dict(os.environ, OMP_NUM_THREADS="1"),
             )
             assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-        runs[tp] = read_metrics(str(tmp_path / f"run{tp}" / "metrics.jsonl"))
+        rows = read_metrics(str(tmp_path / f"run{tp}" / "metrics.jsonl"))
+        runs[tp] = [r for r in rows if "objective/scores" in r]
     assert len(runs[2]) == 3
     assert "TP=2" in out.stdout
     assert abs(runs[1][0]["objective/scores"] - runs[2][0]["objective/scores"]) < 1e-6

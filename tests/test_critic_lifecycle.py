@@ -106,7 +106,8 @@ def test_kill_restart_recovery_and_clean_sigterm(tmp_path):
     finally:
         second.kill()
     assert code == 0, second.output_tail()
-    assert complete_steps(tmp_path / "ckpt", role="critic") == [1]
+    # Step 0 is the initial critic (checkpoint.save_initial); step 1 was saved on SIGTERM.
+    assert complete_steps(tmp_path / "ckpt", role="critic") == [0, 1]
     meta = read_json(tmp_path / "ckpt" / "step_00000001" / "critic" / "meta.json")
     assert meta["critic_step"] == 1
     assert not list(ws.iterdir())  # the clean stop removed its workspace

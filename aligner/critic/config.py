@@ -142,6 +142,10 @@ class CheckpointConfig:
     """On SIGTERM/SIGINT, save the last applied step (if not saved yet) before exiting."""
     resume: bool = False
     """At start-up, load the newest complete critic checkpoint under dir, if there is one."""
+    save_initial: bool = True
+    """When starting fresh, save the initial critic as step 0 (never pruned): an actor that starts
+    a fresh run (or resumes one that has no common checkpoint yet) resets the critic to it instead
+    of needing a new server."""
 
 
 @dataclass

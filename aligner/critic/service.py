@@ -266,6 +266,7 @@ class CriticService:
             model=self.model_cfg.to_dict(),
             parallel={"tensor_model_parallel_size": self.tp_size, "pipeline_model_parallel_size": 1},
             last_saved_step=self.last_saved_step,
+            checkpoint_steps=complete_steps(self.checkpoint_root, role=ROLE),
             extra={
                 "init_source": self.init_source,
                 "pid": os.getpid(),
@@ -634,19 +635,27 @@ class CriticService:
                     save_tensors(tmp / f"{kind}_tp{r:02d}.safetensors", tensors)
             write_json(tmp / "meta.json", meta)
         self.last_saved_step = step
-        self._prune()
+        self._prune(step)
         log.info("saved critic checkpoint %s (%.0f ms)", final, 1000 * (time.perf_counter() - t0))
         return final
 
-    def _prune(self) -> None:
-        """Remove this role's sub-directories beyond the newest keep_last (others' files stay)."""
-        keep = self.cfg.checkpoint.keep_last
-        if keep <= 0:
+    def _prune(self, saved: int) -> None:
+        """Remove this role's sub-directories beyond the newest keep_last up to ``saved`` (others'
+        files stay). Steps after ``saved`` belong to a continuation the actor abandoned when it
+        resumed from an earlier step; they go too. Step 0 (the initial critic, see
+        checkpoint.save_initial) is the reset point of fresh runs and stays; saving it removes
+        nothing."""
+        if saved <= 0:
             return
         import shutil
 
-        steps = complete_steps(self.checkpoint_root, role=ROLE)
-        for step in steps[:-keep]:
+        keep = self.cfg.checkpoint.keep_last
+        steps = [s for s in complete_steps(self.checkpoint_root, role=ROLE) if s > 0]
+        doomed = [s for s in steps if s > saved]
+        current = [s for s in steps if s <= saved]
+        if keep > 0:
+            doomed += current[:-keep]
+        for step in doomed:
             step_dir = self.checkpoint_root / step_dir_name(step)
             shutil.rmtree(step_dir / ROLE, ignore_errors=True)
             try:

@@ -43,8 +43,6 @@ from aligner.checkpoint import (
     commit_directory,
     complete_steps,
     load_tensors,
-    optimizer_from_safe,
-    optimizer_to_safe,
     read_json,
     restore_rng_state,
     rng_state_tensors,
@@ -133,7 +131,9 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
     return h.hexdigest()[:32]
 
 
-def config_differences(saved: dict[str, Any], cfg: Any, state: ParallelState, tokenizer: Any) -> list[str]:
+def config_differences(
+    saved: dict[str, Any], cfg: Any, state: ParallelState, tokenizer: Any, precision: str
+) -> list[str]:
     """What differs between a checkpoint's recorded settings and this run in ways that make it
     impossible to continue (the architecture, the tokenizer, the tensor-parallel layout, the set
     of trained parameters). A changed learning rate, step budget or batch size is not listed."""
@@ -156,13 +156,12 @@ def config_differences(saved: dict[str, Any], cfg: Any, state: ParallelState, to
     n_saved, n_now = saved.get("trainable_last_n_layers"), cfg.optim.trainable_last_n_layers
     if n_saved != n_now:
         out.append(f"optim.trainable_last_n_layers: checkpoint {n_saved}, config {n_now}")
-    if saved.get("precision", "fp32") != _precision(cfg):
-        out.append(f"precision: checkpoint {saved.get('precision', 'fp32')}, config {_precision(cfg)}")
+    if saved["precision"] != precision:
+        out.append(
+            f"precision: the checkpoint was trained in {saved['precision']}, this run computes in {precision} "
+            f"(set precision={saved['precision']})"
+        )
     return out
-
-
-def _precision(cfg: Any) -> str:
-    return str(getattr(cfg, "precision", "fp32"))
 
 
 class ActorCheckpointer:
@@ -319,8 +318,8 @@ class ActorCheckpointer:
 
         save_model_checkpoint(trainer.policy, self.cfg.model, tmp / "policy", role="policy")
         _fault("mid_actor_write", step)
-        if st.dp_rank == 0:
-            tensors, meta = optimizer_to_safe(trainer.optimizer)
+        if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
+            tensors, meta = trainer.optimizer.state_tensors()
             save_tensors(tmp / f"optim_tp{st.tp_rank:02d}.safetensors", tensors)
             write_json(tmp / f"optim_tp{st.tp_rank:02d}.json", meta)
         save_tensors(tmp / f"rng_rank{st.rank:04d}.safetensors", rng_state_tensors())
@@ -355,7 +354,7 @@ class ActorCheckpointer:
             "data_parallel_size": st.dp_size,
             "world_size": st.world_size,
             "trainable_last_n_layers": cfg.optim.trainable_last_n_layers,
-            "precision": _precision(cfg),
+            "precision": trainer.precision,
             "reference_fingerprint": self.reference_fingerprint,
             "critic_url": getattr(self.critic, "url", None),
         }
@@ -405,7 +404,7 @@ class ActorCheckpointer:
                 f"{d / 'trainer_state.json'}: format_version={saved.get('format_version')!r}, expected "
                 f"{FORMAT_VERSION}"
             )
-        problems = config_differences(saved, self.cfg, st, self.tokenizer)
+        problems = config_differences(saved, self.cfg, st, self.tokenizer, trainer.precision)
         ref = saved.get("reference_fingerprint")
         if ref is not None and self.reference_fingerprint is not None and ref != self.reference_fingerprint:
             problems.append(
@@ -424,7 +423,10 @@ class ActorCheckpointer:
         from aligner.models.checkpoint_io import load_model_checkpoint
 
         load_model_checkpoint(trainer.policy, d / "policy")
-        optimizer_from_safe(trainer.optimizer, optim_t, optim_meta)
+        problems = trainer.optimizer.state_problems(optim_t, optim_meta)
+        if problems:
+            raise CheckpointError(f"cannot resume from {d}: optimizer state: " + "; ".join(problems))
+        trainer.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
         self._apply_current_hyperparameters(trainer.optimizer)
         trainer.load_training_state(saved["trainer"])
         if rng is not None:

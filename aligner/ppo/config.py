@@ -234,6 +234,10 @@ class ActorConfig:
     """A policy checkpoint folder (ours or HF) to start from; None = random init."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
+    precision: str = "auto"
+    """'bf16' (bf16 weights and compute for policy, reference and generation; fp32 master weights,
+    gradients and Adam state; log-probs, KL, GAE and losses in fp32), 'fp32', or 'auto' (bf16
+    where the GPU or CPU computes it natively)."""
 
 
 def _problems_positive(obj: Any, prefix: str, names: tuple[str, ...]) -> list[str]:
@@ -308,6 +312,8 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
         e.append(f"generation.top_p={g.top_p!r}: expected a value in (0, 1]")
     if g.top_k < 0:
         e.append(f"generation.top_k={g.top_k!r}: expected >= 0")
+    if cfg.precision not in ("auto", "bf16", "fp32"):
+        e.append(f"precision={cfg.precision!r}: expected 'auto', 'bf16' or 'fp32'")
     if o.lr <= 0:
         e.append(f"optim.lr={o.lr!r}: expected > 0")
     if o.min_lr < 0 or o.min_lr > o.lr:

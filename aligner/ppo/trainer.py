@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aligner import precision as mp
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.models import gpt
-from aligner.optim import allreduce_gradients, clip_grad_norm
 from aligner.ppo import core
 from aligner.ppo.config import ActorConfig
 
@@ -113,11 +113,21 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
     return f
 
 
-def make_optimizer(model: torch.nn.Module, cfg: ActorConfig) -> tuple[torch.optim.Optimizer, Any]:
+def make_optimizer(
+    model: torch.nn.Module, cfg: ActorConfig, precision: str = "fp32"
+) -> tuple[mp.MixedPrecisionAdamW, Any]:
+    """AdamW (fp32 master weights when ``precision`` is bf16: the model is cast to bf16 in
+    place and its fp32 values become the masters) and the warmup + cosine LR schedule."""
     o, p = cfg.optim, cfg.ppo
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay
+    # Given the module, an fp32 model is cast to bf16 in place (frozen weights too) and the
+    # trained weights' fp32 values become the masters, unrounded.
+    opt = mp.make_optimizer(
+        model,
+        lr=o.lr,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+        weight_decay=o.weight_decay,
+        precision=precision,
     )
     total = p.num_steps * p.ppo_epochs * (p.global_batch_size // p.mini_batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o.warmup_steps, total, o.min_lr / o.lr))
@@ -166,8 +176,9 @@ class PPOTrainer:
         self.checkpointer = checkpointer
         self.val_prompts = list(val_prompts) if val_prompts else []
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
-        self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(policy, cfg)
+        self.precision = mp.resolve_precision(cfg.precision, state.device)
+        self.optimizer, self.scheduler = make_optimizer(policy, cfg, self.precision)
+        self.engine.refit(policy)  # the engine serves the policy in its training dtype
         p = cfg.ppo
         self.kl_ctl = (
             core.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
@@ -474,11 +485,11 @@ class PPOTrainer:
             acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss.detach()) / n_micro
             for k, v in stats.items():
                 acc[f"policy/{k}"] = acc.get(f"policy/{k}", 0.0) + float(v) / n_micro
-        allreduce_gradients(self.params, self._dp_group, self.state.dp_size)
-        acc["policy/grad_norm"] = clip_grad_norm(
-            self.params, self.cfg.optim.grad_clip, self._tp_group, self.state.tp_size, self.state.tp_rank
+        self.optimizer.allreduce_grads(self._dp_group, self.state.dp_size)  # fp32 master grads
+        acc["policy/grad_norm"] = self.optimizer.clip_grad_norm(
+            self.cfg.optim.grad_clip, self._tp_group, self.state.tp_size, self.state.tp_rank
         )
-        self.optimizer.step()
+        self.optimizer.step()  # skipped (and counted in grad_norm as inf/nan) on a non-finite norm
         self.scheduler.step()
         return acc
 
@@ -557,7 +568,8 @@ class PPOTrainer:
     ) -> dict[str, float]:
         row = lambda x: self._global_mean(x, None)  # noqa: E731 - per-sample means over all DP rows
         resp_len = (gen.lengths - gen.prompt_lengths).float()
-        gen_mismatch = ((gen.logprobs - old_logprobs).abs() * mask).max()
+        diff = (gen.logprobs - old_logprobs).abs() * mask
+        gen_mismatch = diff.max()
         n_tokens = resp_len.sum()
         if self._dp_group is not None:
             dist.all_reduce(gen_mismatch, op=dist.ReduceOp.MAX, group=self._dp_group)
@@ -572,6 +584,7 @@ class PPOTrainer:
             "rollout/response_length": float(row(resp_len)),
             "rollout/ended_fraction": float(row(gen.ended.float())),
             "rollout/logprob_mismatch_max": float(gen_mismatch),
+            "rollout/logprob_mismatch_mean": float(self._global_mean(diff, mask)),
             "lr": float(self.scheduler.get_last_lr()[0]),
             **train_stats,
             **timers,

@@ -171,3 +171,20 @@ def test_config_reward_and_init_sources(tmp_path):
         build_config(tiny_config(tmp_path, reward={"model_path": "/does/not/exist"}))
     with pytest.raises(ConfigError, match="model.vocab_size=8 is smaller than the tokenizer"):
         build_config(tiny_config(tmp_path, model={"vocab_size": 8}))
+
+
+def test_client_error_classes():
+    """What the client retries (after waiting for readiness), what it reports as the caller's
+    mistake, and what it reports as a server failure."""
+    from tritonclient.utils import InferenceServerException
+
+    from aligner.critic.client import _classify
+
+    unhealthy = InferenceServerException(
+        "[StatusCode.INTERNAL] Stub process 'critic_infer_0_0' is not healthy."
+    )
+    assert _classify(unhealthy) == "unavailable"
+    assert _classify(ConnectionRefusedError("connection refused")) == "unavailable"
+    assert _classify(InferenceServerException(f"{P.ERROR_MARK} tokens: expected int64")) == "request"
+    crash = InferenceServerException("Traceback (most recent call last):\n  ...\nRuntimeError: boom")
+    assert _classify(crash) == "server"

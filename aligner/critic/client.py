@@ -110,6 +110,7 @@ def _classify(exc: BaseException) -> str:
         "timeout",
         "unknown model",
         "is not ready",
+        "is not healthy",  # a Python-backend stub Triton restarts (seen under heavy CPU load)
         "not found",
         "cancelled",
         "eof",

@@ -262,17 +262,30 @@ def complete_steps(root: str | os.PathLike, role: str | None = None) -> list[int
     return sorted(steps)
 
 
-def prune_checkpoints(root: str | os.PathLike, keep_last: int, protect: set[int] | None = None) -> list[int]:
-    """Remove complete step directories beyond the newest ``keep_last`` (never a protected
-    step, never an incomplete one still being written). Returns the removed steps."""
-    if keep_last <= 0:
-        return []
-    steps = complete_steps(root)
+def prune_checkpoints(
+    root: str | os.PathLike,
+    role: str,
+    saved: int,
+    keep_last: int,
+    protect: set[int] | None = None,
+) -> list[int]:
+    """Remove ``role``'s sub-directories (``<root>/step_X/<role>``) right after step ``saved``
+    was completed: those beyond the newest ``keep_last`` up to ``saved`` (0 keeps all), and every
+    one *after* ``saved``, which belongs to a continuation the run abandoned when it resumed from
+    an earlier step (else a later resume would jump back to it). Never a protected step, never
+    an incomplete one, never another role's files; a step folder left empty goes too. Returns
+    the removed steps."""
     protect = protect or set()
-    removed = []
-    for step in steps[:-keep_last]:
-        if step in protect:
-            continue
-        shutil.rmtree(Path(root) / step_dir_name(step), ignore_errors=True)
-        removed.append(step)
-    return removed
+    steps = [s for s in complete_steps(root, role=role) if s not in protect]
+    doomed = [s for s in steps if s > saved]
+    current = [s for s in steps if s <= saved]
+    if keep_last > 0:
+        # keep_last counts the newest steps including protected ones
+        kept = sorted(set(current) | {s for s in protect if s <= saved})[-keep_last:]
+        doomed += [s for s in current if s not in kept]
+    for step in sorted(doomed):
+        step_dir = Path(root) / step_dir_name(step)
+        shutil.rmtree(step_dir / role, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            step_dir.rmdir()  # only when no other role's files are left
+    return sorted(doomed)

@@ -33,14 +33,24 @@ def test_atomic_directory_failure_leaves_previous_whole(tmp_path):
 
 
 def test_complete_steps_ignores_partial_and_prune(tmp_path):
-    for s in (1, 2, 3, 4):
-        with ck.atomic_directory(tmp_path / ck.step_dir_name(s)):
+    for s in (1, 2, 3, 4, 5, 7):
+        with ck.atomic_directory(tmp_path / ck.step_dir_name(s) / "actor"):
             pass
-    (tmp_path / ck.step_dir_name(5)).mkdir()  # no marker: incomplete
-    (tmp_path / ".tmp.step_00000006.x").mkdir()
-    assert ck.complete_steps(tmp_path) == [1, 2, 3, 4]
-    assert ck.prune_checkpoints(tmp_path, keep_last=2, protect={1}) == [2]
-    assert ck.complete_steps(tmp_path) == [1, 3, 4]
+    for s in (2, 3):  # the other role's files share some step folders
+        with ck.atomic_directory(tmp_path / ck.step_dir_name(s) / "critic"):
+            pass
+    (tmp_path / ck.step_dir_name(6) / "actor").mkdir(parents=True)  # no marker: incomplete
+    (tmp_path / ".tmp.step_00000008.x").mkdir()
+    assert ck.complete_steps(tmp_path, role="actor") == [1, 2, 3, 4, 5, 7]
+    assert ck.complete_steps(tmp_path, role="critic") == [2, 3]
+    # Step 5 was just saved by a run that resumed from step 4: step 7 is from the abandoned
+    # continuation; keep the newest 2 up to 5 plus the protected step 1.
+    assert ck.prune_checkpoints(tmp_path, "actor", saved=5, keep_last=2, protect={1}) == [2, 3, 7]
+    assert ck.complete_steps(tmp_path, role="actor") == [1, 4, 5]
+    assert ck.complete_steps(tmp_path, role="critic") == [2, 3]  # untouched
+    assert not (tmp_path / ck.step_dir_name(7)).exists()  # emptied folder removed
+    assert (tmp_path / ck.step_dir_name(6)).is_dir()  # incomplete: left alone
+    assert ck.prune_checkpoints(tmp_path, "actor", saved=5, keep_last=0) == []  # 0 keeps all
 
 
 def test_tensors_and_optimizer_roundtrip_without_pickle(tmp_path):

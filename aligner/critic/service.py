@@ -39,6 +39,7 @@ from aligner.checkpoint import (
     atomic_directory,
     complete_steps,
     load_tensors,
+    prune_checkpoints,
     read_json,
     save_tensors,
     step_dir_name,
@@ -640,28 +641,12 @@ class CriticService:
         return final
 
     def _prune(self, saved: int) -> None:
-        """Remove this role's sub-directories beyond the newest keep_last up to ``saved`` (others'
-        files stay). Steps after ``saved`` belong to a continuation the actor abandoned when it
-        resumed from an earlier step; they go too. Step 0 (the initial critic, see
-        checkpoint.save_initial) is the reset point of fresh runs and stays; saving it removes
-        nothing."""
-        if saved <= 0:
-            return
-        import shutil
-
-        keep = self.cfg.checkpoint.keep_last
-        steps = [s for s in complete_steps(self.checkpoint_root, role=ROLE) if s > 0]
-        doomed = [s for s in steps if s > saved]
-        current = [s for s in steps if s <= saved]
-        if keep > 0:
-            doomed += current[:-keep]
-        for step in doomed:
-            step_dir = self.checkpoint_root / step_dir_name(step)
-            shutil.rmtree(step_dir / ROLE, ignore_errors=True)
-            try:
-                step_dir.rmdir()  # only if no other role saved there
-            except OSError:
-                pass
+        """This role's sub-directories beyond the newest keep_last up to ``saved``, and any after
+        it (see :func:`aligner.checkpoint.prune_checkpoints`). Step 0, the initial critic
+        (checkpoint.save_initial), is the reset point of fresh runs: never pruned, and saving it
+        prunes nothing."""
+        if saved > 0:
+            prune_checkpoints(self.checkpoint_root, ROLE, saved, self.cfg.checkpoint.keep_last, protect={0})
 
     def _send_shards_to_rank0(self) -> None:
         shards = self._local_shards()

@@ -43,6 +43,7 @@ from aligner.checkpoint import (
     commit_directory,
     complete_steps,
     load_tensors,
+    prune_checkpoints,
     read_json,
     restore_rng_state,
     rng_state_tensors,
@@ -373,23 +374,10 @@ class ActorCheckpointer:
         os.replace(tmp_link, link)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep_last`` steps up to the one just saved, and the best. Steps after
-        it belong to a timeline this run abandoned (it resumed from an earlier step): they go too,
-        or a later ``resume=auto`` would jump back to them."""
-        keep = self.cfg.checkpoint.keep_last
+        """Keep the newest ``keep_last`` steps up to the one just saved, and the best; steps after
+        it belong to a continuation this run abandoned (see :func:`prune_checkpoints`)."""
         protect = {int(self.best["step"])} if self.best else set()
-        steps = complete_steps(self.root, role=ROLE)
-        current = [s for s in steps if s <= self.last_saved]
-        doomed = [s for s in steps if s > self.last_saved]
-        if keep > 0:
-            doomed += [s for s in current[:-keep] if s not in protect]
-        for step in doomed:
-            step_dir = self.root / step_dir_name(step)
-            shutil.rmtree(step_dir / ROLE, ignore_errors=True)
-            try:
-                step_dir.rmdir()  # only when the critic's files are gone too
-            except OSError:
-                pass
+        prune_checkpoints(self.root, ROLE, self.last_saved, self.cfg.checkpoint.keep_last, protect)
 
     # -- load --------------------------------------------------------------------------------------
 

@@ -1,14 +1,15 @@
-"""Greedy decoding throughput: NativeEngine (its lean and its Megatron-forward backends) vs
-the no-cache reference vs HF ``generate`` on a Llama of the same shape (random weights;
-outputs are not compared here, the tests do that for the native engine).
+"""Decoding throughput: NativeEngine (its lean and its Megatron-forward backends) vs the
+no-cache reference vs HF ``generate`` (``LlamaForCausalLM`` holding the same weights, exported
+through :func:`aligner.models.hf.iter_hf_tensors`), same batch, dtype and threads.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_generation.py [--dtype bf16] [--json out.json]
+    .venv/bin/python benchmarks/bench_generation.py [--dtype bf16] [--new 192] [--sample] [--json out.json]
 
 Prints one JSON object and a table. Tokens/s counts generated tokens (batch x new tokens;
 the eos id is set outside the vocabulary so every sample runs to max_new_tokens). Engines run
 interleaved, round by round, and the medians are reported: wall-clock tokens/s, and tokens per
 CPU-second of this process (steadier than wall time on a shared machine; with two threads it
-counts both).
+counts both). Greedy runs also report how many of HF's tokens ours reproduces (fp32: all of
+them, until an exact tie; bf16: until the first rounding difference flips an argmax).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
     ap.add_argument(
         "--skip", default="", help="comma list to skip: native, native_lean, native_megatron, no_cache, hf"
     )
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, args.vocab, (args.batch, args.prompt), generator=g).tolist()
-    sp = SamplingParams(max_new_tokens=args.new, greedy=True)
+    sp = SamplingParams(max_new_tokens=args.new, greedy=not args.sample, seed=0)
     eos = args.vocab  # outside the vocabulary: never sampled, every sample runs to the end
     n_tokens = args.batch * args.new
     results: dict[str, dict] = {}
@@ -96,38 +98,36 @@ def main(argv: list[str] | None = None) -> dict:
         runners[f"native_{backend}"] = lambda engine=engine: engine.generate(
             prompts, sp
         ).response_lengths.sum()
+    outputs: dict[str, torch.Tensor] = {}
     if "hf" not in skip:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
+        from aligner.models.hf import hf_config_from_model_config, iter_hf_tensors
+
+        weights = {k: v.clone() for k, v in iter_hf_tensors(policy, cfg, "llama")}
         for attn in ("sdpa", "eager"):
-            hcfg = LlamaConfig(
-                vocab_size=args.vocab,
-                hidden_size=args.hidden,
-                intermediate_size=args.ffn,
-                num_hidden_layers=args.layers,
-                num_attention_heads=args.heads,
-                num_key_value_heads=args.heads,
-                max_position_embeddings=cfg.max_seq_len,
-                rms_norm_eps=cfg.norm_epsilon,
-                tie_word_embeddings=False,
-                attn_implementation=attn,
-            )
-            torch.manual_seed(0)
+            hcfg = hf_config_from_model_config(cfg, "LlamaForCausalLM")
+            hcfg._attn_implementation = attn
             hf = LlamaForCausalLM(hcfg).to(dtype).eval()
+            hf.load_state_dict(weights, strict=True)
             ids = torch.tensor(prompts)
             mask = torch.ones_like(ids)
 
-            def run_hf(hf=hf, ids=ids, mask=mask):
+            def run_hf(hf=hf, ids=ids, mask=mask, name=f"hf_generate_{attn}"):
                 with torch.inference_mode():
                     out = hf.generate(
                         input_ids=ids,
                         attention_mask=mask,
                         max_new_tokens=args.new,
                         min_new_tokens=args.new,
-                        do_sample=False,
+                        do_sample=args.sample,
+                        temperature=1.0,
+                        top_k=None,
+                        top_p=None,
                         eos_token_id=None,
                         pad_token_id=0,
                     )
+                outputs[name] = out
                 return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
             runners[f"hf_generate_{attn}"] = run_hf
@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> dict:
             cpu[name].append(time.process_time() - c0)
     for name in runners:
         record(name, wall[name], cpu[name])
+    if not args.sample and "native_lean" in runners and outputs:
+        ours = runners["native_lean"].__defaults__[0].generate(prompts, sp).tokens
+        for name, out in outputs.items():
+            same = (ours[:, args.prompt :] == out[:, args.prompt :]).cumprod(dim=1).sum(dim=1).float()
+            results[name]["greedy_prefix_agreement"] = round(float(same.mean()) / args.new, 4)
     if "no_cache" not in skip:
         c0, t0 = time.process_time(), time.perf_counter()
         generate_no_cache(policy, prompts, sp, pad_id=0, eos_id=eos, max_seq_len=cfg.max_seq_len)
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ffn": args.ffn,
             "vocab": args.vocab,
             "dtype": args.dtype,
+            "mode": "sample" if args.sample else "greedy",
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },

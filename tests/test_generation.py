@@ -402,3 +402,133 @@ def test_refit_sees_new_weights(ps, backend):
     engine.refit(other)
     assert engine.model is other
     assert torch.equal(engine.generate(PROMPTS, sp).tokens, _reference(other, PROMPTS, sp).tokens)
+
+
+# -- decode loop: static step, cache reuse, early exit, threads ------------------------------
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_static_decode_step_equals_eager(model, ps, greedy):
+    """The fixed-shape step (what a CUDA graph replays) computes what the eager step does."""
+    sp = SamplingParams(max_new_tokens=20, greedy=greedy, seed=7)
+    eager = _engine(model, ps, decode_step="eager").generate(PROMPTS, sp)
+    static = _engine(model, ps, decode_step="static").generate(PROMPTS, sp)
+    assert torch.equal(eager.tokens, static.tokens)
+    torch.testing.assert_close(eager.logprobs, static.logprobs, atol=1e-5, rtol=0)
+    if greedy:
+        assert torch.equal(static.tokens, _reference(model, PROMPTS, sp).tokens)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [dict(num_query_groups=2), dict(position_embedding="learned_absolute")],
+    ids=["gqa", "learned_pos"],
+)
+def test_static_decode_step_on_other_architectures(ps, arch):
+    m = _model(8, **arch)
+    sp = SamplingParams(max_new_tokens=12, greedy=True)
+    out = _engine(m, ps, decode_step="static").generate(PROMPTS, sp)
+    assert torch.equal(out.tokens, _reference(m, PROMPTS, sp).tokens)
+
+
+def test_cache_is_kept_across_calls_and_grows(ps):
+    """On a CPU the cache storage outlives a call (reused when large enough, grown when not),
+    and what a call leaves in it never changes the next call's results."""
+    m = _model(9)
+    engine = _engine(m, ps, eos_id=TOK.vocab_size + 5)
+    sp = SamplingParams(max_new_tokens=30, greedy=True)  # the capacity grows past one chunk
+    first = engine.generate(PROMPTS, sp)
+    store = engine._lean._store
+    assert store and engine._lean.layers == []  # weights unbound, storage kept
+    again = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=8, greedy=True))
+    assert engine._lean._store is store  # smaller request: same buffers
+    assert again.responses() == [r[:8] for r in first.responses()[:2]]
+    bigger = engine.generate(PROMPTS * 3, sp)
+    assert engine._lean._store is not store  # more rows: a larger store replaced it
+    assert torch.equal(bigger.tokens[: len(PROMPTS)], first.tokens)
+    fresh = _engine(m, ps, eos_id=TOK.vocab_size + 5, keep_cache=False)
+    out = fresh.generate(PROMPTS * 3, sp)
+    assert fresh._lean._store == []  # released after the call
+    assert torch.equal(out.tokens, bigger.tokens)
+
+
+def test_loop_exits_when_every_row_has_stopped(model, ps):
+    """Rows that stop end the loop early: no decode step runs after the last row's stop."""
+    prompts = [[2, 3, 4], [5, 6, 7], [8, 9, 10]]  # equal lengths: all rows start sampling together
+    engine = _engine(model, ps)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2, greedy=True))  # builds the decoder
+    calls = []
+    decode = engine._lean.decode
+    engine._lean.decode = lambda tokens, start: calls.append(start) or decode(tokens, start)
+    every_token_stops = tuple(range(TOK.vocab_size))
+    out = engine.generate(
+        prompts, SamplingParams(max_new_tokens=20, stop_token_ids=every_token_stops, seed=0)
+    )
+    assert out.response_lengths.tolist() == [1, 1, 1] and out.ended.all()
+    assert calls == []  # stopped after the first sampled token: no decode step
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=20, greedy=True))
+    n = out.response_lengths.tolist()
+    assert out.ended.all() and max(n) < 20  # every row ends on eos before max_new_tokens
+    assert len(calls) == max(n) - 1  # a decode step for each token after the first, then stop
+
+
+def test_num_threads_applies_to_generation_only(model, ps):
+    before = torch.get_num_threads()
+    seen = []
+    engine = _engine(model, ps, num_threads=before + 1)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, greedy=True))
+    decode = engine._lean.decode
+    engine._lean.decode = lambda tokens, start: seen.append(torch.get_num_threads()) or decode(tokens, start)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, greedy=True))
+    assert seen and set(seen) == {before + 1}
+    assert torch.get_num_threads() == before
+    assert torch.equal(
+        out.tokens, _engine(model, ps).generate(PROMPTS, SamplingParams(max_new_tokens=4, greedy=True)).tokens
+    )
+
+
+# Megatron's local-spec norms may keep fp32 weights in a bf16 model; torch warns on every such call.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("decode_step", ["eager", "static"])
+def test_bf16_greedy_follows_the_bf16_recompute(ps, decode_step):
+    """bf16 greedy decoding with the cache picks the argmax of the bf16 full forward at every
+    step, up to near ties (cache and full forward add in different orders)."""
+    torch.manual_seed(10)
+    m = build_policy(_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
+    sp = SamplingParams(max_new_tokens=16, greedy=True)
+    out = _engine(m, ps, decode_step=decode_step).generate(PROMPTS, sp)
+    ref = _reference(m, PROMPTS, sp)
+    logits = _full_logits(m, out.tokens)
+    same = 0
+    for i, p in enumerate(PROMPTS):
+        ours, theirs = out.responses()[i], ref.responses()[i]
+        for t, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:  # a near tie under the recompute's own logits at that position
+                row = logits[i, len(p) - 1 + t]
+                assert float(row.max() - row[a]) < 0.1, (i, t, float(row.max() - row[a]))
+                break
+            same += 1
+    assert same >= 0.75 * sum(len(r) for r in ref.responses())
+
+
+def test_decode_step_errors(model, ps):
+    with pytest.raises(ValueError, match="decode_step='fast'"):
+        _engine(model, ps, decode_step="fast")
+    with pytest.raises(ValueError, match="num_threads=0"):
+        _engine(model, ps, num_threads=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="decode_step='graph' needs a CUDA device"):
+            _engine(model, ps, decode_step="graph").generate(PROMPTS, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager(ps):
+    torch.manual_seed(11)
+    m = build_policy(_cfg(num_query_groups=2)).cuda()
+    sp = SamplingParams(max_new_tokens=20, greedy=True)
+    eager = _engine(m, ps, decode_step="eager").generate(PROMPTS, sp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture warns and falls back: fail instead
+        graph = _engine(m, ps, decode_step="graph").generate(PROMPTS, sp)
+    assert torch.equal(eager.tokens, graph.tokens)
+    torch.testing.assert_close(eager.logprobs, graph.logprobs, atol=1e-4, rtol=0)

@@ -7,14 +7,25 @@ decode step is bound by per-op overhead and memory traffic, that path ran at abo
 speed of HF ``generate``. This module runs the same arithmetic in the fewest ops:
 
 - plain linears on the module's weight tensors (no copies: a refit is seen at once); fp32 on
-  a CPU goes through oneDNN (:func:`onednn_linear_available`), about 2x MKL there;
+  a CPU goes through oneDNN (:func:`onednn_linear_available`), about 2x MKL there; norms are
+  called as the functions the torch norm modules wrap (no module-call machinery per step);
 - RoPE on the new positions only (the cache holds rotated keys);
-- a cache laid out for the attention matmuls: keys ``[b, groups, d, T]``, values
-  ``[b, groups, T, d]``; in a decode step the ``r`` query heads of a group share one matmul;
+- a cache laid out for the attention matmuls: keys and values ``[b, groups, capacity, d]``,
+  contiguous (a strided slice of a longer buffer costs a batched matmul a copy or a slow path
+  on a CPU), the capacity growing in chunks as the sequence does with the unfilled tail
+  masked out; in a decode step the ``r`` query heads of a group share one matmul;
+- the cache storage is allocated once and kept across calls on a CPU (a fresh multi-megabyte
+  buffer per call costs page faults there); on a GPU it is freed after each call (the
+  caching allocator makes reallocation cheap, and the memory is the training step's);
 - Megatron's rounding order (scaled ``baddbmm``, fp32 softmax, ``t*cos + rot(t)*sin``), so
   bf16 log-probs equal those of the training forward;
 - the TP collectives Megatron issues: the vocabulary-parallel embedding's all-reduce, an
   all-reduce after each row-parallel projection, an all-gather of the logits.
+
+Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the capacity
+reached so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static` keeps
+every shape fixed (the position is a tensor, attention runs over the whole cache under a
+mask), which is what a CUDA graph can capture and replay (:class:`CudaGraphDecodeStep`).
 
 Only architectures that :func:`unsupported_reason` accepts take this path (the local layer
 spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm, RoPE or learned absolute
@@ -30,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanDecoder", "unsupported_reason", "onednn_linear_available"]
+__all__ = ["LeanDecoder", "CudaGraphDecodeStep", "unsupported_reason", "onednn_linear_available"]
 
 _ONEDNN_OK: bool | None = None
 
@@ -139,39 +150,88 @@ class _Layer:
         "k",
         "v",
     )
+    # k, v: this layer's cache, [b, groups, capacity, d] each (see LeanDecoder).
+
+
+def _norm_fn(module: nn.Module):
+    """The function a plain torch norm module applies, bound to its current weights (a direct
+    call skips ``nn.Module.__call__``, several microseconds a call on a CPU); any other norm
+    module is returned as is."""
+    kind = type(module)
+    if kind is nn.RMSNorm:
+        shape, w, eps = module.normalized_shape, module.weight, module.eps
+        return lambda x: F.rms_norm(x, shape, w, eps)
+    if kind is nn.LayerNorm:
+        shape, w, b, eps = module.normalized_shape, module.weight, module.bias, module.eps
+        return lambda x: F.layer_norm(x, shape, w, b, eps)
+    return module
 
 
 class LeanDecoder:
     """Prefill + one-token decode steps of a ``GPTModel`` with a private KV cache.
 
-    Usage per generation call: :meth:`begin` (binds the current weights, allocates the cache),
-    :meth:`forward` for ``[0, n)`` then one position at a time, :meth:`end` (frees the cache).
+    Usage per generation call: :meth:`begin` (binds the current weights, makes the cache ready
+    for ``[b, T]``), :meth:`prefill` for positions ``[0, n)``, then :meth:`decode` (or
+    :meth:`decode_static`) one position at a time, :meth:`end` (unbinds; frees the cache
+    unless it is kept).
+
+    The cache of a layer holds keys and values as ``[b, groups, capacity, d]``, contiguous, so
+    that a decode step's attention matmuls read it as plain batched matrices (a strided slice
+    of a longer buffer costs batched matmuls a copy, or a slow path, on a CPU). ``capacity``
+    grows in steps of ``chunk`` positions as the sequence does (re-laid out into the other half
+    of a double buffer, a fraction of a step's reading every ``chunk`` steps); the unfilled
+    tail is masked out. :meth:`decode_static` uses the full capacity from the start.
+
+    Args:
+        model: the ``GPTModel`` (see :func:`unsupported_reason`).
+        tp_group, tp_size: its tensor-parallel group.
+        cpu_linear: fp32 linears on a CPU: ``"auto"``/``"onednn"`` (oneDNN) or ``"default"``.
+        keep_cache: keep the cache buffers between calls; None: on a CPU yes, on a GPU no.
+        chunk: positions the cache's capacity grows by.
     """
 
-    def __init__(self, model: nn.Module, tp_group=None, tp_size: int = 1, cpu_linear: str = "auto") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tp_group=None,
+        tp_size: int = 1,
+        cpu_linear: str = "auto",
+        keep_cache: bool | None = None,
+        chunk: int = 32,
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         if cpu_linear not in ("auto", "onednn", "default"):
             raise ValueError(f"cpu_linear={cpu_linear!r}: expected 'auto', 'onednn' or 'default'")
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r}: expected an integer >= 1")
         self.model = model
         self.tp_group = tp_group
         self.tp_size = tp_size
         self.cpu_linear = cpu_linear
+        self.keep_cache = keep_cache
+        self.chunk = chunk
         self.layers: list[_Layer] = []
         self.linear = F.linear
+        # Double-buffered flat storage per layer: (keys, values) x (half 0, half 1).
+        self._store: list[list[torch.Tensor]] = []
+        self._store_key: tuple | None = None
+        self._half = 0
+        self.batch = self.max_len = self.capacity = 0
 
     # -- per call -------------------------------------------------------------------------
 
     def begin(self, batch: int, max_len: int) -> None:
-        """Bind the model's current parameter tensors and allocate the KV cache for ``[b, T]``."""
+        """Bind the model's current parameter tensors and make the cache ready for ``batch``
+        rows of up to ``max_len`` positions (its capacity starts at 0 and grows)."""
         m = self.model
         cfg = m.config
         self.rope = m.position_embedding_type == "rope"
         self.gated = cfg.gated_linear_unit
         self.act = cfg.activation_func
         self.embedding = m.embedding
-        self.final_norm = m.decoder.final_layernorm
+        self.final_norm = _norm_fn(m.decoder.final_layernorm)
         self.w_out = (
             m.shared_embedding_or_output_weight()
             if m.share_embeddings_and_output_weights
@@ -179,7 +239,7 @@ class LeanDecoder:
         )
         ref = m.embedding.word_embeddings.weight
         dtype, dev = ref.dtype, ref.device
-        self.dtype = dtype
+        self.dtype, self.device = dtype, dev
         # fp32 on the CPU: oneDNN's inner product instead of MKL's GEMM (see
         # onednn_linear_available); bf16 F.linear already goes to oneDNN.
         use_onednn = dev.type == "cpu" and dtype == torch.float32 and self.cpu_linear != "default"
@@ -195,36 +255,88 @@ class LeanDecoder:
         self.heads = att0.num_attention_heads_per_partition
         self.r = self.heads // self.groups
         self.d = att0.hidden_size_per_attention_head
-        self.batch, self.max_len = batch, max_len
         self._zero = torch.zeros((), dtype=dtype, device=dev)  # baddbmm input (beta=0)
         self.layers = []
         for layer in m.decoder.layers:
             att, mlp = layer.self_attention, layer.mlp
             L = _Layer()
-            L.norm1, L.norm2 = layer.input_layernorm, layer.pre_mlp_layernorm
+            L.norm1, L.norm2 = _norm_fn(layer.input_layernorm), _norm_fn(layer.pre_mlp_layernorm)
             L.w_qkv, L.b_qkv = att.linear_qkv.weight, att.linear_qkv.bias
             L.w_proj, L.b_proj = att.linear_proj.weight, att.linear_proj.bias
             L.w_fc1, L.b_fc1 = mlp.linear_fc1.weight, mlp.linear_fc1.bias
             L.w_fc2, L.b_fc2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
             L.scale = float(att.core_attention.softmax_scale)
-            L.k = torch.empty(batch, self.groups, self.d, max_len, dtype=dtype, device=dev)
-            L.v = torch.empty(batch, self.groups, max_len, self.d, dtype=dtype, device=dev)
             self.layers.append(L)
+        self.batch, self.max_len, self.capacity = batch, max_len, 0
+        self._allocate(batch * self.groups * max_len * self.d)
+        T = max_len
+        self._t_index = torch.arange(T, device=dev)  # decode_static's mask
+        # _neg[T - end : T - end + c] is 0 at positions < end and -inf at positions >= end.
+        self._neg = torch.cat([torch.zeros(T, device=dev), torch.full((T,), float("-inf"), device=dev)])
         if self.rope:
             # emb [T, 1, 1, d] = cat(freqs, freqs); RoPE(x) = x*cos + rotate_half(x)*sin with
             # rotate_half([x1, x2]) = [-x2, x1] = swap_halves(x) * [-1, 1].
-            emb = m.rotary_pos_emb.get_emb(max_len).reshape(max_len, self.d).float().to(dev)
+            d = self.d
+            emb = m.rotary_pos_emb.get_emb(T).reshape(T, d).float().to(dev)
             cos, sin = emb.cos(), emb.sin()
-            sin = torch.cat([-sin[:, : self.d // 2], sin[:, self.d // 2 :]], dim=-1)
-            self.cos = cos.to(dtype).view(1, max_len, 1, 1, self.d)
-            self.sin = sin.to(dtype).view(1, max_len, 1, 1, self.d)
+            sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
+            self.cos = cos.to(dtype).view(1, T, 1, 1, d)
+            self.sin = sin.to(dtype).view(1, T, 1, 1, d)
         else:
             self.pos_weight = m.embedding.position_embeddings.weight
 
+    def _allocate(self, numel: int) -> None:
+        """Flat storage for ``numel`` elements per layer, per keys/values, per half; a kept
+        store that is large enough (same kind) is reused."""
+        kind = (len(self.layers), self.dtype, self.device)
+        if self._store_key is not None and self._store_key[0] == kind and self._store_key[1] >= numel:
+            return
+        self._store = []  # free the old store before allocating the new one
+        # Zeros, not empty: masked positions are multiplied by probability 0, which must not
+        # meet a NaN bit pattern.
+        self._store = [
+            [torch.zeros(2, numel, dtype=self.dtype, device=self.device) for _ in range(2)]
+            for _ in self.layers
+        ]
+        self._store_key = (kind, numel)
+
+    def reserve(self, end: int) -> None:
+        """Make the cache hold positions ``[0, end)``: grow the capacity to ``end`` rounded up
+        to a multiple of ``chunk`` (at most ``max_len``), moving what it holds."""
+        if end <= self.capacity:
+            return
+        if end > self.max_len:
+            raise ValueError(f"position {end - 1} is beyond the cache's max_len {self.max_len}")
+        new = min(self.max_len, -(-end // self.chunk) * self.chunk)
+        b, g, d, old = self.batch, self.groups, self.d, self.capacity
+        half = 1 - self._half
+        n = b * g * new * d
+        for L, (ks, vs) in zip(self.layers, self._store):
+            k, v = ks[half, :n].view(b, g, new, d), vs[half, :n].view(b, g, new, d)
+            if old:
+                k[:, :, :old].copy_(L.k)
+                v[:, :, :old].copy_(L.v)
+            k[:, :, old:].zero_()
+            v[:, :, old:].zero_()
+            L.k, L.v = k, v
+        self._half, self.capacity = half, new
+
     def end(self) -> None:
-        """Drop the cache and the bound tensors."""
+        """Unbind the weights; free the cache unless it is kept (see ``keep_cache``)."""
         self.layers = []
+        keep = self.keep_cache
+        if keep is None:
+            keep = getattr(self, "device", None) is not None and self.device.type == "cpu"
+        if not keep:
+            self.release()
+
+    def release(self) -> None:
+        """Free the cache storage and the RoPE tables."""
+        self.layers = []
+        self._store = []
+        self._store_key = None
         self.cos = self.sin = None
+        self.capacity = 0
 
     # -- forward --------------------------------------------------------------------------
 
@@ -233,71 +345,47 @@ class LeanDecoder:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
-    def _embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[b, n] -> [b, n, h], as Megatron's VocabParallelEmbedding: each TP rank looks up the
         ids in its row range (zeros elsewhere) and an all-reduce sums the shards."""
         we = self.embedding.word_embeddings
         if self.tp_size > 1:
             outside = (tokens < we.vocab_start_index) | (tokens >= we.vocab_end_index)
             x = F.embedding((tokens - we.vocab_start_index).masked_fill_(outside, 0), we.weight)
-            x = self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
-        else:
-            x = F.embedding(tokens, we.weight)
-        if not self.rope:
-            x = x + self.pos_weight[start : start + tokens.shape[1]]
-        return x
+            return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+        return F.embedding(tokens, we.weight)
 
-    def _prefill_attention(self, q: torch.Tensor, L: _Layer, n: int, scale: float) -> torch.Tensor:
-        """Causal attention of positions [0, n) (q ``[b, n, g, r, d]``) over the cache, computed
-        as Megatron's DotProductAttention does (scaled baddbmm, fp32 masked softmax, bmm) so
-        that bf16 results round the same way. Returns ``[b, n, heads * d]``."""
-        b, g, r, d = q.shape[0], self.groups, self.r, self.d
-        h = g * r
-        q = q.permute(0, 2, 3, 1, 4).reshape(b * h, n, d)  # heads ordered (group, r)
-        keys = L.k[:, :, :, :n].unsqueeze(2).expand(b, g, r, d, n).reshape(b * h, d, n)
-        values = L.v[:, :, :n].unsqueeze(2).expand(b, g, r, n, d).reshape(b * h, n, d)
-        scores = torch.baddbmm(self._zero, q, keys, beta=0.0, alpha=scale).float()
-        causal = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu_(1)
-        probs = torch.softmax(scores.masked_fill_(causal, float("-inf")), dim=-1).to(values.dtype)
-        ctx = torch.bmm(probs, values).view(b, h, n, d)
-        return ctx.permute(0, 2, 1, 3).reshape(b, n, h * d)
+    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Megatron's order of rounding: t*cos + rotate_half(t)*sin, three ops.
+        return qk * cos + qk.roll(self.d // 2, dims=-1) * sin
 
-    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Run positions ``[start, start + n)`` (``tokens`` ``[b, n]``) through the model,
-        appending their keys/values to the cache, and return the last position's logits
-        ``[b, v]`` over the full (TP-gathered, padded) vocabulary.
+    def _attention(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``q`` [B, m, d], ``keys`` [B, t, d], ``values`` [B, t, d] -> [B, m, d], as Megatron's
+        DotProductAttention computes it: ``baddbmm(alpha=scale)`` in the model dtype, an fp32
+        softmax, ``bmm``. ``mask`` (added to the fp32 scores; 0 or -inf) is broadcastable to
+        [B, m, t], or None."""
+        scores = torch.baddbmm(self._zero, q, keys.transpose(1, 2), beta=0.0, alpha=scale)
+        if mask is not None:
+            scores = scores.float() + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.bmm(probs, values)
 
-        ``n > 1`` is allowed only at ``start == 0`` (the prefill)."""
-        b, n = tokens.shape
+    def _layer_stack(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The transformer layers on ``x`` [b, n, h]; ``attend(qkv [b, n, g, r+2, d], L)``
+        writes the cache and returns the attention context [b, n, heads*d]."""
+        b, n = x.shape[:2]
         g, r, d = self.groups, self.r, self.d
-        end = start + n
-        if n > 1 and start != 0:
-            raise ValueError("multi-token forward is only supported from position 0")
-        x = self._embed(tokens, start)
         for L in self.layers:
             h = L.norm1(x)
             qkv = self.linear(h, L.w_qkv, L.b_qkv).view(b, n, g, r + 2, d)
-            qk = qkv[:, :, :, : r + 1]  # queries and key of each group
-            if self.rope:
-                # Megatron's order of rounding: t*cos + rotate_half(t)*sin, three ops.
-                qk = qk * self.cos[:, start:end] + qk.roll(d // 2, dims=-1) * self.sin[:, start:end]
-            # Cache: keys transposed [b, g, d, T] (q @ K^T reads it as is), values [b, g, T, d].
-            L.k[:, :, :, start:end].copy_(qk[:, :, :, r].permute(0, 2, 3, 1))
-            L.v[:, :, start:end].copy_(qkv[:, :, :, r + 1].transpose(1, 2))
-            T = self.max_len
-            if n == 1:
-                # One query position: the r query heads of a group attend to the same cached
-                # keys, so they ride in the matmul's row dimension (grouped-query for free).
-                # baddbmm(alpha=scale) and an fp32 softmax, as Megatron's DotProductAttention.
-                q = qk[:, 0, :, :r].reshape(b * g, r, d)
-                scores = torch.baddbmm(
-                    self._zero, q, L.k.view(b * g, d, T)[:, :, :end], beta=0.0, alpha=L.scale
-                )
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qkv.dtype)
-                ctx = torch.bmm(probs, L.v.view(b * g, T, d)[:, :end]).view(b, 1, g * r * d)
-            else:
-                ctx = self._prefill_attention(qk[:, :, :, :r], L, n, L.scale)
-            o = self._reduce(self.linear(ctx, L.w_proj))
+            o = self._reduce(self.linear(attend(qkv, L), L.w_proj))
             if L.b_proj is not None:
                 o = o + L.b_proj
             x = x + o
@@ -312,10 +400,140 @@ class LeanDecoder:
             if L.b_fc2 is not None:
                 o = o + L.b_fc2
             x = x + o
-        h = self.final_norm(x[:, -1])
-        logits = self.linear(h, self.w_out)
+        return x
+
+    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """[b, h] final hidden state -> [b, v] logits over the full (gathered, padded) vocabulary."""
+        logits = self.linear(self.final_norm(x_last), self.w_out)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
         return logits
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions ``[0, n)`` (``tokens`` [b, n]) into the cache; the last position's logits [b, v]."""
+        b, n = tokens.shape
+        g, r, d = self.groups, self.r, self.d
+        self.reserve(n)
+        x = self._embed(tokens)
+        if not self.rope:
+            x = x + self.pos_weight[:n]
+        cos = self.cos[:, :n] if self.rope else None
+        sin = self.sin[:, :n] if self.rope else None
+        causal = torch.full((n, n), float("-inf"), device=tokens.device).triu_(1)
+
+        def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
+            qk = qkv[:, :, :, : r + 1]  # queries and key of each group
+            if self.rope:
+                qk = self._rope(qk, cos, sin)
+            k, v = qk[:, :, :, r].transpose(1, 2), qkv[:, :, :, r + 1].transpose(1, 2)  # [b, g, n, d]
+            L.k[:, :, :n].copy_(k)
+            L.v[:, :, :n].copy_(v)
+            # Causal attention over [0, n) from the fresh keys/values, heads ordered (group, r).
+            h = g * r
+            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, n, d)
+            keys = k.unsqueeze(2).expand(b, g, r, n, d).reshape(b * h, n, d)
+            values = v.unsqueeze(2).expand(b, g, r, n, d).reshape(b * h, n, d)
+            ctx = self._attention(q, keys, values, L.scale, causal)
+            return ctx.view(b, h, n, d).permute(0, 2, 1, 3).reshape(b, n, h * d)
+
+        return self._logits(self._layer_stack(x, attend)[:, -1])
+
+    def decode(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Position ``start`` (``tokens`` [b, 1]) into the cache, attending to ``[0, start]``;
+        its logits [b, v]."""
+        b = tokens.shape[0]
+        g, r, d = self.groups, self.r, self.d
+        end = start + 1
+        self.reserve(end)
+        c, T = self.capacity, self.max_len
+        mask = self._neg[T - end : T - end + c] if end < c else None
+        x = self._embed(tokens)
+        if not self.rope:
+            x = x + self.pos_weight[start:end]
+        cos = self.cos[:, start:end] if self.rope else None
+        sin = self.sin[:, start:end] if self.rope else None
+
+        def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
+            qk = qkv[:, :, :, : r + 1]
+            if self.rope:
+                qk = self._rope(qk, cos, sin)
+            L.k[:, :, start].copy_(qk[:, 0, :, r])
+            L.v[:, :, start].copy_(qkv[:, 0, :, r + 1])
+            # One query position: the r query heads of a group attend to the same cached keys,
+            # so they ride in the matmul's row dimension (grouped-query for free).
+            q = qk[:, 0, :, :r].reshape(b * g, r, d)
+            ctx = self._attention(q, L.k.view(b * g, c, d), L.v.view(b * g, c, d), L.scale, mask)
+            return ctx.view(b, 1, g * r * d)
+
+        return self._logits(self._layer_stack(x, attend)[:, -1])
+
+    def decode_static(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with every shape fixed: ``pos`` is a one-element int64 tensor on the
+        model's device, the new key/value are written with ``index_copy_`` and attention runs
+        over the full capacity (``max_len``) under a mask. Nothing in it depends on host values,
+        so a CUDA graph can capture it once and replay it for every position."""
+        b = tokens.shape[0]
+        g, r, d, T = self.groups, self.r, self.d, self.max_len
+        self.reserve(T)
+        x = self._embed(tokens)
+        if not self.rope:
+            x = x + self.pos_weight.index_select(0, pos)
+        cos = self.cos.index_select(1, pos) if self.rope else None
+        sin = self.sin.index_select(1, pos) if self.rope else None
+        mask = torch.where(self._t_index <= pos, self._neg[0], self._neg[-1])  # [T]: 0 / -inf
+
+        def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
+            qk = qkv[:, :, :, : r + 1]
+            if self.rope:
+                qk = self._rope(qk, cos, sin)
+            L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
+            L.v.index_copy_(2, pos, qkv[:, :, :, r + 1].transpose(1, 2))
+            q = qk[:, 0, :, :r].reshape(b * g, r, d)
+            ctx = self._attention(q, L.k.view(b * g, T, d), L.v.view(b * g, T, d), L.scale, mask)
+            return ctx.view(b, 1, g * r * d)
+
+        return self._logits(self._layer_stack(x, attend)[:, -1])
+
+    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """:meth:`prefill` at ``start == 0``, else :meth:`decode` (one position)."""
+        if start == 0:
+            return self.prefill(tokens)
+        if tokens.shape[1] != 1:
+            raise ValueError("multi-token forward is only supported from position 0")
+        return self.decode(tokens, start)
+
+
+class CudaGraphDecodeStep:
+    """:meth:`LeanDecoder.decode_static` captured once in a CUDA graph and replayed per step.
+
+    A decode step of a small model on a GPU is a few hundred kernel launches whose launch cost
+    exceeds their work; a replayed graph launches them all at once. Inputs are copied into
+    static buffers (the token column, the position) and the logits come back in a static
+    buffer, valid until the next replay. Build it after :meth:`LeanDecoder.begin` and before the
+    prefill: the warm-up runs write position 0 of the cache, which the prefill then overwrites.
+    """
+
+    def __init__(self, lean: LeanDecoder, batch: int) -> None:
+        dev = lean.device
+        if dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {dev}")
+        lean.reserve(lean.max_len)  # the graph reads the cache's final addresses
+        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernel selection)
+            for _ in range(2):
+                lean.decode_static(self.tokens, self.pos)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = lean.decode_static(self.tokens, self.pos)
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.pos.fill_(start)
+        self.graph.replay()
+        return self.logits

@@ -13,15 +13,19 @@ no left padding, no attention mask, no per-row position offsets, and the result 
 decoding each prompt on its own (the tests check this against a full recompute and against
 one-prompt batches). A row that has stopped keeps stepping (its outputs are ignored, its
 tokens are pad) until all rows have stopped: the "all done?" check is a host sync, made every
-step on a CPU (nothing to overlap there) and every ``check_every`` (8) steps on a GPU. Stop
-strings are checked on the host every few steps to stop early, and applied exactly at the end.
+step on a CPU (nothing to overlap there) and every ``check_every`` (8) steps on a GPU, where
+the loop otherwise never waits on the device. Stop strings are checked on the host every few
+steps to stop early, and applied exactly at the end. Sampling is one batched call per step
+for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
 
 *Two forward backends* over the same module and weights:
 
 - ``lean`` (default when the architecture allows): :class:`aligner.generation.lean.LeanDecoder`,
   the same arithmetic as Megatron's forward in the fewest ops (plain linears on the module's
   weight tensors, RoPE on the new token only, a private cache laid out for the attention
-  matmuls), with Megatron's rounding order (bf16 log-probs equal the training forward's).
+  matmuls and kept across calls on a CPU), with Megatron's rounding order (bf16 log-probs
+  equal the training forward's). On a GPU (TP=1) its decode step is captured once per call
+  in a CUDA graph and replayed for every position (``decode_step``).
 - ``megatron``: ``GPTModel.forward`` with a ``StaticInferenceContext`` (sized exactly
   ``[T, b]``, one per call) and ``runtime_gather_output=True``; only the last position goes
   through the LM head (``materialize_only_last_token_logits``). It re-applies RoPE to the whole
@@ -42,6 +46,7 @@ re-reads the parameter tensors at the start of every call.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -49,10 +54,12 @@ import torch.distributed as dist
 from torch import nn
 
 from aligner.generation.engine import GenerationOutput, SamplingParams
-from aligner.generation.lean import LeanDecoder, unsupported_reason
+from aligner.generation.lean import CudaGraphDecodeStep, LeanDecoder, unsupported_reason
 from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
 
 __all__ = ["NativeEngine", "generate_no_cache"]
+
+_DECODE_STEPS = ("auto", "eager", "static", "graph")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -121,6 +128,16 @@ class NativeEngine:
         cpu_linear: lean backend, fp32 on a CPU: ``"auto"``/``"onednn"`` run the linear layers
             through oneDNN (about 2x MKL's fp32 GEMM on the project's AMD CPUs; same weight
             tensors), ``"default"`` uses ``F.linear``.
+        decode_step: lean backend: ``"eager"`` (shapes follow the filled positions: fewest
+            operations), ``"static"`` (fixed shapes, the position as a tensor: what a CUDA graph
+            replays, run eagerly), ``"graph"`` (static, captured in a CUDA graph once per call;
+            CUDA only), or ``"auto"``: graph on a GPU with TP=1, eager elsewhere. A graph that
+            fails to capture falls back to eager with a warning.
+        keep_cache: lean backend: keep the KV cache between calls (None: on a CPU yes, where a
+            fresh buffer per call costs page faults; on a GPU no, where the memory is training's).
+        num_threads: CPU threads while generating (restored afterwards); None leaves torch's
+            setting. For a split actor/critic on one machine the critic is idle while the actor
+            generates, so generation can take every core while training shares them.
     """
 
     def __init__(
@@ -136,6 +153,9 @@ class NativeEngine:
         check_every: int | None = None,
         backend: str = "auto",
         cpu_linear: str = "auto",
+        decode_step: str = "auto",
+        keep_cache: bool | None = None,
+        num_threads: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.pad_id, self.eos_id = _resolve_ids(tokenizer, pad_id, eos_id)
@@ -151,8 +171,15 @@ class NativeEngine:
             raise ValueError(f"cpu_linear={cpu_linear!r}: expected 'auto', 'onednn' or 'default'")
         if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
             raise ValueError(f"check_every={check_every!r}: expected an integer >= 1 or None")
+        if decode_step not in _DECODE_STEPS:
+            raise ValueError(f"decode_step={decode_step!r}: expected one of {_DECODE_STEPS}")
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            raise ValueError(f"num_threads={num_threads!r}: expected an integer >= 1 or None")
         self.backend = backend
         self.cpu_linear = cpu_linear
+        self.decode_step = decode_step
+        self.keep_cache = keep_cache
+        self.num_threads = num_threads
         self._lean: LeanDecoder | None = None
         self.model: nn.Module
         self.refit(model)
@@ -183,7 +210,7 @@ class NativeEngine:
         prompts = check_prompts(prompts, self.max_seq_len, self.vocab_size)
         prompt_lens = [len(p) for p in prompts]
         generator = None if sampling.greedy else self._generator(sampling.seed)
-        with _EvalMode(self.model), torch.inference_mode():
+        with _EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
             tokens, lengths, logprobs, ended, plen = self._decode(prompts, prompt_lens, sampling, generator)
         return build_output(
             tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
@@ -225,8 +252,17 @@ class NativeEngine:
 
     def _stepper(self, b: int, T: int):
         if self._use_lean():
-            return _LeanStepper(self._lean, b, T)
+            return _LeanStepper(self._lean, b, T, self._lean_decode_step())
         return _MegatronStepper(self.model, b, T)
+
+    def _lean_decode_step(self) -> str:
+        mode = self.decode_step
+        on_cuda = self._device.type == "cuda"
+        if mode == "auto":
+            return "graph" if on_cuda and self._lean.tp_size == 1 else "eager"
+        if mode == "graph" and not on_cuda:
+            raise ValueError(f"decode_step='graph' needs a CUDA device; the model is on {self._device}")
+        return mode
 
     def _use_lean(self) -> bool:
         if self.backend == "megatron":
@@ -239,7 +275,11 @@ class NativeEngine:
                 self._lean = None
                 return False
             tp_group, tp_size, _ = self._parallel()
-            self._lean = LeanDecoder(self.model, tp_group, tp_size, cpu_linear=self.cpu_linear)
+            if self._lean is not None:
+                self._lean.release()
+            self._lean = LeanDecoder(
+                self.model, tp_group, tp_size, cpu_linear=self.cpu_linear, keep_cache=self.keep_cache
+            )
         return True
 
     def _decode(
@@ -270,6 +310,8 @@ class NativeEngine:
         check_every = self.check_every or (1 if dev.type == "cpu" else 8)
 
         step = self._stepper(b, T)
+        if getattr(step, "graph_failed", False):
+            self.decode_step = "eager"  # warned once; do not retry every call
         try:
             return self._loop(
                 step, buf, plen, gen_t, row_last, stop_ids, sampling, generator, min_p, check_every
@@ -321,15 +363,50 @@ class NativeEngine:
         return hits
 
 
+class _Threads:
+    """Set torch's CPU thread count for a block and restore it (None: leave it alone)."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_num_threads()
+        if self.n is not None and self.n != self.saved:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        if torch.get_num_threads() != self.saved:
+            torch.set_num_threads(self.saved)
+
+
 class _LeanStepper:
     """One generation call on :class:`LeanDecoder` (private cache, RoPE'd keys)."""
 
-    def __init__(self, lean: LeanDecoder, b: int, T: int) -> None:
+    def __init__(self, lean: LeanDecoder, b: int, T: int, mode: str) -> None:
         self.lean = lean
         lean.begin(b, T)
+        self.step = lean.decode
+        self.graph_failed = False
+        if mode == "static":
+            self.pos = torch.zeros(1, dtype=torch.int64, device=lean.device)
+            self.step = self._static
+        elif mode == "graph":
+            try:
+                self.step = CudaGraphDecodeStep(lean, b)
+            except Exception as e:  # capture unsupported here: decode eagerly from now on
+                self.graph_failed = True
+                warnings.warn(
+                    f"CUDA graph capture of the decode step failed ({e!r}); decoding eagerly", stacklevel=4
+                )
+
+    def _static(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        self.pos.fill_(start)
+        return self.lean.decode_static(tokens, self.pos)
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        return self.lean.forward(tokens, start)
+        if start == 0:
+            return self.lean.prefill(tokens)
+        return self.step(tokens, start)
 
     def close(self) -> None:
         self.lean.end()

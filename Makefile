@@ -35,3 +35,25 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
+
+# Install into throwaway venvs on the other supported Pythons and run a test subset there.
+# Not part of `make test` (CI runs 3.11 only). The local CPU torch wheel is for 3.11 only, so
+# elsewhere torch==2.13.0 may resolve to a CUDA build (several GB per venv): remove
+# $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
+CHECK_PYTHONS ?= python3.10 python3.12
+CHECK_VENVS ?= /tmp/aligner-check-pythons
+CHECK_TESTS ?= tests/test_models.py tests/test_hf_convert.py tests/test_ppo_core.py \
+	tests/test_checkpoint.py tests/test_tokenizers_tasks.py tests/test_cpu_compat.py \
+	tests/test_precision.py tests/test_critic_service.py tests/test_generation.py
+
+.PHONY: check-pythons
+check-pythons:
+	@set -e; for py in $(CHECK_PYTHONS); do \
+	  tag=$$($$py -c 'import sys; print("py%d%d" % sys.version_info[:2])'); \
+	  v=$(CHECK_VENVS)/$$tag; echo "== $$py ($$tag) in $$v"; \
+	  test -x $$v/bin/python || $$py -m venv $$v; \
+	  $$v/bin/python -m pip install --quiet --upgrade pip; \
+	  $$v/bin/python -m pip install --quiet "torch==2.13.0"; \
+	  $$v/bin/python -m pip install --quiet -e ".[dev]"; \
+	  $$v/bin/python -m pytest -q -p no:cacheprovider $(CHECK_TESTS); \
+	done

@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup demo test test-fast lint bench clean
@@ -30,7 +31,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check aligner servers examples tests benchmarks
 	$(VENV)/bin/ruff format --check aligner servers examples tests benchmarks
 
-bench: $(STAMP)
+# The bench extra (trl and its dependencies) only for `make bench`: `make test` never needs it.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
 
 clean:

@@ -1,6 +1,9 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-.venv/bin/python benchmarks/run.py [actor|critic|generation ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation|vs_trl ...]
+
+``vs_trl`` (benchmarks/bench_vs_trl.py) runs TRL's PPOTrainer beside our system when trl is
+installed (``pip install -e '.[bench]'``; ``make bench`` does it), else our side alone.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ BENCHES = {
     "actor": ["bench_actor.py"],
     "critic": ["bench_critic.py"],
     "generation": ["bench_generation.py"],
+    "vs_trl": ["bench_vs_trl.py"],
 }
 
 

@@ -1,0 +1,104 @@
+"""The TRL side-by-side benchmark (benchmarks/bench_vs_trl.py): its shared inputs, its FLOP
+count, and one update of each side at a miniature shape (TRL's only when trl is installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # dataclasses look their module up there
+_spec.loader.exec_module(bench)
+
+MINI = bench.CASES["mini"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return bench.build_inputs(MINI, tmp_path_factory.mktemp("bench-inputs"))
+
+
+def test_inputs_serve_both_sides(inputs):
+    """One tokenizer folder both sides load, prompts of the case's length, HF model folders."""
+    from transformers import AutoTokenizer
+
+    from aligner.tokenizers import build_tokenizer
+
+    ours = build_tokenizer(inputs["tokenizer"])
+    assert (ours.vocab_size, ours.pad_id, ours.eos_id) == (MINI.vocab, 0, 1)
+    theirs = AutoTokenizer.from_pretrained(inputs["tokenizer"])
+    lines = Path(inputs["prompts"]).read_text().splitlines()
+    prompt = json.loads(lines[0])["prompt"]
+    assert ours.encode(prompt) == theirs.encode(prompt, add_special_tokens=False)
+    assert len(ours.encode(prompt)) == MINI.prompt_len and len(lines) >= 8 * MINI.batch
+    for role, arch in (("policy", "LlamaForCausalLM"), ("reward", "LlamaForSequenceClassification")):
+        cfg = json.loads((Path(inputs[role]) / "config.json").read_text())
+        assert cfg["architectures"] == [arch] and cfg["vocab_size"] == MINI.vocab
+
+
+def test_flop_count_matches_the_parameter_count(inputs):
+    """At zero context a token's forward costs 2 FLOPs per weight of every matmul (embedding
+    lookups and norms excluded)."""
+    import transformers
+
+    for role, head in (("policy", "lm"), ("reward", "value")):
+        model = getattr(
+            transformers, "LlamaForCausalLM" if head == "lm" else "LlamaForSequenceClassification"
+        )
+        m = model.from_pretrained(inputs[role])
+        weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+        assert bench.forward_flops(MINI, 1, 0, head) == 2 * weights
+    f = bench.update_flops(bench.CASES["B1"])
+    assert f["total"] == f["generate"] + f["rollout_forwards"] + f["train"] > 0
+    # The train phase is 3x (forward + backward) the forwards of policy and value per epoch.
+    b2 = bench.update_flops(bench.CASES["B2"])
+    assert f["train"] / f["rollout_forwards"] > 4 * b2["train"] / b2["rollout_forwards"] * 0.9
+
+
+def _run(tmp_path, systems: str) -> dict:
+    out = tmp_path / "report.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_vs_trl.py"),
+        "--cases",
+        "mini",
+        "--systems",
+        systems,
+        "--warmup",
+        "1",
+        "--updates",
+        "1",
+        "--trl-attn",
+        "eager",
+        "--workdir",
+        str(tmp_path),
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())["results"]["mini"]
+
+
+@pytest.mark.slow
+def test_our_side_runs_one_update(tmp_path):
+    r = _run(tmp_path, "ours")["ours"]
+    assert r["s_per_update"] > 0 and r["gen_tokens_per_s"] > 0
+    assert r["precision"] == {"actor": "bf16", "server": "bf16"}
+    assert set(r["phases_s"]) >= {"generate", "logprobs", "critic_wait", "train"}
+    assert 0 <= r["idle_share"] < 1
+
+
+@pytest.mark.slow
+def test_trl_side_runs_one_update(tmp_path):
+    pytest.importorskip("trl.experimental.ppo", reason="the bench extra (trl 1.12) is not installed")
+    r = _run(tmp_path, "trl")["trl"]
+    assert r["s_per_update"] > 0 and r["gen_tokens_per_s"] > 0
+    assert r["precision"] == "bf16"  # the bf16 flag reached TRL's Accelerator

@@ -214,8 +214,8 @@ class LeanDecoder:
         self.chunk = chunk
         self.layers: list[_Layer] = []
         self.linear = F.linear
-        # Double-buffered flat storage per layer: (keys, values) x (half 0, half 1).
-        self._store: list[list[torch.Tensor]] = []
+        # Double-buffered flat storage: [layer][keys, values][half 0, half 1].
+        self._store: list[list[list[torch.Tensor | None]]] = []
         self._store_key: tuple | None = None
         self._half = 0
         self.batch = self.max_len = self.capacity = 0
@@ -286,19 +286,23 @@ class LeanDecoder:
             self.pos_weight = m.embedding.position_embeddings.weight
 
     def _allocate(self, numel: int) -> None:
-        """Flat storage for ``numel`` elements per layer, per keys/values, per half; a kept
-        store that is large enough (same kind) is reused."""
+        """Room for ``numel`` elements per layer, per keys/values, per half of the double
+        buffer (each half allocated when first used); a kept store that is large enough (same
+        kind) is reused."""
         kind = (len(self.layers), self.dtype, self.device)
         if self._store_key is not None and self._store_key[0] == kind and self._store_key[1] >= numel:
             return
-        self._store = []  # free the old store before allocating the new one
-        # Zeros, not empty: masked positions are multiplied by probability 0, which must not
-        # meet a NaN bit pattern.
-        self._store = [
-            [torch.zeros(2, numel, dtype=self.dtype, device=self.device) for _ in range(2)]
-            for _ in self.layers
-        ]
+        self._store = [[[None, None], [None, None]] for _ in self.layers]  # [layer][k/v][half]
         self._store_key = (kind, numel)
+
+    def _buffer(self, layer: int, kv: int, half: int) -> torch.Tensor:
+        buf = self._store[layer][kv][half]
+        if buf is None:
+            # Zeros, not empty: masked positions are multiplied by probability 0, which must not
+            # meet a NaN bit pattern.
+            buf = torch.zeros(self._store_key[1], dtype=self.dtype, device=self.device)
+            self._store[layer][kv][half] = buf
+        return buf
 
     def reserve(self, end: int) -> None:
         """Make the cache hold positions ``[0, end)``: grow the capacity to ``end`` rounded up
@@ -311,8 +315,9 @@ class LeanDecoder:
         b, g, d, old = self.batch, self.groups, self.d, self.capacity
         half = 1 - self._half
         n = b * g * new * d
-        for L, (ks, vs) in zip(self.layers, self._store):
-            k, v = ks[half, :n].view(b, g, new, d), vs[half, :n].view(b, g, new, d)
+        for i, L in enumerate(self.layers):
+            k = self._buffer(i, 0, half)[:n].view(b, g, new, d)
+            v = self._buffer(i, 1, half)[:n].view(b, g, new, d)
             if old:
                 k[:, :, :old].copy_(L.k)
                 v[:, :, :old].copy_(L.v)

@@ -111,18 +111,20 @@ def initialize(parallel: ParallelConfig | None = None, seed: int = 1234) -> Para
         raise RuntimeError("backend='nccl' needs CUDA, which this torch build does not see; use 'gloo'")
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            # A plain single process: a world of one.
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0")
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         from datetime import timedelta
 
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel.timeout_s))
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = timedelta(seconds=parallel.timeout_s)
+        if "RANK" not in os.environ:
+            # A plain single process: a world of one, over an in-process store. No port is
+            # opened and nothing is written to os.environ, so child processes (and later
+            # process groups in this one) inherit no stale rendezvous address.
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
 
     world = dist.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size

@@ -89,12 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     policy = build_policy(cfg, params_dtype=dtype)
     runners: dict[str, object] = {}
+    engines: dict[str, NativeEngine] = {}
     for backend in ("lean", "megatron"):
         if "native" in skip or f"native_{backend}" in skip:
             continue
         engine = NativeEngine(
             policy, pad_id=0, eos_id=eos, max_seq_len=cfg.max_seq_len, parallel_state=ps, backend=backend
         )
+        engines[backend] = engine
         runners[f"native_{backend}"] = lambda engine=engine: engine.generate(
             prompts, sp
         ).response_lengths.sum()
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in runners:
         record(name, wall[name], cpu[name])
     if not args.sample and "native_lean" in runners and outputs:
-        ours = runners["native_lean"].__defaults__[0].generate(prompts, sp).tokens
+        ours = engines["lean"].generate(prompts, sp).tokens
         for name, out in outputs.items():
             same = (ours[:, args.prompt :] == out[:, args.prompt :]).cumprod(dim=1).sum(dim=1).float()
             results[name]["greedy_prefix_agreement"] = round(float(same.mean()) / args.new, 4)

@@ -35,7 +35,7 @@ def run(cfg: ActorConfig) -> dict:
     from aligner.metrics import MetricsLogger, format_console, read_metrics
     from aligner.models import gpt
     from aligner.ppo.checkpointing import ActorCheckpointer, weights_fingerprint
-    from aligner.ppo.config import load_prompts, validate_actor_config
+    from aligner.ppo.config import ConfigError, load_prompts, validate_actor_config
     from aligner.ppo.trainer import PPOTrainer, PromptSampler
     from aligner.report import format_summary, plot_run, summarize
     from aligner.tasks import get_task
@@ -54,9 +54,18 @@ def run(cfg: ActorConfig) -> dict:
         prompts = get_task(cfg.data.task, cfg.data.num_digits).prompts(cfg.data.num_prompts, seed=cfg.seed)
     val_prompts = (
         _validation_prompts(cfg, tokenizer, prompts)
-        if cfg.validation.interval or (cfg.validation.before_train)
+        if cfg.validation.interval or cfg.validation.before_train
         else []
     )
+    dp = max(
+        world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size), 1
+    )
+    if val_prompts and len(val_prompts) < dp:
+        # Every data-parallel rank validates its share; an empty share would stall the others.
+        raise ConfigError(
+            f"validation has {len(val_prompts)} prompt(s) for {dp} data-parallel ranks: set "
+            f"validation.num_prompts >= {dp} (or give validation.prompt_file more lines)"
+        )
 
     state = distributed.initialize(cfg.parallel, seed=cfg.seed)
     try:

@@ -111,6 +111,7 @@ def run(cfg: ActorConfig) -> dict:
             tokenizer,
             parallel_state=state,
             vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
+            num_threads=cfg.generation.num_threads,
         )
         sampler = PromptSampler(
             prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed, cfg.data.shuffle

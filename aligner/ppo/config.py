@@ -60,6 +60,9 @@ class GenerationConfig:
     """Nucleus sampling mass (1.0 = off)."""
     stop_strings: list[str] = field(default_factory=list)
     """Extra strings that end a response."""
+    num_threads: int | None = None
+    """CPU threads while generating (restored afterwards): decoding is bound by per-step overhead,
+    so a CPU actor may generate on more threads than it trains on; None keeps torch's setting."""
 
 
 @dataclass
@@ -310,6 +313,8 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
         e.append(f"generation.temperature={g.temperature!r}: expected > 0")
     if not 0 < g.top_p <= 1:
         e.append(f"generation.top_p={g.top_p!r}: expected a value in (0, 1]")
+    if g.num_threads is not None and g.num_threads < 1:
+        e.append(f"generation.num_threads={g.num_threads!r}: expected an integer >= 1 or null")
     if g.top_k < 0:
         e.append(f"generation.top_k={g.top_k!r}: expected >= 0")
     if cfg.precision not in ("auto", "bf16", "fp32"):

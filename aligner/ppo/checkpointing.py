@@ -53,6 +53,7 @@ from aligner.checkpoint import (
 )
 from aligner.distributed import ParallelState
 from aligner.models.config import ModelConfig
+from aligner.models.hf import _barrier
 
 __all__ = [
     "ROLE",
@@ -83,11 +84,6 @@ def _fault(point: str, step: int) -> None:
     name, _, at = want.partition("@")
     if name == point and (not at or int(at) == step):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def _comm_device() -> torch.device:

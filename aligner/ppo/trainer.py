@@ -369,11 +369,6 @@ class PPOTrainer:
             kl = torch.zeros(tokens.shape[0])
         _, scores = self._critic_result(future, tokens.shape)
         resp_len = (lengths - prompt_lengths).float()
-        sums = torch.stack([scores.sum(), kl.sum(), resp_len.sum(), torch.tensor(float(len(encoded)))])
-        sums = sums.double()
-        if self._dp_group is not None:
-            dist.all_reduce(sums, group=self._dp_group)
-        n = max(float(sums[3]), 1.0)
         rows = []
         for i in range(min(self.cfg.validation.num_samples, tokens.shape[0])):
             pl, ln = int(prompt_lengths[i]), int(lengths[i])
@@ -387,9 +382,9 @@ class PPOTrainer:
         if hasattr(self.logger, "samples"):
             self.logger.samples(step, rows)
         return {
-            "val/scores": float(sums[0]) / n,
-            "val/kl": float(sums[1]) / n,
-            "val/response_length": float(sums[2]) / n,
+            "val/scores": float(self._global_mean(scores, None)),  # means over every DP rank's prompts
+            "val/kl": float(self._global_mean(kl, None)),
+            "val/response_length": float(self._global_mean(resp_len, None)),
             "timers/validation": time.perf_counter() - t,
         }
 

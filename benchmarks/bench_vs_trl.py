@@ -295,6 +295,8 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     if _config_has(CriticServerConfig, "precision"):
         server_overrides.append(f"precision={args.precision}")
         precision["server"] = args.precision
+    if args.model_forward and _config_has(CriticServerConfig, "model_forward"):
+        server_overrides.append(f"model_forward={args.model_forward}")
     actor_overrides = [
         f"model.num_layers={case.layers}",
         f"model.hidden_size={case.hidden}",
@@ -325,6 +327,8 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     if _config_has(ActorConfig, "precision"):
         actor_overrides.append(f"precision={args.precision}")
         precision["actor"] = args.precision
+    if args.model_forward and _config_has(ActorConfig, "model_forward"):
+        actor_overrides.append(f"model_forward={args.model_forward}")
     # Nothing but PPO updates: no validation rounds, no checkpoints.
     for key, value in (
         ("validation.interval", 0),
@@ -602,6 +606,7 @@ def _child(role: str, case: str, inputs: Path, out: Path, args, attn: str) -> di
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for o in args.actor_override or []:
         cmd += ["--actor-override", o]
+    cmd += ["--model-forward", args.model_forward]
     if args.trl_as_configured:
         cmd.append("--trl-as-configured")
     env = dict(os.environ)
@@ -677,6 +682,11 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-as-configured",
         action="store_true",
         help="do not route TRL's bf16 flag to its Accelerator (PPOConfig(bf16=True) then runs fp32 on a CPU)",
+    )
+    ap.add_argument(
+        "--model-forward",
+        default="compiled",
+        help="our actor's and server's model_forward (auto, fused, compiled, megatron; '' = their default)",
     )
     ap.add_argument("--actor-override", action="append", help="extra Hydra override for our actor")
     ap.add_argument("--workdir", default=None, help="where inputs and runs go (default: a temp dir)")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from aligner.models.config import ConfigError, ModelConfig
+from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
 
 __all__ = [
     "ServerConfig",
@@ -180,6 +180,8 @@ class CriticServerConfig:
     """Seed for weight initialisation and minibatch shuffling."""
     precision: str = "auto"
     """'bf16' (bf16 weights and compute; fp32 master weights, gradients and Adam state), 'fp32', or 'auto' (bf16 where the GPU or CPU computes it natively: AVX512-BF16/AMX)."""
+    model_forward: str = "auto"
+    """How the critic and reward model forwards run: 'fused' (``aligner.models.fused``: Megatron's arithmetic in fewer ops on the same parameters), 'compiled' (fused under torch.compile, TP=1), 'megatron' (the modules' own forward), or 'auto' (fused where the architecture allows it, else megatron)."""
 
     def problems(self) -> list[str]:
         """Every cross-field problem, as messages that name the key (empty when consistent)."""
@@ -295,6 +297,8 @@ class CriticServerConfig:
 
         if self.precision not in PRECISION_CHOICES:
             e.append(f"precision={self.precision!r}: expected one of {list(PRECISION_CHOICES)}")
+        if self.model_forward not in FORWARD_MODES:
+            e.append(f"model_forward={self.model_forward!r}: expected one of {list(FORWARD_MODES)}")
 
         c = self.checkpoint
         if c.keep_last < 0:
@@ -375,7 +379,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "checkpoint": CheckpointConfig,
             "log": LogConfig,
         }
-        scalars = ("tokenizer", "seed", "precision")
+        scalars = ("tokenizer", "seed", "precision", "model_forward")
         known_top = set(sections) | set(scalars)
         for k in sorted(set(data) - known_top):
             errors.append(f"{k}: unknown key; expected one of {sorted(known_top)}")

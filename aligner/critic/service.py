@@ -55,6 +55,7 @@ from aligner.models.gpt import (
     build_critic,
     load_state_dict_strict,
     sequence_scores,
+    set_forward,
     tensor_state_dict,
     token_values,
 )
@@ -178,6 +179,14 @@ class CriticService:
             weight_decay=o.weight_decay,
             precision=self.precision,
         )
+        # After the optimizer, which casts the critic to its compute dtype.
+        self.model_forward: dict[str, str] = {}
+        for name, model in (("critic", self.critic), ("reward model", self.reward_model)):
+            if model is not None:
+                taken, why = set_forward(model, cfg.model_forward, tp)
+                self.model_forward[name] = taken
+                if why and self.is_rank0:
+                    log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
         max_len = (
             self.model_cfg.max_seq_len
             if rm_cfg is None
@@ -274,6 +283,7 @@ class CriticService:
                 "started_at": self.started_at,
                 "optim": dict(vars(c.optim)),
                 "precision": self.precision,
+                "model_forward": self.model_forward,
                 "requests": self.request_stats.lifetime(),
             },
         )

@@ -76,14 +76,16 @@ def _is_identity(m) -> bool:
     return m is None or type(m).__name__ in ("IdentityOp", "IdentityFuncOp", "Identity")
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """None when :class:`LeanDecoder` computes exactly what ``model``'s forward does, else why not."""
+def unsupported_reason(model: nn.Module, heads: tuple[str, ...] = ("lm",)) -> str | None:
+    """None when :class:`LeanDecoder` computes exactly what ``model``'s forward does, else why
+    not. ``heads``: the heads (``model.aligner_head``) accepted; the decoder needs an LM head,
+    the trunk is the same for all (``aligner.models.fused`` accepts value and reward heads)."""
     if type(model).__name__ != "GPTModel":
         return f"model is a {type(model).__name__}, not a megatron GPTModel"
     if not (model.pre_process and model.post_process):
         return "pipeline-parallel stage (pre_process/post_process not both set)"
-    if getattr(model, "aligner_head", "lm") != "lm":
-        return "not an LM head"
+    if getattr(model, "aligner_head", "lm") not in heads:
+        return f"head {getattr(model, 'aligner_head', 'lm')!r} is not one of {list(heads)}"
     cfg = model.config
     checks = {
         "multi_latent_attention": getattr(cfg, "multi_latent_attention", False),

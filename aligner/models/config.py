@@ -7,11 +7,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "ConfigError"]
+__all__ = ["ModelConfig", "ConfigError", "FORWARD_MODES"]
 
 NORMS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("rope", "learned_absolute")
+#: How a model's full-sequence forwards run (``model_forward``; see ``aligner.models.fused``).
+FORWARD_MODES = ("auto", "fused", "compiled", "megatron")
 
 
 class ConfigError(ValueError):

@@ -32,6 +32,7 @@ __all__ = [
     "token_values",
     "sequence_scores",
     "unwrap",
+    "set_forward",
     "tensor_state_dict",
     "load_state_dict_strict",
     "shape_mismatches",
@@ -286,23 +287,51 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
 
 
+def set_forward(
+    model: nn.Module, mode: str = "auto", tensor_parallel_size: int = 1
+) -> tuple[str, str | None]:
+    """Choose how :func:`policy_logits`, :func:`token_values` and :func:`sequence_scores` run
+    ``model``: ``megatron`` (its own module forward), ``fused`` (:mod:`aligner.models.fused`:
+    the same arithmetic in fewer ops, on the same parameters), ``compiled`` (fused under
+    ``torch.compile``) or ``auto`` (fused where the architecture allows, else megatron).
+
+    Returns the mode taken and, for ``auto`` falling back to megatron, why.
+    """
+    from aligner.models import fused
+
+    taken, why = fused.resolve_forward(mode, model, tensor_parallel_size)
+    model.aligner_fused = (
+        None
+        if taken == "megatron"
+        else fused.FusedForward(model, compiled=taken == "compiled", tp_size=tensor_parallel_size)
+    )
+    return taken, why
+
+
+def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    fast = getattr(model, "aligner_fused", None)
+    if fast is not None:
+        return fast(tokens)
+    return model(tokens, position_ids_for(tokens), attention_mask=None)
+
+
 def policy_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Causal LM forward. tokens [b, s] -> logits [b, s, v] (v: this TP rank's vocab shard).
 
     Right padding needs no attention mask: causal attention never lets a real position see a
     later pad. fp32 whatever the model's dtype, so logprobs, KL and the losses are fp32.
     """
-    return model(tokens, position_ids_for(tokens), attention_mask=None).float()
+    return _forward(model, tokens).float()
 
 
 def token_values(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Critic forward. tokens [b, s] -> values [b, s-1]; element t is V(tokens 0..t)."""
-    out = model(tokens, position_ids_for(tokens), attention_mask=None)  # [b, s, 1]
+    out = _forward(model, tokens)  # [b, s, 1]
     return out[:, :-1, 0].float()
 
 
 def sequence_scores(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1."""
-    out = model(tokens, position_ids_for(tokens), attention_mask=None)[..., 0]  # [b, s]
+    out = _forward(model, tokens)[..., 0]  # [b, s]
     idx = (lengths.to(out.device).long() - 1).clamp(min=0)
     return out.gather(1, idx.unsqueeze(1)).squeeze(1).float()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aligner.distributed import ParallelConfig
-from aligner.models.config import ConfigError, ModelConfig
+from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
 
 __all__ = [
     "ActorConfig",
@@ -241,6 +241,12 @@ class ActorConfig:
     """'bf16' (bf16 weights and compute for policy, reference and generation; fp32 master weights,
     gradients and Adam state; log-probs, KL, GAE and losses in fp32), 'fp32', or 'auto' (bf16
     where the GPU or CPU computes it natively)."""
+    model_forward: str = "auto"
+    """How the full-sequence forwards (log-probs, reference, training) run the policy and the
+    reference: 'fused' (``aligner.models.fused``: Megatron's arithmetic in fewer ops on the same
+    parameters), 'compiled' (fused under torch.compile, TP=1: faster steps after a compile of
+    seconds to a minute per shape), 'megatron' (the modules' own forward), or 'auto' (fused
+    where the architecture allows it, else megatron)."""
 
 
 def _problems_positive(obj: Any, prefix: str, names: tuple[str, ...]) -> list[str]:
@@ -319,6 +325,8 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
         e.append(f"generation.top_k={g.top_k!r}: expected >= 0")
     if cfg.precision not in ("auto", "bf16", "fp32"):
         e.append(f"precision={cfg.precision!r}: expected 'auto', 'bf16' or 'fp32'")
+    if cfg.model_forward not in FORWARD_MODES:
+        e.append(f"model_forward={cfg.model_forward!r}: expected one of {list(FORWARD_MODES)}")
     if o.lr <= 0:
         e.append(f"optim.lr={o.lr!r}: expected > 0")
     if o.min_lr < 0 or o.min_lr > o.lr:

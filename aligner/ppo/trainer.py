@@ -15,6 +15,7 @@ All numbers come from :mod:`aligner.ppo.core`; this file only moves tensors betw
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -32,6 +33,8 @@ from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.models import gpt
 from aligner.ppo import core
 from aligner.ppo.config import ActorConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Rollout", "PromptSampler", "PPOTrainer", "make_optimizer", "lr_lambda"]
 
@@ -178,6 +181,14 @@ class PPOTrainer:
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
         self.precision = mp.resolve_precision(cfg.precision, state.device)
         self.optimizer, self.scheduler = make_optimizer(policy, cfg, self.precision)
+        # After the optimizer: it casts the policy to its compute dtype.
+        self.model_forward: dict[str, str] = {}
+        for name, model in (("policy", policy), ("reference", reference)):
+            if model is not None:
+                taken, why = gpt.set_forward(model, cfg.model_forward, state.tp_size)
+                self.model_forward[name] = taken
+                if why and state.is_logging_rank:
+                    log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
         self.engine.refit(policy)  # the engine serves the policy in its training dtype
         p = cfg.ppo
         self.kl_ctl = (

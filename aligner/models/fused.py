@@ -1,0 +1,357 @@
+"""A fused full-sequence forward over a Megatron-core ``GPTModel``'s own parameters.
+
+Why: the training forward and backward, and the no-grad log-prob, value and score forwards,
+are most of a PPO step. On a CPU, Megatron's local-spec modules spend a large share of that in
+small element-wise kernels and copies: the ``[s, b, h]`` layout and its transposes, separate
+RoPE passes for queries and keys with ``cat``-based half rotation, module-call and autograd
+``Function`` overhead per linear. With the matrix products already at the machine's peak
+(oneDNN, bf16), that overhead is what is left to remove. This module computes the same
+arithmetic, on the same parameter tensors (gradients land in ``param.grad`` as usual), in a
+batch-first layout with the fewest ops:
+
+- ``eager``: plain torch ops; bit-identical logits to Megatron's forward (Megatron's rounding
+  order: scaled ``baddbmm``, fp32 softmax, ``t*cos + rotate_half(t)*sin`` in the model dtype),
+  and under tensor parallelism the same collectives, through Megatron's own autograd mappings
+  (``copy_to``/``reduce_from_tensor_model_parallel_region``, the vocabulary-parallel
+  embedding's masked lookup and all-reduce);
+- ``compiled``: the same function under ``torch.compile(fullgraph=True)`` (TP=1): inductor
+  fuses the norms, RoPE, softmax, SwiGLU and residual adds, forward and backward. Compiling
+  takes seconds to tens of seconds per shape on a CPU (cached on disk between processes), so
+  it pays off in long runs, not in tests.
+
+Only models whose forward this reproduces exactly take this path (:func:`unsupported_reason`:
+the local layer spec ``aligner.models.gpt`` builds, no dropout, no activation recompute, no
+pipeline stages); anything else runs Megatron's forward. ``tests/test_fused_forward.py``
+compares logits, values, scores and every parameter's gradient with Megatron's, at TP=1 and
+TP=2.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aligner.generation.lean import unsupported_reason as _lean_unsupported_reason
+from aligner.models.config import FORWARD_MODES
+
+__all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forward", "compile_available"]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None when :class:`FusedForward` computes exactly what ``model``'s forward does (its
+    output and every gradient), else why not."""
+    reason = _lean_unsupported_reason(model, heads=("lm", "value", "reward"))
+    if reason is not None:
+        return reason
+    cfg = model.config
+    if cfg.hidden_dropout or cfg.attention_dropout:
+        return f"dropout (hidden {cfg.hidden_dropout}, attention {cfg.attention_dropout})"
+    if getattr(cfg, "recompute_granularity", None):
+        return f"activation recompute ({cfg.recompute_granularity})"
+    if getattr(model, "aligner_head", "lm") != "lm":
+        head = model.output_layer
+        if type(head).__name__ != "ScalarHead":
+            return f"value/reward head is a {type(head).__name__}, not a ScalarHead"
+    elif model.output_layer is not None and getattr(model.output_layer, "bias", None) is not None:
+        return "LM head with a bias"
+    return None
+
+
+def compile_available() -> str | None:
+    """None when ``torch.compile`` can build CPU kernels here, else why not (inductor needs a
+    C++ compiler on the CPU)."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++, c++ or clang++) on PATH; inductor needs one for CPU kernels"
+    return None
+
+
+def resolve_forward(mode: str, model: nn.Module, tp_size: int = 1) -> tuple[str, str | None]:
+    """The forward ``mode`` resolves to for ``model``, and why another was not taken.
+
+    ``auto``: ``fused`` where supported, else ``megatron``. ``fused`` and ``compiled`` raise
+    ``ValueError`` with the reason when the model (or, for ``compiled``, TP > 1 or the machine)
+    does not allow them.
+    """
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"model_forward={mode!r}: expected one of {list(FORWARD_MODES)}")
+    if mode == "megatron":
+        return "megatron", None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if mode == "auto":
+            return "megatron", reason
+        raise ValueError(f"model_forward={mode!r} cannot run this model: {reason}")
+    if mode == "compiled":
+        if tp_size > 1:
+            raise ValueError(
+                f"model_forward='compiled' needs tensor_parallel_size 1 (got {tp_size}); "
+                "use 'fused' (the same ops, uncompiled, with Megatron's collectives)"
+            )
+        why = compile_available()
+        if why is not None:
+            raise ValueError(f"model_forward='compiled' is not available: {why}")
+    return ("fused" if mode == "auto" else mode), None
+
+
+class _Spec:
+    """What the pure forward needs to know about the architecture (hashable, static)."""
+
+    def __init__(self, model: nn.Module, tp_size: int) -> None:
+        cfg = model.config
+        att = model.decoder.layers[0].self_attention
+        self.layers = len(model.decoder.layers)
+        self.groups = att.num_query_groups_per_partition
+        self.heads = att.num_attention_heads_per_partition
+        self.d = att.hidden_size_per_attention_head
+        self.scale = float(att.core_attention.softmax_scale)
+        self.gated = bool(cfg.gated_linear_unit)
+        self.act = cfg.activation_func
+        norm = model.decoder.final_layernorm
+        self.rms = isinstance(norm, nn.RMSNorm)
+        self.eps = float(norm.eps)
+        self.hidden = int(cfg.hidden_size)
+        self.rope = model.position_embedding_type == "rope"
+        self.head = getattr(model, "aligner_head", "lm")
+        self.tp_size = tp_size
+        self.key = (
+            self.layers,
+            self.groups,
+            self.heads,
+            self.d,
+            self.scale,
+            self.gated,
+            self.act,
+            self.rms,
+            self.eps,
+            self.hidden,
+            self.rope,
+            self.head,
+            tp_size,
+        )
+
+
+def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
+    """The tensors the forward reads, in a fixed order (None where a layer has no bias)."""
+    out: list[torch.Tensor | None] = [model.embedding.word_embeddings.weight]
+    out.append(None if spec.rope else model.embedding.position_embeddings.weight)
+    for layer in model.decoder.layers:
+        att, mlp = layer.self_attention, layer.mlp
+        for norm in (layer.input_layernorm,):
+            out += [norm.weight, getattr(norm, "bias", None)]
+        out += [att.linear_qkv.weight, att.linear_qkv.bias, att.linear_proj.weight, att.linear_proj.bias]
+        norm = layer.pre_mlp_layernorm
+        out += [norm.weight, getattr(norm, "bias", None)]
+        out += [mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias]
+    norm = model.decoder.final_layernorm
+    out += [norm.weight, getattr(norm, "bias", None)]
+    if spec.head == "lm":
+        w = (
+            model.shared_embedding_or_output_weight()
+            if model.share_embeddings_and_output_weights
+            else model.output_layer.weight
+        )
+        out += [w, None]
+    else:
+        out += [model.output_layer.weight, model.output_layer.bias]
+    return out
+
+
+@torch.library.custom_op("aligner::causal_attention", mutates_args=())
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention core: ``q``, ``k``, ``v`` ``[B, n, d]`` (one row per batch x head),
+    ``mask`` ``[n, n]`` (0 on and below the diagonal, -inf above, in the model dtype) ->
+    (context ``[B, n, d]``, probabilities ``[B, n, n]``).
+
+    ``baddbmm(mask, q, k^T, alpha=scale)`` rounds ``scale * q k^T`` once, as Megatron's
+    ``baddbmm(beta=0)`` does, and adding 0 or -inf is exact; torch's softmax reads the scores
+    in the model dtype and accumulates in fp32, which is Megatron's fp32 softmax without the
+    fp32 copies. A custom op so that ``torch.compile`` leaves these batched products and the
+    softmax to their native kernels (measured faster here than inductor's).
+    """
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2), beta=1.0, alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v), probs
+
+
+@causal_attention.register_fake
+def _(q, k, v, mask, scale):
+    b, n, _ = q.shape
+    return q.new_empty(b, n, v.shape[-1]), q.new_empty(b, n, k.shape[1])
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, _mask, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1])
+    ctx.scale = scale
+    # The probabilities are an output only for the backward; no zero gradient is made for them.
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx, grad_out, _grad_probs):
+    q, k, v, probs = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None
+    grad_v = torch.bmm(probs.transpose(1, 2), grad_out)
+    grad_probs = torch.bmm(grad_out, v.transpose(1, 2))
+    grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    grad_q = torch.bmm(grad_scores, k).mul_(ctx.scale)
+    # (q^T ds)^T rather than ds^T q: reads ds in its own layout, as autograd's baddbmm does.
+    grad_k = torch.bmm(q.transpose(1, 2), grad_scores).mul_(ctx.scale).transpose(1, 2)
+    return grad_q, grad_k, grad_v, None, None
+
+
+causal_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _forward_fn(spec: _Spec):
+    """The pure forward for one architecture: ``(tokens, cos, sin, mask, *params) -> output``."""
+    g, h, d = spec.groups, spec.heads, spec.d
+    r = h // g
+    tp = spec.tp_size
+    if tp > 1:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region as copy_to,
+        )
+        from megatron.core.tensor_parallel.mappings import (
+            reduce_from_tensor_model_parallel_region as reduce_from,
+        )
+    else:
+        copy_to = reduce_from = None
+
+    def norm(x, w, b):
+        if spec.rms:
+            return F.rms_norm(x, (spec.hidden,), w, spec.eps)
+        return F.layer_norm(x, (spec.hidden,), w, b, spec.eps)
+
+    def col(x, w, b):  # column-parallel linear: the input is replicated, its grad all-reduced
+        return F.linear(copy_to(x) if tp > 1 else x, w, b)
+
+    def row(x, w, b):  # row-parallel linear: partial sums all-reduced, then the bias
+        o = F.linear(x, w)
+        if tp > 1:
+            o = reduce_from(o)
+        return o if b is None else o + b
+
+    def embed(tokens, we):
+        if tp == 1:
+            return F.embedding(tokens, we)
+        # Megatron's VocabParallelEmbedding: look up this rank's rows, zeros elsewhere, sum.
+        rank = mpu.get_tensor_model_parallel_rank()
+        start = rank * we.shape[0]
+        outside = (tokens < start) | (tokens >= start + we.shape[0])
+        x = F.embedding((tokens - start).masked_fill(outside, 0), we)
+        return reduce_from(x.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def forward(tokens, cos, sin, mask, *p):
+        b, n = tokens.shape
+        x = embed(tokens, p[0])
+        if not spec.rope:
+            x = x + p[1][:n]
+        i = 2
+        for _ in range(spec.layers):
+            n1w, n1b, wqkv, bqkv, wproj, bproj, n2w, n2b, w1, b1, w2, b2 = p[i : i + 12]
+            i += 12
+            qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
+            qk = qkv[:, :, :, : r + 1]
+            if spec.rope:
+                # t*cos + rotate_half(t)*sin, with rotate_half([x1, x2]) = [-x2, x1] folded
+                # into the sign of sin's first half (exact: negation commutes with rounding).
+                qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, n, d)
+            k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
+            v = qkv[:, :, :, r + 1].transpose(1, 2)
+            if r > 1:
+                k = k.unsqueeze(2).expand(b, g, r, n, d)
+                v = v.unsqueeze(2).expand(b, g, r, n, d)
+            k = k.reshape(b * h, n, d)
+            v = v.reshape(b * h, n, d)
+            ctx = causal_attention(q, k, v, mask, spec.scale)[0]
+            ctx = ctx.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+            x = x + row(ctx, wproj, bproj)
+            f = col(norm(x, n2w, n2b), w1, b1)
+            if spec.gated:
+                a, u = f.chunk(2, dim=-1)
+                f = spec.act(a) * u
+            else:
+                f = spec.act(f)
+            x = x + row(f, w2, b2)
+        x = norm(x, p[i], p[i + 1])
+        w, bias = p[i + 2], p[i + 3]
+        if spec.head == "lm":
+            return col(x, w, None)  # [b, n, vocab shard]
+        # ScalarHead: computed in fp32 whatever the weights' dtype.
+        return F.linear(x.float(), w.float(), bias.float())  # [b, n, 1]
+
+    return forward
+
+
+_COMPILED: dict[tuple, object] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def _compiled_fn(spec: _Spec):
+    """One compiled forward per architecture, shared by every model of it (policy and
+    reference): the parameters are arguments, so only shapes and dtypes are guarded."""
+    with _COMPILED_LOCK:
+        fn = _COMPILED.get(spec.key)
+        if fn is None:
+            fn = torch.compile(_forward_fn(spec), fullgraph=True)
+            _COMPILED[spec.key] = fn
+        return fn
+
+
+class FusedForward:
+    """``model``'s full-sequence forward, fused: ``tokens [b, s] -> [b, s, v]`` logits (this TP
+    rank's vocabulary shard, model dtype) for an LM head, ``[b, s, 1]`` fp32 for a value or
+    reward head, as ``GPTModel.forward(tokens, positions, attention_mask=None)`` returns them.
+
+    Reads the model's parameters at every call, so an optimizer step or a weight load is seen
+    at once. ``compiled``: run under ``torch.compile`` (TP=1 only).
+    """
+
+    def __init__(self, model: nn.Module, *, compiled: bool = False, tp_size: int = 1) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"FusedForward cannot run this model: {reason}")
+        if compiled and tp_size > 1:
+            raise ValueError("a compiled fused forward needs tensor_parallel_size 1")
+        self.model = model
+        self.compiled = compiled
+        self.spec = _Spec(model, tp_size)
+        self._fn = _compiled_fn(self.spec) if compiled else _forward_fn(self.spec)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _tables_for(self, n: int, dtype: torch.dtype, device: torch.device):
+        """(cos, sin with its first half negated, causal mask) for ``n`` positions, cached."""
+        key = (n, dtype, device)
+        t = self._tables.get(key)
+        if t is None:
+            mask = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu_(1)
+            if self.spec.rope:
+                d = self.spec.d
+                emb = self.model.rotary_pos_emb.get_emb(n).reshape(n, d).float().to(device)
+                cos, sin = emb.cos(), emb.sin()
+                sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
+                cos = cos.to(dtype).view(1, n, 1, 1, d)
+                sin = sin.to(dtype).view(1, n, 1, 1, d)
+            else:
+                cos = sin = mask.new_zeros(())
+            t = (cos, sin, mask)
+            self._tables = {key: t}  # one length at a time is the common case
+        return t
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        params = _params(self.model, self.spec)
+        ref = params[0]
+        cos, sin, mask = self._tables_for(tokens.shape[1], ref.dtype, ref.device)
+        return self._fn(tokens, cos, sin, mask, *params)

@@ -1,0 +1,208 @@
+"""The fused forward (``aligner.models.fused``) against Megatron's own forward.
+
+LM logits must be identical (the fused path keeps Megatron's rounding order), values and
+scores equal to fp32 round-off (the fp32 head's matrix product sees a batch-first layout,
+which can change its summation order); every parameter's
+gradient must agree to fp32 round-off in fp32 and to bf16 round-off in bf16 (gradient sums
+run in another order). Covered: LM, value and reward heads; Llama-style (RMSNorm, SwiGLU,
+RoPE), grouped-query attention, GPT-2-style (LayerNorm, GELU, learned positions, biases, tied
+embeddings); the compiled variant; TP=2 in two processes against the TP=2 Megatron forward.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from aligner import distributed
+from aligner.models import fused, gpt
+from aligner.models.config import ModelConfig
+
+ARCHS = {
+    "llama": dict(),
+    "gqa": dict(num_query_groups=2),
+    "gpt2": dict(
+        normalization="LayerNorm",
+        activation="gelu",
+        position_embedding="learned_absolute",
+        add_bias_linear=True,
+        tie_embeddings=True,
+    ),
+}
+HEADS = {"lm": gpt.build_policy, "value": gpt.build_critic, "reward": gpt.build_reward_model}
+TOKENS = torch.randint(0, 40, (3, 17), generator=torch.Generator().manual_seed(0))
+LENGTHS = torch.tensor([5, 17, 9])
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        vocab_size=40,
+        max_seq_len=32,
+        init_method_std=0.1,
+        **kw,
+    )
+
+
+def _output(model, head: str, tokens=TOKENS) -> torch.Tensor:
+    if head == "lm":
+        return gpt.policy_logits(model, tokens)
+    if head == "value":
+        return gpt.token_values(model, tokens)
+    return gpt.sequence_scores(model, tokens, LENGTHS)
+
+
+def _run(model, head: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = _output(model, head)
+    # A loss that weights every output element differently, so every gradient path is used.
+    w = torch.linspace(0.5, 1.5, out.numel()).view_as(out)
+    (out * w).sum().backward()
+    return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_output(got: torch.Tensor, want: torch.Tensor, head: str) -> None:
+    if head == "lm":
+        assert torch.equal(got, want), f"logits differ: max {float((got - want).abs().max())}"
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def _compare(model, head: str, mode: str, grad_tol: float) -> None:
+    gpt.set_forward(model, "megatron")
+    out0, g0 = _run(model, head)
+    assert gpt.set_forward(model, mode) == (mode, None)
+    out1, g1 = _run(model, head)
+    _same_output(out1, out0, head)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
+        assert err < grad_tol, f"{name}: relative gradient difference {err:.2e} >= {grad_tol}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _world():
+    torch.set_num_threads(1)
+    distributed.initialize()
+    yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("head", list(HEADS))
+def test_fused_equals_megatron(arch, head, dtype):
+    torch.manual_seed(0)
+    model = HEADS[head](_cfg(**ARCHS[arch]), params_dtype=dtype)
+    _compare(model, head, "fused", grad_tol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_broken_attention_is_caught():
+    """The comparison can fail: a fused forward without the causal mask differs."""
+    torch.manual_seed(0)
+    model = gpt.build_policy(_cfg())
+    gpt.set_forward(model, "fused")
+    good = gpt.policy_logits(model, TOKENS)
+    fast = model.aligner_fused
+    n = TOKENS.shape[1]
+    fast._tables[(n, torch.float32, TOKENS.device)] = fast._tables_for(n, torch.float32, TOKENS.device)[
+        :2
+    ] + (torch.zeros(n, n),)
+    bad = gpt.policy_logits(model, TOKENS)
+    assert not torch.allclose(good[:, :-1], bad[:, :-1], atol=1e-3)
+
+
+def test_follows_weight_updates():
+    """The fused forward reads the parameters at every call (optimizer steps, loads)."""
+    torch.manual_seed(0)
+    model = gpt.build_policy(_cfg())
+    gpt.set_forward(model, "fused")
+    before = gpt.policy_logits(model, TOKENS)
+    with torch.no_grad():
+        model.decoder.layers[0].mlp.linear_fc2.weight.mul_(3.0)
+    after = gpt.policy_logits(model, TOKENS)
+    gpt.set_forward(model, "megatron")
+    assert torch.equal(after, gpt.policy_logits(model, TOKENS))
+    assert not torch.equal(before, after)
+
+
+def test_auto_falls_back_with_the_reason():
+    torch.manual_seed(0)
+    model = gpt.build_policy(_cfg(hidden_dropout=0.1))
+    taken, why = gpt.set_forward(model, "auto")
+    assert taken == "megatron" and "dropout" in why
+    assert model.aligner_fused is None
+    with pytest.raises(ValueError, match="dropout"):
+        gpt.set_forward(model, "fused")
+    with pytest.raises(ValueError, match="expected one of"):
+        gpt.set_forward(model, "fast")
+    plain = gpt.build_policy(_cfg())
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        gpt.set_forward(plain, "compiled", tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(fused.compile_available() is not None, reason=str(fused.compile_available()))
+def test_compiled_equals_megatron():
+    """torch.compile fuses the element-wise work differently: outputs agree to round-off.
+    bf16 only (the default precision): a compile takes 15-30 s here."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    model = gpt.build_critic(_cfg(num_query_groups=2), params_dtype=dtype)
+    gpt.set_forward(model, "megatron")
+    out0, g0 = _run(model, "value")
+    gpt.set_forward(model, "compiled")
+    out1, g1 = _run(model, "value")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out1, out0, atol=tol, rtol=tol)
+    for name in g0:
+        err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
+        assert err < tol, f"{name}: relative gradient difference {err:.2e}"
+    with torch.no_grad():  # the inference graph, and a new shape
+        torch.testing.assert_close(
+            gpt.token_values(model, TOKENS[:, :9]),
+            out0[:, :8],
+            atol=tol,
+            rtol=tol,
+        )
+
+
+# -- TP=2 ---------------------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, port: int) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        distributed.initialize(distributed.ParallelConfig(tensor_model_parallel_size=2), seed=5)
+        # 40 tokens split 20/20; 4 heads in 2 groups: one group per rank.
+        for head in ("lm", "value"):
+            for arch in ("gqa", "gpt2"):
+                torch.manual_seed(0)
+                model = HEADS[head](_cfg(**ARCHS[arch]))
+                gpt.set_forward(model, "megatron")
+                out0, g0 = _run(model, head)
+                assert gpt.set_forward(model, "fused", tensor_parallel_size=2) == ("fused", None)
+                out1, g1 = _run(model, head)
+                _same_output(out1, out0, head)
+                for name in g0:
+                    err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
+                    assert err < 1e-5, (head, arch, name, err)
+    finally:
+        distributed.destroy()
+
+
+def test_tp2_fused_equals_megatron():
+    mp.spawn(_tp_worker, args=(distributed.free_port(),), nprocs=2, join=True)

@@ -55,6 +55,13 @@ precision on, so ``PPOConfig(bf16=True)`` alone runs fp32 on a CPU: this benchma
 ``ACCELERATE_MIXED_PRECISION=bf16`` for it (``--trl-as-configured`` leaves that out, to
 measure what the config alone gives). The report records what each side ran.
 
+Forward
+-------
+``--model-forward`` (default ``compiled``) sets our actor's and server's ``model_forward``: the
+fused forward under ``torch.compile``. Its compiles (a few per process, one per graph and
+shape) run in the warm-up updates, which are not measured; ``fused`` needs none. TRL runs its
+models' eager forward, as ``PPOConfig``'s defaults (``torch_compile=False``) have it.
+
 Threads
 -------
 Both systems get the whole machine. TRL is one process with ``--threads`` (default: all

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from aligner.checkpoint import read_json  # noqa: E402
+from aligner.cpu_memory import tune_allocator  # noqa: E402
 from aligner.ppo.config import ActorConfig  # noqa: E402
 
 ConfigStore.instance().store(name="actor_schema", node=ActorConfig)
@@ -68,6 +69,7 @@ def run(cfg: ActorConfig) -> dict:
         )
 
     state = distributed.initialize(cfg.parallel, seed=cfg.seed)
+    tune_allocator(state.device.type)  # keep freed activations in the heap on CPU runs
     try:
         log = state.is_logging_rank
         critic = RemoteCriticClient(

@@ -438,6 +438,9 @@ def run_server(cfg: CriticServerConfig) -> int:
         ),
         seed=cfg.seed,
     )
+    from aligner.cpu_memory import tune_allocator
+
+    log.info("CPU allocator: %s", tune_allocator(state.device.type))
     metrics = None
     server = None
     service = None

@@ -302,6 +302,13 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     if _config_has(CriticServerConfig, "precision"):
         server_overrides.append(f"precision={args.precision}")
         precision["server"] = args.precision
+    if args.model_forward == "compiled":
+        from aligner.models.fused import compile_available
+
+        why = compile_available()
+        if why is not None:  # e.g. no C++ compiler: the same fused forward, uncompiled
+            print(f"model_forward=compiled is not available ({why}); running 'fused'", flush=True)
+            args.model_forward = "fused"
     if args.model_forward and _config_has(CriticServerConfig, "model_forward"):
         server_overrides.append(f"model_forward={args.model_forward}")
     actor_overrides = [

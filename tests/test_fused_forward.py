@@ -74,16 +74,21 @@ def _same_output(got: torch.Tensor, want: torch.Tensor, head: str) -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def _same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float, where=()) -> None:
+    """Every parameter's gradient within ``tol`` of ``want``'s, relative to its norm."""
+    assert got.keys() == want.keys()
+    for name in want:
+        err = float((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30))
+        assert err < tol, (*where, f"{name}: relative gradient difference {err:.2e} >= {tol}")
+
+
 def _compare(model, head: str, mode: str, grad_tol: float) -> None:
     gpt.set_forward(model, "megatron")
     out0, g0 = _run(model, head)
     assert gpt.set_forward(model, mode) == (mode, None)
     out1, g1 = _run(model, head)
     _same_output(out1, out0, head)
-    assert g1.keys() == g0.keys()
-    for name in g0:
-        err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
-        assert err < grad_tol, f"{name}: relative gradient difference {err:.2e} >= {grad_tol}"
+    _same_grads(g1, g0, grad_tol)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -159,9 +164,7 @@ def test_compiled_equals_megatron():
     out1, g1 = _run(model, "value")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out1, out0, atol=tol, rtol=tol)
-    for name in g0:
-        err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
-        assert err < tol, f"{name}: relative gradient difference {err:.2e}"
+    _same_grads(g1, g0, tol)
     with torch.no_grad():  # the inference graph, and a new shape
         torch.testing.assert_close(
             gpt.token_values(model, TOKENS[:, :9]),
@@ -197,9 +200,7 @@ def _tp_worker(rank: int, port: int) -> None:
                 assert gpt.set_forward(model, "fused", tensor_parallel_size=2) == ("fused", None)
                 out1, g1 = _run(model, head)
                 _same_output(out1, out0, head)
-                for name in g0:
-                    err = float((g1[name] - g0[name]).norm() / g0[name].norm().clamp_min(1e-30))
-                    assert err < 1e-5, (head, arch, name, err)
+                _same_grads(g1, g0, 1e-5, where=(head, arch))
     finally:
         distributed.destroy()
 

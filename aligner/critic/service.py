@@ -55,7 +55,7 @@ from aligner.models.gpt import (
     build_critic,
     load_state_dict_strict,
     sequence_scores,
-    set_forward,
+    set_forwards,
     tensor_state_dict,
     token_values,
 )
@@ -180,13 +180,12 @@ class CriticService:
             precision=self.precision,
         )
         # After the optimizer, which casts the critic to its compute dtype.
-        self.model_forward: dict[str, str] = {}
-        for name, model in (("critic", self.critic), ("reward model", self.reward_model)):
-            if model is not None:
-                taken, why = set_forward(model, cfg.model_forward, tp)
-                self.model_forward[name] = taken
-                if why and self.is_rank0:
-                    log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
+        self.model_forward = set_forwards(
+            {"critic": self.critic, "reward model": self.reward_model},
+            cfg.model_forward,
+            tp,
+            log if self.is_rank0 else None,
+        )
         max_len = (
             self.model_cfg.max_seq_len
             if rm_cfg is None

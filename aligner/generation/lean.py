@@ -41,7 +41,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LeanDecoder", "CudaGraphDecodeStep", "unsupported_reason", "onednn_linear_available"]
+__all__ = [
+    "LeanDecoder",
+    "CudaGraphDecodeStep",
+    "unsupported_reason",
+    "onednn_linear_available",
+    "rope_tables",
+]
 
 _ONEDNN_OK: bool | None = None
 
@@ -134,6 +140,23 @@ def unsupported_reason(model: nn.Module, heads: tuple[str, ...] = ("lm",)) -> st
     if getattr(model.decoder, "final_layernorm", None) is None:
         return "no final layernorm"
     return None
+
+
+def rope_tables(
+    model: nn.Module, n: int, d: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``(cos, sin)`` for positions ``[0, n)`` of head dim ``d``, each ``[1, n, 1, 1, d]``
+    in ``dtype``, with sin's first half negated: then ``RoPE(x) = x*cos + roll(x, d/2)*sin``.
+
+    Megatron's ``emb`` is ``cat(freqs, freqs)`` and RoPE is ``x*cos + rotate_half(x)*sin`` with
+    ``rotate_half([x1, x2]) = [-x2, x1] = swap_halves(x) * [-1, 1]``; the sign folded into sin
+    is exact (negation commutes with rounding), and cos/sin are rounded to the model dtype as
+    Megatron rounds them.
+    """
+    emb = model.rotary_pos_emb.get_emb(n).reshape(n, d).float().to(device)
+    cos, sin = emb.cos(), emb.sin()
+    sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
+    return cos.to(dtype).view(1, n, 1, 1, d), sin.to(dtype).view(1, n, 1, 1, d)
 
 
 class _Layer:
@@ -276,14 +299,7 @@ class LeanDecoder:
         # _neg[T - end : T - end + c] is 0 at positions < end and -inf at positions >= end.
         self._neg = torch.cat([torch.zeros(T, device=dev), torch.full((T,), float("-inf"), device=dev)])
         if self.rope:
-            # emb [T, 1, 1, d] = cat(freqs, freqs); RoPE(x) = x*cos + rotate_half(x)*sin with
-            # rotate_half([x1, x2]) = [-x2, x1] = swap_halves(x) * [-1, 1].
-            d = self.d
-            emb = m.rotary_pos_emb.get_emb(T).reshape(T, d).float().to(dev)
-            cos, sin = emb.cos(), emb.sin()
-            sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
-            self.cos = cos.to(dtype).view(1, T, 1, 1, d)
-            self.sin = sin.to(dtype).view(1, T, 1, 1, d)
+            self.cos, self.sin = rope_tables(m, T, self.d, dtype, dev)
         else:
             self.pos_weight = m.embedding.position_embeddings.weight
 

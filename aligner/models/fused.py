@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aligner.generation.lean import rope_tables
 from aligner.generation.lean import unsupported_reason as _lean_unsupported_reason
 from aligner.models.config import FORWARD_MODES
 
@@ -142,8 +143,8 @@ def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
     out.append(None if spec.rope else model.embedding.position_embeddings.weight)
     for layer in model.decoder.layers:
         att, mlp = layer.self_attention, layer.mlp
-        for norm in (layer.input_layernorm,):
-            out += [norm.weight, getattr(norm, "bias", None)]
+        norm = layer.input_layernorm
+        out += [norm.weight, getattr(norm, "bias", None)]
         out += [att.linear_qkv.weight, att.linear_qkv.bias, att.linear_proj.weight, att.linear_proj.bias]
         norm = layer.pre_mlp_layernorm
         out += [norm.weight, getattr(norm, "bias", None)]
@@ -338,12 +339,7 @@ class FusedForward:
         if t is None:
             mask = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu_(1)
             if self.spec.rope:
-                d = self.spec.d
-                emb = self.model.rotary_pos_emb.get_emb(n).reshape(n, d).float().to(device)
-                cos, sin = emb.cos(), emb.sin()
-                sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
-                cos = cos.to(dtype).view(1, n, 1, 1, d)
-                sin = sin.to(dtype).view(1, n, 1, 1, d)
+                cos, sin = rope_tables(self.model, n, self.spec.d, dtype, device)
             else:
                 cos = sin = mask.new_zeros(())
             t = (cos, sin, mask)

@@ -33,6 +33,7 @@ __all__ = [
     "sequence_scores",
     "unwrap",
     "set_forward",
+    "set_forwards",
     "tensor_state_dict",
     "load_state_dict_strict",
     "shape_mismatches",
@@ -306,6 +307,21 @@ def set_forward(
         else fused.FusedForward(model, compiled=taken == "compiled", tp_size=tensor_parallel_size)
     )
     return taken, why
+
+
+def set_forwards(
+    models: dict[str, nn.Module | None], mode: str, tensor_parallel_size: int = 1, log=None
+) -> dict[str, str]:
+    """:func:`set_forward` for each named model (None entries skipped); a fallback to megatron
+    is reported through ``log`` (a logger; None: silent). Returns name -> the mode taken."""
+    taken: dict[str, str] = {}
+    for name, model in models.items():
+        if model is None:
+            continue
+        taken[name], why = set_forward(model, mode, tensor_parallel_size)
+        if why and log is not None:
+            log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
+    return taken
 
 
 def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

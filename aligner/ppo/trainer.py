@@ -182,13 +182,12 @@ class PPOTrainer:
         self.precision = mp.resolve_precision(cfg.precision, state.device)
         self.optimizer, self.scheduler = make_optimizer(policy, cfg, self.precision)
         # After the optimizer: it casts the policy to its compute dtype.
-        self.model_forward: dict[str, str] = {}
-        for name, model in (("policy", policy), ("reference", reference)):
-            if model is not None:
-                taken, why = gpt.set_forward(model, cfg.model_forward, state.tp_size)
-                self.model_forward[name] = taken
-                if why and state.is_logging_rank:
-                    log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
+        self.model_forward = gpt.set_forwards(
+            {"policy": policy, "reference": reference},
+            cfg.model_forward,
+            state.tp_size,
+            log if state.is_logging_rank else None,
+        )
         self.engine.refit(policy)  # the engine serves the policy in its training dtype
         p = cfg.ppo
         self.kl_ctl = (

@@ -322,6 +322,8 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         f"init_from={inputs['policy']}",
         f"data.prompt_file={inputs['prompts']}",
         f"generation.max_new_tokens={case.new_tokens}",
+        # The critic server is idle while the actor generates: generation takes every core.
+        f"generation.num_threads={gen_threads}",
         "generation.temperature=1.0",
         f"optim.lr={LR}",
         f"optim.min_lr={LR}",
@@ -364,18 +366,6 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     try:
         import importlib.util
 
-        import aligner.generation.native as native
-
-        # The actor builds its engine inside examples/train_actor.py; give it the generation
-        # thread count (the critic server is idle while the actor generates).
-        base = native.NativeEngine
-
-        class _Engine(base):
-            def __init__(self, *a, **kw):
-                kw.setdefault("num_threads", gen_threads)
-                super().__init__(*a, **kw)
-
-        native.NativeEngine = _Engine
         spec = importlib.util.spec_from_file_location("train_actor", ROOT / "examples" / "train_actor.py")
         entry = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(entry)
@@ -385,7 +375,6 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         t0 = time.time()
         entry.run(cfg)
         wall = time.time() - t0
-        native.NativeEngine = base
     finally:
         server.stop()
     rows = [r for r in read_metrics(str(work / "actor" / "metrics.jsonl")) if "timers/step" in r]

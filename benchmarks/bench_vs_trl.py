@@ -58,7 +58,8 @@ measure what the config alone gives). The report records what each side ran.
 Forward
 -------
 ``--model-forward`` (default ``compiled``) sets our actor's and server's ``model_forward``: the
-fused forward under ``torch.compile``. Its compiles (a few per process, one per graph and
+fused forward under ``torch.compile``; with ``compiled`` the actor's decode step is compiled
+too (``generation.decode_step=compiled``). The compiles (a few per process, one per graph and
 shape) run in the warm-up updates, which are not measured; ``fused`` needs none. TRL runs its
 models' eager forward, as ``PPOConfig``'s defaults (``torch_compile=False``) have it.
 
@@ -345,6 +346,8 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         precision["actor"] = args.precision
     if args.model_forward and _config_has(ActorConfig, "model_forward"):
         actor_overrides.append(f"model_forward={args.model_forward}")
+    if args.model_forward == "compiled" and _config_has(ActorConfig, "generation.decode_step"):
+        actor_overrides.append("generation.decode_step=compiled")
     # Nothing but PPO updates: no validation rounds, no checkpoints.
     for key, value in (
         ("validation.interval", 0),

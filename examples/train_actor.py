@@ -114,6 +114,7 @@ def run(cfg: ActorConfig) -> dict:
             parallel_state=state,
             vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
             num_threads=cfg.generation.num_threads,
+            decode_step=cfg.generation.decode_step,
         )
         sampler = PromptSampler(
             prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed, cfg.data.shuffle

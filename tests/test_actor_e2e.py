@@ -156,15 +156,45 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
 
 
 @pytest.mark.slow
-def test_reverse_is_learned(tmp_path):
+def test_reverse_is_learned(tmp_path, monkeypatch):
+    """Learned in fp32 (the copy run computes in bf16 where the CPU has it), with generation on
+    more threads than training, which makes each step wait for the server's pending critic
+    update before generating, and with the compiled decode step where torch.compile works."""
+    from aligner.generation.native import NativeEngine
+    from aligner.models.fused import compile_available
+    from aligner.ppo.trainer import PPOTrainer
+
+    # No generation may start while a critic update is in flight on the server.
+    inflight, checked = [], []
+    send, wait, generate = PPOTrainer._critic_train, PPOTrainer.wait_critic, NativeEngine.generate
+
+    def sending(self, *a, **k):
+        future = send(self, *a, **k)
+        inflight.append(future)
+        return future
+
+    def waiting(self):
+        wait(self)
+        inflight.clear()
+
+    def generating(self, *a, **k):
+        checked.append(not inflight)
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(PPOTrainer, "_critic_train", sending)
+    monkeypatch.setattr(PPOTrainer, "wait_critic", waiting)
+    monkeypatch.setattr(NativeEngine, "generate", generating)
+    extra = ["generation.num_threads=2"]
+    if compile_available() is None:
+        extra.append("generation.decode_step=compiled")
     with _server(tmp_path, "reverse") as server:
         rows = _run_in_process(
-            # fp32 here, bf16 (the default where the CPU has it) in the copy run: both learn.
             server.url,
             tmp_path / "run",
-            ["data.task=reverse", "ppo.num_steps=300", "precision=fp32", *FAST],
+            ["data.task=reverse", "ppo.num_steps=300", "precision=fp32", *extra, *FAST],
         )
     assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
+    assert len(checked) >= 300 and all(checked), checked.count(False)
 
 
 @pytest.mark.slow
@@ -258,6 +288,7 @@ def test_bad_config_fails_before_any_model_is_built(tmp_path):
         "ppo.mini_batch_size=64",
         "generation.temperature=0",
         "ppo.kl_estimator=k9",
+        "generation.decode_step=fast",
     ]
     out = subprocess.run(
         cmd,
@@ -272,6 +303,7 @@ def test_bad_config_fails_before_any_model_is_built(tmp_path):
     assert "ppo.global_batch_size (100) must be divisible by ppo.mini_batch_size (64)" in err
     assert "generation.temperature=0" in err
     assert "ppo.kl_estimator='k9'" in err
+    assert "generation.decode_step='fast'" in err
     assert "building" not in err.lower()
 
 

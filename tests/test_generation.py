@@ -13,6 +13,7 @@ from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, g
 from aligner.generation.lean import unsupported_reason
 from aligner.generation.sampling import sample_next
 from aligner.models.config import ModelConfig
+from aligner.models.fused import compile_available
 from aligner.models.gpt import build_policy, policy_logits
 from aligner.tokenizers import CharTokenizer
 
@@ -419,6 +420,31 @@ def test_static_decode_step_equals_eager(model, ps, greedy):
         assert torch.equal(static.tokens, _reference(model, PROMPTS, sp).tokens)
 
 
+needs_compile = pytest.mark.skipif(
+    compile_available() is not None, reason=f"torch.compile unavailable: {compile_available()}"
+)
+
+
+@needs_compile
+def test_compiled_decode_step_equals_eager(ps):
+    """The compiled step (fixed shapes, attention as fused sums) computes what the eager step
+    does: the same greedy tokens as the full recompute, the same samples, log-probs to fp32
+    round-off; a second call with another batch size compiles again and is still right."""
+    m = _model(12, num_query_groups=2)
+    engine = _engine(m, ps, decode_step="compiled")
+    for greedy in (True, False):
+        sp = SamplingParams(max_new_tokens=20, greedy=greedy, seed=3)
+        eager = _engine(m, ps, decode_step="eager").generate(PROMPTS, sp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a failed compile warns and falls back: fail instead
+            out = engine.generate(PROMPTS, sp)
+        assert torch.equal(out.tokens, eager.tokens)
+        torch.testing.assert_close(out.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+    assert engine._lean.max_len == MAX_LEN  # the capacity bucket, capped at max_seq_len
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+    assert torch.equal(engine.generate(PROMPTS[:3], sp).tokens, _reference(m, PROMPTS[:3], sp).tokens)
+
+
 @pytest.mark.parametrize(
     "arch",
     [dict(num_query_groups=2), dict(position_embedding="learned_absolute")],
@@ -489,7 +515,7 @@ def test_num_threads_applies_to_generation_only(model, ps):
 
 # Megatron's local-spec norms may keep fp32 weights in a bf16 model; torch warns on every such call.
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-@pytest.mark.parametrize("decode_step", ["eager", "static"])
+@pytest.mark.parametrize("decode_step", ["eager", "static", pytest.param("compiled", marks=needs_compile)])
 def test_bf16_greedy_follows_the_bf16_recompute(ps, decode_step):
     """bf16 greedy decoding with the cache picks the argmax of the bf16 full forward at every
     step, up to near ties (cache and full forward add in different orders)."""
@@ -516,6 +542,9 @@ def test_decode_step_errors(model, ps):
         _engine(model, ps, decode_step="fast")
     with pytest.raises(ValueError, match="num_threads=0"):
         _engine(model, ps, num_threads=0)
+    if compile_available() is not None:
+        with pytest.raises(ValueError, match="decode_step='compiled' is not available"):
+            _engine(model, ps, decode_step="compiled").generate(PROMPTS, SamplingParams(max_new_tokens=2))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="decode_step='graph' needs a CUDA device"):
             _engine(model, ps, decode_step="graph").generate(PROMPTS, SamplingParams(max_new_tokens=2))

@@ -29,7 +29,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["SamplingParams", "GenerationOutput", "GenerationEngine"]
+__all__ = ["SamplingParams", "GenerationOutput", "GenerationEngine", "DECODE_STEPS"]
+
+#: The native engine's decode-step modes (``NativeEngine(decode_step=...)``, ``generation.decode_step``).
+DECODE_STEPS = ("auto", "eager", "static", "graph", "compiled")
 
 
 def _is_int(v: object) -> bool:

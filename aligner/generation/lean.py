@@ -25,7 +25,9 @@ speed of HF ``generate``. This module runs the same arithmetic in the fewest ops
 Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the capacity
 reached so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static` keeps
 every shape fixed (the position is a tensor, attention runs over the whole cache under a
-mask), which is what a CUDA graph can capture and replay (:class:`CudaGraphDecodeStep`).
+mask), which is what a CUDA graph can capture and replay (:class:`CudaGraphDecodeStep`) and
+what ``torch.compile`` turns into one set of fused kernels for every position
+(:class:`CompiledDecodeStep`).
 
 Only architectures that :func:`unsupported_reason` accepts take this path (the local layer
 spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm, RoPE or learned absolute
@@ -44,6 +46,7 @@ from torch import nn
 __all__ = [
     "LeanDecoder",
     "CudaGraphDecodeStep",
+    "CompiledDecodeStep",
     "unsupported_reason",
     "onednn_linear_available",
     "rope_tables",
@@ -400,6 +403,20 @@ class LeanDecoder:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         return torch.bmm(probs, values)
 
+    @staticmethod
+    def _attention_reduced(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`_attention` written as products and sums (fp32 accumulation, rounded where
+        the matmuls round: scores and output to the model dtype, probabilities too). Eagerly it
+        materialises ``[B, m, t, d]`` products; compiled, each sum is one fused loop reading
+        the cache once, which for a decode step's few query rows beats many tiny batched
+        matmuls."""
+        dt = values.dtype
+        scores = (q.float().unsqueeze(2) * keys.float().unsqueeze(1)).sum(-1) * scale  # [B, m, t]
+        probs = torch.softmax(scores.to(dt).float() + mask, dim=-1).to(dt)
+        return (probs.float().unsqueeze(-1) * values.float().unsqueeze(1)).sum(2).to(dt)
+
     def _layer_stack(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The transformer layers on ``x`` [b, n, h]; ``attend(qkv [b, n, g, r+2, d], L)``
         writes the cache and returns the attention context [b, n, heads*d]."""
@@ -492,11 +509,13 @@ class LeanDecoder:
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
 
-    def decode_static(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def decode_static(self, tokens: torch.Tensor, pos: torch.Tensor, reduced: bool = False) -> torch.Tensor:
         """:meth:`decode` with every shape fixed: ``pos`` is a one-element int64 tensor on the
         model's device, the new key/value are written with ``index_copy_`` and attention runs
         over the full capacity (``max_len``) under a mask. Nothing in it depends on host values,
-        so a CUDA graph can capture it once and replay it for every position."""
+        so a CUDA graph can capture it once and replay it for every position, and a compiled
+        version serves every position. ``reduced``: attention as products and sums
+        (:meth:`_attention_reduced`, for compiled code)."""
         b = tokens.shape[0]
         g, r, d, T = self.groups, self.r, self.d, self.max_len
         self.reserve(T)
@@ -514,7 +533,8 @@ class LeanDecoder:
             L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
             L.v.index_copy_(2, pos, qkv[:, :, :, r + 1].transpose(1, 2))
             q = qk[:, 0, :, :r].reshape(b * g, r, d)
-            ctx = self._attention(q, L.k.view(b * g, T, d), L.v.view(b * g, T, d), L.scale, mask)
+            attention = self._attention_reduced if reduced else self._attention
+            ctx = attention(q, L.k.view(b * g, T, d), L.v.view(b * g, T, d), L.scale, mask)
             return ctx.view(b, 1, g * r * d)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
@@ -560,3 +580,44 @@ class CudaGraphDecodeStep:
         self.pos.fill_(start)
         self.graph.replay()
         return self.logits
+
+
+_COMPILED_STEP = None
+
+
+def _static_step(lean: LeanDecoder, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return lean.decode_static(tokens, pos, reduced=True)
+
+
+class CompiledDecodeStep:
+    """:meth:`LeanDecoder.decode_static` under ``torch.compile(fullgraph=True)``.
+
+    On a CPU a decode step of a small model is a few hundred small kernels whose dispatch and
+    memory passes outweigh their arithmetic; inductor fuses the norms, RoPE, cache writes,
+    attention and SwiGLU into a few loops around the matrix products. One compiled function
+    per process serves every decoder: the decoder is an argument, so its weights, cache and
+    tables are guarded by shape and dtype only, and a new batch size or cache capacity is one
+    more compile (seconds, cached on disk between processes). TP=1 only.
+
+    The first call compiles, so it is made here, before the prefill: it writes position 0 of
+    the cache, which the prefill then overwrites. Logits are a fresh tensor per call.
+    """
+
+    def __init__(self, lean: LeanDecoder, batch: int) -> None:
+        global _COMPILED_STEP
+        if lean.tp_size > 1:
+            raise ValueError("a compiled decode step needs tensor_parallel_size 1")
+        if _COMPILED_STEP is None:
+            _COMPILED_STEP = torch.compile(_static_step, fullgraph=True, dynamic=False)
+        lean.reserve(lean.max_len)  # the compiled step attends over the whole capacity
+        # Plain linears: inductor chooses the fp32 GEMM itself (it cannot lower the direct
+        # oneDNN call the eager path makes).
+        lean.linear = F.linear
+        self.lean = lean
+        self.fn = _COMPILED_STEP
+        self.pos = torch.zeros(1, dtype=torch.int64, device=lean.device)
+        self.fn(lean, torch.zeros(batch, 1, dtype=torch.int64, device=lean.device), self.pos)
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        self.pos.fill_(start)
+        return self.fn(self.lean, tokens, self.pos)

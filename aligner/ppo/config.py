@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aligner.distributed import ParallelConfig
+from aligner.generation.engine import DECODE_STEPS
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
 
 __all__ = [
@@ -62,7 +63,14 @@ class GenerationConfig:
     """Extra strings that end a response."""
     num_threads: int | None = None
     """CPU threads while generating (restored afterwards): decoding is bound by per-step overhead,
-    so a CPU actor may generate on more threads than it trains on; None keeps torch's setting."""
+    so a CPU actor may generate on more threads than it trains on; None keeps torch's setting.
+    When it exceeds the training threads, the cores are taken to be shared with the critic
+    server: each step waits for the server's pending critic update before generating (counted
+    in ``timers/critic_wait``)."""
+    decode_step: str = "auto"
+    """The native engine's decode step: ``auto`` (a CUDA graph on a GPU at TP=1, else eager),
+    ``eager``, ``static``, ``graph`` (CUDA), or ``compiled`` (``torch.compile``, TP=1; on a CPU
+    about 1.5x the eager step's tokens/s, after a compile of seconds per batch shape)."""
 
 
 @dataclass
@@ -321,6 +329,8 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
         e.append(f"generation.top_p={g.top_p!r}: expected a value in (0, 1]")
     if g.num_threads is not None and g.num_threads < 1:
         e.append(f"generation.num_threads={g.num_threads!r}: expected an integer >= 1 or null")
+    if g.decode_step not in DECODE_STEPS:
+        e.append(f"generation.decode_step={g.decode_step!r}: expected one of {list(DECODE_STEPS)}")
     if g.top_k < 0:
         e.append(f"generation.top_k={g.top_k!r}: expected >= 0")
     if cfg.precision not in ("auto", "bf16", "fp32"):

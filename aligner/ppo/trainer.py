@@ -287,6 +287,7 @@ class PPOTrainer:
         step_id = self.step_count + 1
 
         # 1. Draw prompts and generate responses.
+        waited = self._wait_before_generating()
         t = time.perf_counter()
         prompts = self.sampler.next_batch()
         encoded = [self.tokenizer.encode(x) for x in prompts]
@@ -310,7 +311,7 @@ class PPOTrainer:
         values, scores = self._critic_result(critic_future, tokens.shape)
         self.wait_critic()  # last step's critic update, normally long done
         last_train, self._completed_train = self._completed_train, None
-        timers["timers/critic_wait"] = time.perf_counter() - t
+        timers["timers/critic_wait"] = time.perf_counter() - t + waited
 
         # 3. KL-shaped rewards, GAE and whitened advantages.
         raw_scores = scores
@@ -365,6 +366,7 @@ class PPOTrainer:
         ``val/kl`` (summed over the response, policy vs reference), ``val/response_length``; a
         samples table goes to the logger. Changes no training state and draws no randomness."""
         t = time.perf_counter()
+        self._wait_before_generating()
         encoded = [self.tokenizer.encode(x) for x in self.val_prompts]
         params = SamplingParams(**{**self.sampling.__dict__, "greedy": True, "seed": 0})
         gen = self.engine.generate(encoded, params)
@@ -399,6 +401,17 @@ class PPOTrainer:
         }
 
     # -- pieces ----------------------------------------------------------------------------
+
+    def _wait_before_generating(self) -> float:
+        """Generation on more threads than training takes the cores the server's pending critic
+        update runs on (two busy processes on one core stall every parallel region of the
+        generation): let that update finish first. Returns the seconds waited."""
+        n = self.cfg.generation.num_threads
+        if n is None or n <= torch.get_num_threads() or self._pending_train is None:
+            return 0.0
+        t = time.perf_counter()
+        self.wait_critic()
+        return time.perf_counter() - t
 
     def _logprobs(
         self, model: torch.nn.Module, tokens: torch.Tensor, with_entropy: bool = False

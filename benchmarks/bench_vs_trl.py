@@ -38,11 +38,16 @@ The same work on both sides
   each attention implementation of ``--trl-attn`` (default ``sdpa`` and ``eager``: eager is the
   faster at 48 new tokens, sdpa at 192) and its fastest run is kept.
 
-Known differences in the work: TRL reads the rollout log-probs from the generation scores,
-while our actor recomputes them with a training forward (exact training-forward log-probs and
-the entropy metric): one policy forward more on our side, which the FLOP count leaves out. TRL
-trains policy and value with one optimizer on one summed loss (``vf_coef`` 0.1); we train them
-in two processes with two optimizers: the same forwards, backwards and optimizer steps.
+Known differences in the work: TRL reads the rollout log-probs from the generation scores;
+our actor takes them from the first PPO pass's own forward (``ppo.reuse_rollout_forward``: with
+one minibatch that forward runs on the rollout's weights and tokens, so its detached output is
+the training forward's log-probs, and the entropy metric comes with it). TRL computes the
+rollout values with a no-grad forward of the value model and trains it with fresh forwards;
+our server keeps its ``critic_infer`` forward (with gradients) as the first training pass
+(``optim.reuse_infer_forward``): one value forward fewer, which the FLOP count below still
+counts (it is the work model of the algorithm, the same for both). TRL trains policy and value
+with one optimizer on one summed loss (``vf_coef`` 0.1); we train them in two processes with
+two optimizers: the same forwards, backwards and optimizer steps.
 
 Precision
 ---------
@@ -230,7 +235,8 @@ def forward_flops(case: Case, tokens: int, context: float, head: str) -> float:
 def update_flops(case: Case) -> dict[str, float]:
     """Model FLOPs one PPO update needs (the same work model for both systems): generation, the
     reference, value and reward forwards, and per epoch policy + value forward and backward
-    (backward = 2x forward). Our extra policy log-prob forward is not counted."""
+    (backward = 2x forward). The rollout value forward is counted although our server takes it
+    from its first training pass."""
     b, p, n = case.batch, case.prompt_len, case.new_tokens
     s = p + n
     gen = forward_flops(case, b * p, (p + 1) / 2, "lm") + forward_flops(case, b * n, p + n / 2, "lm")

@@ -197,6 +197,73 @@ def test_reverse_is_learned(tmp_path, monkeypatch):
     assert len(checked) >= 300 and all(checked), checked.count(False)
 
 
+def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
+    """One minibatch per step: the rollout log-probs from the first PPO forward and the critic's
+    values from its first training pass (both kept, not recomputed) give the same run, metric
+    for metric, as separate no-grad forwards; and both reuses do happen."""
+    from aligner.critic.client import RemoteCriticClient
+    from aligner.ppo.trainer import PPOTrainer
+
+    reuse_flags = []
+    init = PPOTrainer.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        reuse_flags.append(self.reuse_rollout_forward)
+
+    monkeypatch.setattr(PPOTrainer, "__init__", recording)
+    runs = {}
+    for reuse in ("true", "false"):
+        server = start_server(
+            [
+                "server.http_port=0",
+                "server.grpc_port=0",
+                "server.metrics_port=null",
+                "model.max_seq_len=16",
+                "optim.lr=1e-3",
+                "optim.epochs=2",
+                f"optim.reuse_infer_forward={reuse}",
+                "reward.fn=aligner.tasks.digits:copy_reward",
+                f"log.dir={tmp_path / reuse / 'critic'}",
+                "checkpoint.save_on_sigterm=false",
+                "log.tensorboard=false",
+            ],
+            log_path=tmp_path / reuse / "server.log",
+        )
+        with server:
+            runs[reuse] = _run_in_process(
+                server.url,
+                tmp_path / reuse / "run",
+                [
+                    "data.task=copy",
+                    "ppo.num_steps=3",
+                    "precision=fp32",
+                    *FAST,
+                    "ppo.global_batch_size=64",
+                    f"ppo.reuse_rollout_forward={reuse}",
+                    "validation.before_train=false",
+                    "validation.interval=0",
+                    "checkpoint.save_at_end=false",
+                ],
+            )
+            with RemoteCriticClient(server.url, timeout_s=30) as c:
+                runs[reuse + "_server"] = c.info()["extra"]["reused_infer_forwards"]
+    assert reuse_flags == [True, False]
+    assert runs["true_server"] == 3 and runs["false_server"] == 0
+    on, off = runs["true"], runs["false"]
+    assert len(on) == len(off) == 3
+    for a, b in zip(on, off):
+        for key in (
+            "objective/scores",
+            "objective/kl",
+            "objective/entropy",
+            "loss/policy",
+            "policy/approxkl",
+        ):
+            assert a[key] == b[key], (key, a[key], b[key])
+    assert all(r["policy/ratio_mean"] != 1.0 for r in on)  # epochs after the first moved the policy
+
+
 @pytest.mark.slow
 def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
     """The same budget as the copy run with the advantage sign flipped stays near chance."""

@@ -81,6 +81,46 @@ def test_rejected_train_applies_nothing(pstate, tmp_path):
     assert svc.critic_step == -1 and not svc.optimizer.state
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_infer_forward_is_reused_as_the_first_training_pass(pstate, tmp_path, precision):
+    """critic_train right after critic_infer of the same tokens takes the kept forward as its
+    first pass: the same values and the same update as recomputing it (bit for bit), one
+    forward fewer. Other tokens, a load, or a train in between mean a recompute."""
+    torch.manual_seed(0)
+    on = _service(pstate, tmp_path / "on", precision, optim={"epochs": 2})
+    torch.manual_seed(0)
+    off = _service(pstate, tmp_path / "off", precision, optim={"epochs": 2, "reuse_infer_forward": False})
+    assert on.reuse_infer_forward and not off.reuse_infer_forward
+    tokens, lengths, pl, returns, _, mask, *_ = _batch(on, b=6)
+    other = _batch(on, b=6, seed=1)[0]
+
+    def step(svc, n, infer_tokens=tokens):
+        values = svc.infer(infer_tokens, lengths, pl).values
+        if infer_tokens is not tokens:
+            values = svc.infer(tokens, lengths, pl).values
+            svc.infer(infer_tokens, lengths, pl)  # the last infer is of other tokens
+        return values, svc.train(tokens, lengths, returns, values, mask, n)
+
+    for n, infer_tokens in ((1, tokens), (2, tokens), (3, other)):
+        (v_on, r_on), (v_off, r_off) = step(on, n, infer_tokens), step(off, n, infer_tokens)
+        np.testing.assert_array_equal(v_on, v_off)
+        assert r_on == r_off
+    assert on.reused_forwards == 2 and off.reused_forwards == 0
+    for (name, a), b in zip(on.critic.named_parameters(), off.critic.parameters()):
+        assert torch.equal(a, b), name
+    # A load drops what was kept: the train after it recomputes.
+    on.save(3)
+    on.infer(tokens, lengths, pl)
+    on.load(3)
+    on.train(tokens, lengths, returns, returns, mask, 4)
+    assert on.reused_forwards == 2
+    # Several minibatches: nothing is kept.
+    many = _service(pstate, tmp_path / "many", precision, optim={"num_minibatches": 2})
+    assert not many.reuse_infer_forward
+    many.infer(tokens, lengths, pl)
+    assert many._kept is None
+
+
 def test_save_load_restores_weights_optimizer_and_bookkeeping(pstate, tmp_path):
     svc = _service(pstate, tmp_path, checkpoint={"keep_last": 2})
     tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)

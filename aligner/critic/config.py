@@ -96,6 +96,14 @@ class OptimConfig:
     """Passes over each critic_train batch."""
     num_minibatches: int = 1
     """Optimizer steps per pass: the batch is shuffled and cut into this many minibatches."""
+    reuse_infer_forward: bool = True
+    """With one minibatch and a dropout-free forward (``model_forward`` fused or compiled), the
+    values of a ``critic_infer`` request are computed with gradients and kept: a
+    ``critic_train`` of the same tokens that follows uses that forward as its first pass
+    instead of recomputing it (one critic forward fewer per PPO step; the returned values are
+    the training forward's, so the first pass's value clipping is exactly inactive). Any
+    other request, a load or a train step drops what is kept. The kept activations are one
+    training forward's worth of memory."""
 
 
 @dataclass

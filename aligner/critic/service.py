@@ -186,6 +186,16 @@ class CriticService:
             tp,
             log if self.is_rank0 else None,
         )
+        # critic_infer's forward kept (with its graph) as the next matching critic_train's first
+        # pass: exact when the forward ignores train/eval mode (the fused path has no dropout)
+        # and the first minibatch is the whole batch in order.
+        self.reuse_infer_forward = bool(
+            cfg.optim.reuse_infer_forward
+            and cfg.optim.num_minibatches == 1
+            and getattr(self.critic, "aligner_fused", None) is not None
+        )
+        self._kept: tuple[np.ndarray, torch.Tensor] | None = None  # (tokens, values with graph)
+        self.reused_forwards = 0
         max_len = (
             self.model_cfg.max_seq_len
             if rm_cfg is None
@@ -283,6 +293,8 @@ class CriticService:
                 "optim": dict(vars(c.optim)),
                 "precision": self.precision,
                 "model_forward": self.model_forward,
+                "reuse_infer_forward": self.reuse_infer_forward,
+                "reused_infer_forwards": self.reused_forwards,
                 "requests": self.request_stats.lifetime(),
             },
         )
@@ -508,16 +520,31 @@ class CriticService:
     # The maths (every rank)
     # ------------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def _forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None)."""
+        """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None).
+
+        With ``reuse_infer_forward`` the values are computed with gradients and kept for
+        :meth:`_train_step` (whatever was kept before is dropped)."""
+        self._kept = None
         t = torch.from_numpy(tokens).to(self.state.device)
-        values = token_values(self.critic, t)  # [b, s-1]
+        with torch.set_grad_enabled(self.reuse_infer_forward):
+            values = token_values(self.critic, t)  # [b, s-1]
+        if self.reuse_infer_forward:
+            self._kept = (tokens.copy(), values)
         scores = None
         if self.reward_model is not None:
-            n = torch.from_numpy(lengths).to(self.state.device)
-            scores = sequence_scores(self.reward_model, t, n).cpu().numpy()  # [b]
-        return values.cpu().numpy().astype(np.float32, copy=False), scores
+            with torch.no_grad():
+                n = torch.from_numpy(lengths).to(self.state.device)
+                scores = sequence_scores(self.reward_model, t, n).cpu().numpy()  # [b]
+        return values.detach().cpu().numpy().astype(np.float32, copy=False), scores
+
+    def _take_kept(self, tokens: np.ndarray) -> torch.Tensor | None:
+        """The kept infer forward's values (with their graph) if they are of exactly ``tokens``;
+        whatever was kept is dropped either way (the weights are about to change)."""
+        kept, self._kept = self._kept, None
+        if kept is None or kept[0].shape != tokens.shape or not np.array_equal(kept[0], tokens):
+            return None
+        return kept[1]
 
     def _combine_rewards(self, tokens, lengths, prompt_lengths, scores: np.ndarray | None) -> np.ndarray:
         """Reward function (scaled) + standardised reward-model score, per sample: [b] float32."""
@@ -547,6 +574,9 @@ class CriticService:
         b = tokens.shape[0]
         # Same permutation on every TP rank: the generator depends on (seed, step, epoch) only.
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + req.step)
+        kept = self._take_kept(req.tokens) if o.num_minibatches == 1 else None
+        if kept is not None:
+            self.reused_forwards += 1
         first_pass_values = torch.zeros_like(returns)
         losses, norms, clipfracs = [], [], []
         self.critic.train()
@@ -555,7 +585,10 @@ class CriticService:
             for idx in torch.tensor_split(perm, o.num_minibatches):
                 if idx.numel() == 0:
                     continue
-                values = token_values(self.critic, tokens[idx])  # [mb, s-1]
+                if epoch == 0 and kept is not None:  # one minibatch: idx is every row, in order
+                    values = kept
+                else:
+                    values = token_values(self.critic, tokens[idx])  # [mb, s-1]
                 loss, stats = value_loss(
                     values,
                     old_values[idx],
@@ -725,6 +758,7 @@ class CriticService:
         return {"meta": meta, "shards": shards}
 
     def _apply_checkpoint(self, payload: dict[str, Any]) -> None:
+        self._kept = None  # computed with the weights being replaced
         meta = payload["meta"]
         if self.is_rank0:
             for peer in range(1, self.tp_size):

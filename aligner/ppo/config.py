@@ -111,6 +111,12 @@ class PPOConfig:
     """Prompts per forward/backward on one rank (gradient accumulation below the minibatch)."""
     ppo_epochs: int = 2
     """Passes over the rollout batch per step."""
+    reuse_rollout_forward: bool = True
+    """With one minibatch of one micro-batch per rank and a dropout-free forward
+    (``model_forward`` fused or compiled), the rollout's log-probs come from the first PPO
+    pass's own forward (its output, detached) instead of a separate no-grad forward of the same
+    weights on the same tokens: one policy forward fewer per step, and the first ratio is
+    exactly 1."""
     clip_eps: float = 0.2
     """Policy ratio clip (lower side, and upper side unless clip_eps_high is set)."""
     clip_eps_high: float | None = None

@@ -190,6 +190,22 @@ class PPOTrainer:
         )
         self.engine.refit(policy)  # the engine serves the policy in its training dtype
         p = cfg.ppo
+        # The first PPO pass's forward doubles as the rollout log-prob forward when that pass is
+        # one forward over the whole batch with the same weights, and the forward ignores
+        # train/eval mode (the fused path: no dropout).
+        per_rank = p.global_batch_size // state.dp_size
+        self.reuse_rollout_forward = bool(
+            p.reuse_rollout_forward
+            and p.ppo_epochs >= 1
+            and p.mini_batch_size // state.dp_size == per_rank
+            and p.micro_batch_size == per_rank
+            and getattr(policy, "aligner_fused", None) is not None
+        )
+        if state.is_logging_rank:
+            log.info(
+                "rollout log-probs: %s",
+                "the first PPO forward's" if self.reuse_rollout_forward else "a separate no-grad forward",
+            )
         self.kl_ctl = (
             core.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
             if p.adaptive_kl
@@ -300,11 +316,17 @@ class PPOTrainer:
         # 2. Values and scores from the server, overlapped with the log-prob forwards.
         t = time.perf_counter()
         critic_future = self._critic_infer(tokens, lengths, prompt_lengths)
-        old_logprobs, entropy = self._logprobs(self.policy, tokens, with_entropy=True)
+        orders = self._epoch_orders(step_id, tokens.shape[0])
         beta = self.kl_ctl.value
+        ref_logprobs = None
         if self.reference is not None and beta > 0:
             ref_logprobs, _ = self._logprobs(self.reference, tokens)
+        first = None
+        if self.reuse_rollout_forward:
+            first, old_logprobs, entropy = self._first_forward(tokens, orders[0])
         else:
+            old_logprobs, entropy = self._logprobs(self.policy, tokens, with_entropy=True)
+        if ref_logprobs is None:
             ref_logprobs = old_logprobs
         timers["timers/logprobs"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -332,7 +354,8 @@ class PPOTrainer:
         # 5. PPO epochs over shuffled minibatches.
         t = time.perf_counter()
         rollout = Rollout(tokens, lengths, prompt_lengths, mask, old_logprobs, values, advantages, returns)
-        train_stats = self._update_policy(rollout, step_id)
+        train_stats = self._update_policy(rollout, orders, first)
+        first = None  # frees the first pass's graph
         timers["timers/train"] = time.perf_counter() - t
 
         # 6. Refit the engine from the updated policy, and log.
@@ -456,34 +479,61 @@ class PPOTrainer:
         fill = float("-inf") if self._pad_from > 0 else -1e30
         return logits.index_fill(-1, torch.arange(self._pad_from, logits.shape[-1]), fill)
 
-    def _update_policy(self, r: Rollout, step_id: int) -> dict[str, float]:
+    def _epoch_orders(self, step_id: int, b: int) -> list[torch.Tensor]:
+        """Each PPO epoch's row order: the same on every rank of a TP group (seeded by step and
+        DP rank)."""
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
+        return [torch.randperm(b, generator=gen) for _ in range(self.cfg.ppo.ppo_epochs)]
+
+    def _first_forward(self, tokens: torch.Tensor, order: torch.Tensor):
+        """The first PPO pass's forward (one minibatch of one micro-batch: every row, in the
+        first epoch's order), with gradients. Returns ``(logits, logprobs)`` for that pass and,
+        detached and back in row order, the rollout's log-probs and entropy."""
+        self.policy.train()
+        rows = tokens[order]
+        logits = self._masked_logits(gpt.policy_logits(self.policy, rows))
+        logp = self._sequence_logprobs(logits, rows)
+        old_logprobs = torch.empty_like(logp, requires_grad=False)
+        old_logprobs[order] = logp.detach()
+        with torch.no_grad():
+            ent = core.entropy_from_logits(
+                logits.detach()[:, :-1], self.cfg.generation.temperature, group=self._tp_group
+            )
+        entropy = torch.empty_like(ent)
+        entropy[order] = ent
+        return (logits, logp), old_logprobs, entropy
+
+    def _update_policy(self, r: Rollout, orders: list[torch.Tensor], first=None) -> dict[str, float]:
+        """PPO epochs over ``orders`` (one row permutation per epoch); ``first``: the first
+        pass's ``(logits, logprobs)`` from :meth:`_first_forward`."""
         p = self.cfg.ppo
         b = r.tokens.shape[0]
         per_rank_mini = p.mini_batch_size // self.state.dp_size
         n_micro = per_rank_mini // p.micro_batch_size
-        # Same permutation on every rank of a TP group (seeded by step and DP rank).
-        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
         sums: dict[str, float] = {}
         count = 0
         self.policy.train()
-        for _epoch in range(p.ppo_epochs):
-            order = torch.randperm(b, generator=gen)
+        for order in orders:
             for start in range(0, b, per_rank_mini):
                 idx = order[start : start + per_rank_mini]
-                stats = self._minibatch_step(r, idx, n_micro)
+                stats = self._minibatch_step(r, idx, n_micro, first)
+                first = None
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         return {k: v / max(count, 1) for k, v in sums.items()}
 
-    def _minibatch_step(self, r: Rollout, idx: torch.Tensor, n_micro: int) -> dict[str, float]:
+    def _minibatch_step(self, r: Rollout, idx: torch.Tensor, n_micro: int, first=None) -> dict[str, float]:
         p = self.cfg.ppo
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
         for micro in idx.chunk(n_micro):
             tokens, mask = r.tokens[micro], r.mask[micro]
-            logits = self._masked_logits(gpt.policy_logits(self.policy, tokens))
-            logp = self._sequence_logprobs(logits, tokens)
+            if first is not None:  # this pass's forward was run for the rollout log-probs
+                (logits, logp), first = first, None
+            else:
+                logits = self._masked_logits(gpt.policy_logits(self.policy, tokens))
+                logp = self._sequence_logprobs(logits, tokens)
             loss, stats = core.policy_loss(
                 logp,
                 r.old_logprobs[micro],

@@ -78,8 +78,10 @@ normally finished the previous step's critic update and has nothing to do.
 
 Timing
 ------
-Each system runs ``--warmup`` updates (default 2) and then ``--updates`` measured ones;
-seconds per update is the median wall time between the ends of consecutive measured updates
+Each system runs ``--warmup`` updates (default 4: our processes compile a graph per new
+sequence length in the first few, until their shapes go dynamic) and then ``--updates``
+measured ones; seconds per update is the median wall time between the ends of consecutive
+measured updates
 (TRL: its ``on_step_end`` callback; ours: the metrics log's timestamps). On a shared machine
 numbers move with other load: ``--repeats`` reruns every system and keeps the best median.
 """
@@ -675,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="B1,B2", help=f"comma list of {list(CASES)}")
     ap.add_argument("--systems", default="ours,trl", help="comma list: ours, trl")
-    ap.add_argument("--warmup", type=int, default=2, help="updates run before the measured ones")
+    ap.add_argument("--warmup", type=int, default=4, help="updates run before the measured ones")
     ap.add_argument("--updates", type=int, default=3, help="measured updates")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each system per case (best median kept)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")

@@ -33,7 +33,7 @@ FAST = [
 ]
 
 
-def _server(tmp_path: Path, task: str):
+def _server(tmp_path: Path, task: str, *extra: str):
     return start_server(
         [
             "server.http_port=0",
@@ -45,6 +45,7 @@ def _server(tmp_path: Path, task: str):
             f"log.dir={tmp_path / 'critic'}",
             "checkpoint.save_on_sigterm=false",
             "log.tensorboard=false",
+            *extra,
         ],
         log_path=tmp_path / "server.log",
     )
@@ -214,22 +215,7 @@ def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(PPOTrainer, "__init__", recording)
     runs = {}
     for reuse in ("true", "false"):
-        server = start_server(
-            [
-                "server.http_port=0",
-                "server.grpc_port=0",
-                "server.metrics_port=null",
-                "model.max_seq_len=16",
-                "optim.lr=1e-3",
-                "optim.epochs=2",
-                f"optim.reuse_infer_forward={reuse}",
-                "reward.fn=aligner.tasks.digits:copy_reward",
-                f"log.dir={tmp_path / reuse / 'critic'}",
-                "checkpoint.save_on_sigterm=false",
-                "log.tensorboard=false",
-            ],
-            log_path=tmp_path / reuse / "server.log",
-        )
+        server = _server(tmp_path / reuse, "copy", "optim.epochs=2", f"optim.reuse_infer_forward={reuse}")
         with server:
             runs[reuse] = _run_in_process(
                 server.url,

@@ -354,8 +354,9 @@ class PPOTrainer:
         # 5. PPO epochs over shuffled minibatches.
         t = time.perf_counter()
         rollout = Rollout(tokens, lengths, prompt_lengths, mask, old_logprobs, values, advantages, returns)
-        train_stats = self._update_policy(rollout, orders, first)
-        first = None  # frees the first pass's graph
+        handoff = [first] if first is not None else []
+        del first  # the first minibatch step holds the only reference: freed once it is done
+        train_stats = self._update_policy(rollout, orders, handoff)
         timers["timers/train"] = time.perf_counter() - t
 
         # 6. Refit the engine from the updated policy, and log.
@@ -503,9 +504,11 @@ class PPOTrainer:
         entropy[order] = ent
         return (logits, logp), old_logprobs, entropy
 
-    def _update_policy(self, r: Rollout, orders: list[torch.Tensor], first=None) -> dict[str, float]:
-        """PPO epochs over ``orders`` (one row permutation per epoch); ``first``: the first
-        pass's ``(logits, logprobs)`` from :meth:`_first_forward`."""
+    def _update_policy(self, r: Rollout, orders: list[torch.Tensor], handoff: list) -> dict[str, float]:
+        """PPO epochs over ``orders`` (one row permutation per epoch); ``handoff``: empty, or the
+        first pass's ``(logits, logprobs)`` from :meth:`_first_forward` (taken out of the list,
+        so that nothing keeps them once the first minibatch is done)."""
+        first = handoff.pop() if handoff else None
         p = self.cfg.ppo
         b = r.tokens.shape[0]
         per_rank_mini = p.mini_batch_size // self.state.dp_size

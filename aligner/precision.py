@@ -210,17 +210,22 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             p._aligner_master_grad_hook = p.register_post_accumulate_grad_hook(self._grad_hook(m))
 
     @staticmethod
-    def _grad_hook(master: torch.Tensor):
+    def _move_grad(p: torch.Tensor, master: torch.Tensor) -> None:
+        """Add ``p``'s gradient (if any) into ``master``'s fp32 gradient and clear it on ``p``."""
+        if p.grad is None:
+            return
+        if master.grad is None:
+            master.grad = p.grad.to(torch.float32)
+        else:
+            master.grad.add_(p.grad)
+        p.grad = None
+
+    @classmethod
+    def _grad_hook(cls, master: torch.Tensor):
         def hook(p: torch.Tensor) -> None:
             # Runs once per backward, after autograd has summed this weight's gradient: move it
             # into the fp32 master so later micro-batches accumulate in fp32, not bf16.
-            if p.grad is None:
-                return
-            if master.grad is None:
-                master.grad = p.grad.to(torch.float32)
-            else:
-                master.grad.add_(p.grad)
-            p.grad = None
+            cls._move_grad(p, master)
 
         return hook
 
@@ -241,13 +246,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         """Move gradients still on the model's low-precision weights (set by hand, or produced
         with the hooks removed) into the fp32 masters. Called by every method below."""
         for p, m in self._pairs:
-            if p.grad is None:
-                continue
-            if m.grad is None:
-                m.grad = p.grad.to(torch.float32)
-            else:
-                m.grad.add_(p.grad)
-            p.grad = None
+            self._move_grad(p, m)
 
     def allreduce_grads(self, group, world: int) -> None:
         """Average the fp32 master gradients over the data-parallel ``group`` of size ``world``."""

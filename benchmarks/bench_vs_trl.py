@@ -285,17 +285,20 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"bench-ours-{case.name}-", dir=args.workdir))
     steps = args.warmup + args.updates
     precision = {"actor": "fp32 (no precision key)", "server": "fp32 (no precision key)"}
-    server_overrides = [
-        "server.http_port=0",
-        "server.grpc_port=0",
-        "server.metrics_port=null",
-        f"server.max_batch_size={max(case.batch, 8)}",
+    model_overrides = [  # the same model shape for the critic/reward server and the actor
         f"model.num_layers={case.layers}",
         f"model.hidden_size={case.hidden}",
         f"model.num_attention_heads={case.heads}",
         f"model.ffn_hidden_size={case.ffn}",
         f"model.vocab_size={case.vocab}",
         f"model.max_seq_len={case.max_seq_len}",
+    ]
+    server_overrides = [
+        "server.http_port=0",
+        "server.grpc_port=0",
+        "server.metrics_port=null",
+        f"server.max_batch_size={max(case.batch, 8)}",
+        *model_overrides,
         "reward.fn=null",
         f"reward.hf_path={inputs['reward']}",
         "init.source=reward",
@@ -321,12 +324,7 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     if args.model_forward and _config_has(CriticServerConfig, "model_forward"):
         server_overrides.append(f"model_forward={args.model_forward}")
     actor_overrides = [
-        f"model.num_layers={case.layers}",
-        f"model.hidden_size={case.hidden}",
-        f"model.num_attention_heads={case.heads}",
-        f"model.ffn_hidden_size={case.ffn}",
-        f"model.vocab_size={case.vocab}",
-        f"model.max_seq_len={case.max_seq_len}",
+        *model_overrides,
         f"tokenizer={inputs['tokenizer']}",
         f"init_from={inputs['policy']}",
         f"data.prompt_file={inputs['prompts']}",

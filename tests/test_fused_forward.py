@@ -122,6 +122,28 @@ def test_broken_attention_is_caught():
     assert not torch.allclose(good[:, :-1], bad[:, :-1], atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_in_chunks_changes_nothing(monkeypatch, dtype):
+    """Attention computed a few (batch x head) rows at a time, as long sequences are on a CPU,
+    gives the same logits and gradients, bit for bit, as all rows at once; so does the
+    no-grad forward, which keeps no probabilities."""
+    torch.manual_seed(0)
+    model = gpt.build_policy(_cfg(num_query_groups=2), params_dtype=dtype)
+    gpt.set_forward(model, "fused")
+    b, n = TOKENS.shape
+    q = torch.empty(b * 4, n, 16, dtype=dtype)  # batch x heads rows
+    assert fused.attention_rows_per_chunk(q) == b * 4  # this small a case: one chunk
+    out1, grads1 = _run(model, "lm")
+    monkeypatch.setattr(fused, "_CHUNK_BYTES", 5 * n * n * q.element_size())
+    assert fused.attention_rows_per_chunk(q) == 5  # chunks of 5, 5 and 2 rows
+    out5, grads5 = _run(model, "lm")
+    assert torch.equal(out5, out1)
+    for name, g in grads1.items():
+        assert torch.equal(grads5[name], g), name
+    with torch.no_grad():
+        assert torch.equal(gpt.policy_logits(model, TOKENS), out1)
+
+
 def test_follows_weight_updates():
     """The fused forward reads the parameters at every call (optimizer steps, loads)."""
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch
 
 from aligner import distributed
 from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, generate_no_cache
-from aligner.generation.lean import unsupported_reason
+from aligner.generation.lean import CompiledDecodeStep, LeanDecoder, unsupported_reason
 from aligner.generation.sampling import sample_next
 from aligner.models.config import ModelConfig
 from aligner.models.fused import compile_available
@@ -443,6 +443,33 @@ def test_compiled_decode_step_equals_eager(ps):
     assert engine._lean.max_len == MAX_LEN  # the capacity bucket, capped at max_seq_len
     sp = SamplingParams(max_new_tokens=6, greedy=True)
     assert torch.equal(engine.generate(PROMPTS[:3], sp).tokens, _reference(m, PROMPTS[:3], sp).tokens)
+
+
+@needs_compile
+def test_compiled_step_grows_its_capacity_with_the_sequence(ps):
+    """The compiled step attends over a capacity that doubles from ``bucket`` as positions
+    fill (8, 16, 32, then max_len 48), each its own compile; at every position its logits are
+    the eager step's, across every growth of the cache."""
+    m = _model(13, num_query_groups=2)
+    b, n = 3, 5
+    prompt = torch.randint(2, TOK.vocab_size, (b, n), generator=torch.Generator().manual_seed(0))
+    steps = torch.randint(2, TOK.vocab_size, (b, MAX_LEN - n), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        eager, compiled = LeanDecoder(m, chunk=8), LeanDecoder(m, chunk=8)
+        eager.begin(b, MAX_LEN)
+        compiled.begin(b, MAX_LEN)
+        step = CompiledDecodeStep(compiled, b, bucket=8)
+        assert [step.capacity_for(p) for p in (0, 7, 8, 15, 16, 31, 32, 47)] == [8, 8, 16, 16, 32, 32, 48, 48]
+        torch.testing.assert_close(compiled.prefill(prompt), eager.prefill(prompt), atol=1e-5, rtol=0)
+        seen = []
+        for i in range(MAX_LEN - n):
+            tok = steps[:, i : i + 1]
+            got = step(tok, n + i)
+            seen.append(compiled.capacity)
+            torch.testing.assert_close(got, eager.decode(tok, n + i), atol=1e-5, rtol=0)
+        assert sorted(set(seen)) == [8, 16, 32, 48]
+        with pytest.raises(ValueError, match="bucket=0"):
+            CompiledDecodeStep(compiled, b, bucket=0)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ from aligner.generation.sampling import build_output, check_prompts, rank_genera
 
 __all__ = ["NativeEngine", "generate_no_cache"]
 
-_COMPILED_BUCKET = 64  # a compiled step's cache capacity: a multiple of this (fewer compiles)
+_COMPILED_BUCKET = 64  # a compiled step's capacities: this, doubled, and max_len rounded up to it
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -133,8 +133,9 @@ class NativeEngine:
             operations), ``"static"`` (fixed shapes, the position as a tensor: what a CUDA graph
             replays, run eagerly), ``"graph"`` (static, captured in a CUDA graph once per call;
             CUDA only), ``"compiled"`` (static under ``torch.compile``, TP=1, needs a C++
-            compiler on a CPU: about 1.5x the eager step's speed on a CPU; the cache capacity is
-            rounded up to a multiple of 64 positions, so that few shapes compile), or
+            compiler on a CPU: about 1.5x the eager step's speed on a CPU; a step attends over a
+            cache capacity that doubles from 64 positions as the sequence grows, the last one
+            rounded up to a multiple of 64, so that few shapes compile), or
             ``"auto"``: graph on a GPU with TP=1, eager elsewhere. A graph that fails to capture,
             or a step that fails to compile, falls back to eager with a warning.
         keep_cache: lean backend: keep the KV cache between calls (None: on a CPU yes, where a
@@ -411,7 +412,11 @@ class _LeanStepper:
         elif mode in ("graph", "compiled"):
             what = "CUDA graph capture" if mode == "graph" else "compiling"
             try:
-                self.step = CudaGraphDecodeStep(lean, b) if mode == "graph" else CompiledDecodeStep(lean, b)
+                self.step = (
+                    CudaGraphDecodeStep(lean, b)
+                    if mode == "graph"
+                    else CompiledDecodeStep(lean, b, bucket=_COMPILED_BUCKET)
+                )
             except Exception as e:  # unsupported here: decode eagerly from now on
                 self.step_failed = True
                 warnings.warn(f"{what} of the decode step failed ({e!r}); decoding eagerly", stacklevel=4)

@@ -162,21 +162,12 @@ def resolve_precision(name: str, device: torch.device | str | None = None) -> st
     return name
 
 
-_FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused AdamW kernel runs
-
-
 class MixedPrecisionAdamW(torch.optim.AdamW):
     """AdamW over fp32 master copies of a model's weights (the weights themselves when fp32).
-
-    The update is torch's fused AdamW kernel where the masters' device has one (CPU and
-    CUDA): one pass over each tensor's weights, gradient and moments instead of a dozen. On one
-    CPU core, for the 3.4M parameters of the benchmark model, a step took 1.6 ms instead of
-    10 ms; the values agree with the unfused update to fp32 round-off.
 
     Args:
         params: the model's trainable parameters (bf16 and/or fp32; frozen ones are skipped).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        fused: use the fused kernel; None: where the device has one.
 
     Attributes:
         model_params: the model's parameters, in order.
@@ -191,7 +182,6 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        fused: bool | None = None,
     ) -> None:
         model_params = [p for p in params if p.requires_grad]
         if not model_params:
@@ -208,12 +198,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                 if hasattr(p, a):
                     setattr(m, a, getattr(p, a))
             masters.append(m)
-        if fused is None:
-            fused = all(m.device.type in _FUSED_DEVICES for m in masters)
-        self.fused = bool(fused)
-        super().__init__(
-            masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=self.fused or None
-        )
+        super().__init__(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.model_params: list[nn.Parameter] = model_params
         self.master_params: list[torch.Tensor] = masters
         self._pairs = [(p, m) for p, m in zip(model_params, masters) if p is not m]
@@ -300,18 +285,6 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         return True
 
     @torch.no_grad()
-    def _keep_kernel_choice(self) -> None:
-        """After a load: this optimizer's own fused/unfused choice, not the saved one (state from
-        either loads into either), with step counts where the fused kernel reads them (a float32
-        tensor on the parameter's device)."""
-        for group in self.param_groups:
-            group["fused"] = self.fused or None
-            for m in group["params"]:
-                st = self.state.get(m)
-                if self.fused and st and isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = st["step"].to(device=m.device, dtype=torch.float32)
-
-    @torch.no_grad()
     def copy_master_to_model(self) -> None:
         """Round the fp32 masters into the model's weights."""
         for p, m in self._pairs:
@@ -371,7 +344,6 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             raise CheckpointError("cannot load optimizer state: " + "; ".join(problems))
         adam = meta.get("adam", meta)
         optimizer_from_safe(self, {k: v for k, v in tensors.items() if not k.startswith("master.")}, adam)
-        self._keep_kernel_choice()
         for i, (p, m) in enumerate(zip(self.model_params, self.master_params)):
             t = tensors.get(f"master.{i}")
             if t is not None:

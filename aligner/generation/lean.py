@@ -50,6 +50,7 @@ __all__ = [
     "unsupported_reason",
     "onednn_linear_available",
     "rope_tables",
+    "apply_rope",
 ]
 
 _ONEDNN_OK: bool | None = None
@@ -160,6 +161,12 @@ def rope_tables(
     cos, sin = emb.cos(), emb.sin()
     sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
     return cos.to(dtype).view(1, n, 1, 1, d), sin.to(dtype).view(1, n, 1, 1, d)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` (head dim last) with :func:`rope_tables`' ``(cos, sin)``, in Megatron's
+    order of rounding: ``t*cos + rotate_half(t)*sin``, three ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class _Layer:
@@ -382,10 +389,6 @@ class LeanDecoder:
             return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         return F.embedding(tokens, we.weight)
 
-    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Megatron's order of rounding: t*cos + rotate_half(t)*sin, three ops.
-        return qk * cos + qk.roll(self.d // 2, dims=-1) * sin
-
     def _attention(
         self,
         q: torch.Tensor,
@@ -467,7 +470,7 @@ class LeanDecoder:
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = qkv[:, :, :, : r + 1]  # queries and key of each group
             if self.rope:
-                qk = self._rope(qk, cos, sin)
+                qk = apply_rope(qk, cos, sin)
             k, v = qk[:, :, :, r].transpose(1, 2), qkv[:, :, :, r + 1].transpose(1, 2)  # [b, g, n, d]
             L.k[:, :, :n].copy_(k)
             L.v[:, :, :n].copy_(v)
@@ -499,7 +502,7 @@ class LeanDecoder:
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = qkv[:, :, :, : r + 1]
             if self.rope:
-                qk = self._rope(qk, cos, sin)
+                qk = apply_rope(qk, cos, sin)
             L.k[:, :, start].copy_(qk[:, 0, :, r])
             L.v[:, :, start].copy_(qkv[:, 0, :, r + 1])
             # One query position: the r query heads of a group attend to the same cached keys,
@@ -535,7 +538,7 @@ class LeanDecoder:
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = qkv[:, :, :, : r + 1]
             if self.rope:
-                qk = self._rope(qk, cos, sin)
+                qk = apply_rope(qk, cos, sin)
             L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
             L.v.index_copy_(2, pos, qkv[:, :, :, r + 1].transpose(1, 2))
             q = qk[:, 0, :, :r].reshape(b * g, r, d)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aligner.generation.lean import rope_tables
+from aligner.generation.lean import apply_rope, rope_tables
 from aligner.generation.lean import unsupported_reason as _lean_unsupported_reason
 from aligner.models.config import FORWARD_MODES
 
@@ -335,9 +335,7 @@ def _forward_fn(spec: _Spec):
             qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
             qk = qkv[:, :, :, : r + 1]
             if spec.rope:
-                # t*cos + rotate_half(t)*sin, with rotate_half([x1, x2]) = [-x2, x1] folded
-                # into the sign of sin's first half (exact: negation commutes with rounding).
-                qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+                qk = apply_rope(qk, cos, sin)
             q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, n, d)
             k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
             v = qkv[:, :, :, r + 1].transpose(1, 2)

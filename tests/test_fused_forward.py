@@ -144,6 +144,64 @@ def test_attention_in_chunks_changes_nothing(monkeypatch, dtype):
         assert torch.equal(gpt.policy_logits(model, TOKENS), out1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_last_layer_from_start_changes_nothing_it_keeps(arch, head, dtype):
+    """``start`` computes the last layer's queries, MLP and head only from that position on:
+    the outputs it keeps are the full forward's (logits bit-identical; values to fp32
+    round-off, as :func:`_same_output`), for both Megatron's forward (sliced) and the fused
+    one, and a loss that ignores the positions before it gets the same gradients to round-off
+    (the weight gradients sum fewer rows)."""
+    torch.manual_seed(0)
+    model = HEADS[head](_cfg(**ARCHS[arch]), params_dtype=dtype)
+    start = 6
+    fwd = {"lm": gpt.policy_logits, "value": gpt.token_values}[head]
+    first = start if head == "lm" else 0  # token_values pads its [b, s-1] with zeros instead
+
+    def run(s):
+        model.zero_grad(set_to_none=True)
+        out = fwd(model, TOKENS, s)
+        w = torch.linspace(0.5, 1.5, out.numel()).view_as(out)
+        if head == "value":
+            w[:, :start] = 0.0  # the loss a masked value loss is: nothing before start
+        (out * w).sum().backward()
+        return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    for mode in ("megatron", "fused"):
+        gpt.set_forward(model, mode)
+        full, _ = run(0)
+        part, g_part = run(start)
+        assert part.shape[1] == full.shape[1] - first
+        _same_output(part[:, start - first :], full[:, start:], head)
+        if head == "value":
+            assert not part[:, :start].any()  # zeros, not values
+        if mode == "megatron":
+            want_out, want_grads = part, g_part
+    _same_output(part, want_out, head)
+    _same_grads(g_part, want_grads, 1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError, match="expected 0 <= start < 17"):
+        fwd(model, TOKENS, 17)
+
+
+def test_compiled_trimmed_forwards_are_bounded(monkeypatch):
+    """Each compiled ``start`` is one more compile: past ``MAX_TRIMMED_COMPILES`` of them a new
+    start takes the nearest compiled one below it (or the full forward), sliced to what was
+    asked. Nothing is compiled here: torch.compile compiles at the first call."""
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "MAX_TRIMMED_COMPILES", 2)
+    spec = fused._Spec(gpt.build_policy(_cfg()), 1)
+    assert fused._compiled_fn(spec, 0)[0] == 0
+    assert fused._compiled_fn(spec, 8)[0] == 8
+    assert fused._compiled_fn(spec, 4)[0] == 4
+    assert fused._compiled_fn(spec, 12)[0] == 8  # two trimmed variants exist: nearest below
+    assert fused._compiled_fn(spec, 6)[0] == 4
+    assert fused._compiled_fn(spec, 3)[0] == 0
+    assert fused._compiled_fn(spec, 8)[1] is fused._compiled_fn(spec, 9)[1]
+    names = {fn._torchdynamo_orig_callable.__code__.co_name for fn in fused._COMPILED.values()}
+    assert names == {"forward", "forward_from_4", "forward_from_8"}  # each its own dynamo state
+
+
 def test_follows_weight_updates():
     """The fused forward reads the parameters at every call (optimizer steps, loads)."""
     torch.manual_seed(0)
@@ -194,6 +252,10 @@ def test_compiled_equals_megatron():
             atol=tol,
             rtol=tol,
         )
+        # The last layer from position 5 on: a variant of its own.
+        part = gpt.token_values(model, TOKENS, 5)
+        torch.testing.assert_close(part[:, 5:], out0[:, 5:], atol=tol, rtol=tol)
+        assert not part[:, :5].any()
 
 
 # -- TP=2 ---------------------------------------------------------------------------------
@@ -229,3 +291,41 @@ def _tp_worker(rank: int, port: int) -> None:
 
 def test_tp2_fused_equals_megatron():
     mp.spawn(_tp_worker, args=(distributed.free_port(),), nprocs=2, join=True)
+
+
+def test_trainer_log_probs_from_the_first_masked_position():
+    """The actor computes log-probs and entropies from the first position any response mask
+    covers (hand-worked: prompts of 3 and 5 tokens -> transition 2): equal to the full
+    forward's there and after, 0 before."""
+    from types import SimpleNamespace
+
+    from aligner.ppo.core import response_mask
+    from aligner.ppo.trainer import PPOTrainer, loss_start
+
+    mask = response_mask(torch.tensor([6, 8]), torch.tensor([3, 5]), 8)
+    assert mask[0].nonzero().flatten().tolist() == [2, 3, 4]
+    assert loss_start(mask) == 2
+    assert loss_start(mask[1:]) == 4
+    assert loss_start(torch.zeros(2, 7)) == 0
+    torch.manual_seed(0)
+    model = gpt.build_policy(_cfg())
+    gpt.set_forward(model, "fused")
+    actor = SimpleNamespace(
+        cfg=SimpleNamespace(generation=SimpleNamespace(temperature=0.7)),
+        _tp_group=None,
+        _vocab_start=0,
+        _pad_from=None,
+    )
+    tokens = TOKENS[:2, :8]
+    full = gpt.policy_logits(model, tokens)
+    part = gpt.policy_logits(model, tokens, 2)
+    pairs = {
+        "logprobs": (
+            PPOTrainer._sequence_logprobs(actor, full, tokens),
+            PPOTrainer._sequence_logprobs(actor, part, tokens, 2),
+        ),
+        "entropy": (PPOTrainer._entropy(actor, full), PPOTrainer._entropy(actor, part, 2)),
+    }
+    for name, (want, got) in pairs.items():
+        assert got.shape == want.shape == (2, 7), name
+        assert torch.equal(got[:, 2:], want[:, 2:]) and not got[:, :2].any(), name

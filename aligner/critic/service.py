@@ -575,6 +575,11 @@ class CriticService:
         # Same permutation on every TP rank: the generator depends on (seed, step, epoch) only.
         gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + req.step)
         kept = self._take_kept(req.tokens) if o.num_minibatches == 1 else None
+        # Values before the first masked position feed no loss: after the first pass the last
+        # layer starts there. The first pass is the infer forward (kept or recomputed the same
+        # way, so that reusing it changes nothing), which covers every position.
+        cols = mask.any(0).nonzero()
+        start = int(cols[0, 0]) if cols.numel() else 0
         if kept is not None:
             self.reused_forwards += 1
         first_pass_values = torch.zeros_like(returns)
@@ -588,7 +593,7 @@ class CriticService:
                 if epoch == 0 and kept is not None:  # one minibatch: idx is every row, in order
                     values = kept
                 else:
-                    values = token_values(self.critic, tokens[idx])  # [mb, s-1]
+                    values = token_values(self.critic, tokens[idx], start if epoch else 0)  # [mb, s-1]
                 loss, stats = value_loss(
                     values,
                     old_values[idx],

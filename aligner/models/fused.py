@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -191,10 +192,11 @@ def attention_rows_per_chunk(q: torch.Tensor) -> int:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, keep_probs: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention core: ``q``, ``k``, ``v`` ``[B, n, d]`` (one row per batch x head),
-    ``mask`` ``[n, n]`` (0 on and below the diagonal, -inf above, in the model dtype) ->
-    (context ``[B, n, d]``, probabilities ``[B, n, n]`` for the backward when ``keep_probs``,
-    else an empty tensor).
+    """Causal attention core: ``k``, ``v`` ``[B, n, d]`` (one row per batch x head), ``q``
+    ``[B, m, d]`` for the last ``m <= n`` positions, ``mask`` ``[m, n]`` (those rows of the
+    causal mask: 0 on and below the diagonal, -inf above, in the model dtype) -> (context
+    ``[B, m, d]``, probabilities ``[B, m, n]`` for the backward when ``keep_probs``, else an
+    empty tensor).
 
     ``baddbmm(mask, q, k^T, alpha=scale)`` rounds ``scale * q k^T`` once, as Megatron's
     ``baddbmm(beta=0)`` does, and adding 0 or -inf is exact; torch's softmax reads the scores
@@ -283,8 +285,9 @@ def _attention_backward(ctx, grad_out, _grad_probs):
 causal_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _forward_fn(spec: _Spec):
-    """The pure forward for one architecture: ``(tokens, cos, sin, mask, *params) -> output``."""
+def _forward_fn(spec: _Spec, start: int = 0):
+    """The pure forward for one architecture: ``(tokens, cos, sin, mask, *params) -> output``
+    at positions ``start..n-1``."""
     g, h, d = spec.groups, spec.heads, spec.d
     r = h // g
     tp = spec.tp_size
@@ -329,14 +332,18 @@ def _forward_fn(spec: _Spec):
         if not spec.rope:
             x = x + p[1][:n]
         i = 2
-        for _ in range(spec.layers):
+        for layer in range(spec.layers):
             n1w, n1b, wqkv, bqkv, wproj, bproj, n2w, n2b, w1, b1, w2, b2 = p[i : i + 12]
             i += 12
+            # The last layer's keys and values are needed at every position, everything else
+            # (queries, attention output, MLP, head) only from ``start`` on.
+            s0 = start if layer == spec.layers - 1 else 0
+            m = n - s0
             qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
             qk = qkv[:, :, :, : r + 1]
             if spec.rope:
                 qk = apply_rope(qk, cos, sin)
-            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, n, d)
+            q = qk[:, s0:, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, m, d)
             k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
             v = qkv[:, :, :, r + 1].transpose(1, 2)
             if r > 1:
@@ -345,8 +352,10 @@ def _forward_fn(spec: _Spec):
             k = k.reshape(b * h, n, d)
             v = v.reshape(b * h, n, d)
             keep = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            ctx = causal_attention(q, k, v, mask, spec.scale, keep)[0]
-            ctx = ctx.view(b, h, n, d).transpose(1, 2).reshape(b, n, h * d)
+            ctx = causal_attention(q, k, v, mask[s0:], spec.scale, keep)[0]
+            ctx = ctx.view(b, h, m, d).transpose(1, 2).reshape(b, m, h * d)
+            if s0:
+                x = x[:, s0:]
             x = x + row(ctx, wproj, bproj)
             f = col(norm(x, n2w, n2b), w1, b1)
             if spec.gated:
@@ -367,17 +376,38 @@ def _forward_fn(spec: _Spec):
 
 _COMPILED: dict[tuple, object] = {}
 _COMPILED_LOCK = threading.Lock()
+# Compiled forwards per architecture whose last layer starts past position 0. Each is one more
+# compile (tens of seconds on a CPU); a run whose shortest prompt keeps changing gets these
+# many and then reuses the nearest one below its start (or the full forward).
+MAX_TRIMMED_COMPILES = 4
 
 
-def _compiled_fn(spec: _Spec):
-    """One compiled forward per architecture, shared by every model of it (policy and
-    reference): the parameters are arguments, so only shapes and dtypes are guarded."""
+def _own_code(fn, name: str):
+    """``fn`` under a code object of its own. dynamo keeps its compiled entries and the record
+    of which inputs changed between calls (which it then makes symbolic) per code object: with
+    one shared code, a second ``start`` would turn every variant's constant into a symbol and
+    its kernels into slower shape-generic ones."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
+    """``(start', fn)``: the compiled forward from ``start' <= start`` on, one per architecture
+    and ``start'``, shared by every model of it (policy and reference): the parameters are
+    arguments, so only shapes and dtypes are guarded."""
     with _COMPILED_LOCK:
-        fn = _COMPILED.get(spec.key)
+        if (spec.key, start) not in _COMPILED and start:
+            trimmed = [s for k, s in _COMPILED if k == spec.key and s]
+            if len(trimmed) >= MAX_TRIMMED_COMPILES:
+                start = max((s for s in trimmed if s <= start), default=0)
+        fn = _COMPILED.get((spec.key, start))
         if fn is None:
-            fn = torch.compile(_forward_fn(spec), fullgraph=True)
-            _COMPILED[spec.key] = fn
-        return fn
+            fn = _forward_fn(spec, start)
+            if start:
+                fn = _own_code(fn, f"forward_from_{start}")
+            fn = torch.compile(fn, fullgraph=True)
+            _COMPILED[(spec.key, start)] = fn
+        return start, fn
 
 
 class FusedForward:
@@ -398,7 +428,7 @@ class FusedForward:
         self.model = model
         self.compiled = compiled
         self.spec = _Spec(model, tp_size)
-        self._fn = _compiled_fn(self.spec) if compiled else _forward_fn(self.spec)
+        self._fns: dict[int, tuple[int, object]] = {}  # start -> (start taken, forward)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _tables_for(self, n: int, dtype: torch.dtype, device: torch.device):
@@ -415,8 +445,21 @@ class FusedForward:
             self._tables = {key: t}  # one length at a time is the common case
         return t
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The output at positions ``start..s-1`` (``[b, s - start, ...]``). Every layer but the
+        last runs at all positions (later positions attend to them); the last one computes its
+        keys and values everywhere and the rest from ``start`` on (compiled: from the start of
+        the nearest compiled variant at or below it, see ``MAX_TRIMMED_COMPILES``)."""
+        n = tokens.shape[1]
+        if not 0 <= start < n:
+            raise ValueError(f"start={start}: expected 0 <= start < {n} (the sequence length)")
         params = _params(self.model, self.spec)
         ref = params[0]
-        cos, sin, mask = self._tables_for(tokens.shape[1], ref.dtype, ref.device)
-        return self._fn(tokens, cos, sin, mask, *params)
+        cos, sin, mask = self._tables_for(n, ref.dtype, ref.device)
+        fn = self._fns.get(start)
+        if fn is None:
+            fn = _compiled_fn(self.spec, start) if self.compiled else (start, _forward_fn(self.spec, start))
+            self._fns[start] = fn
+        taken, fn = fn
+        out = fn(tokens, cos, sin, mask, *params)
+        return out[:, start - taken :] if start != taken else out

@@ -324,30 +324,38 @@ def set_forwards(
     return taken
 
 
-def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _forward(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The model's output at positions ``start..s-1``."""
     fast = getattr(model, "aligner_fused", None)
     if fast is not None:
-        return fast(tokens)
-    return model(tokens, position_ids_for(tokens), attention_mask=None)
+        return fast(tokens, start)
+    out = model(tokens, position_ids_for(tokens), attention_mask=None)
+    return out[:, start:] if start else out
 
 
-def policy_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Causal LM forward. tokens [b, s] -> logits [b, s, v] (v: this TP rank's vocab shard).
+def policy_logits(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Causal LM forward. tokens [b, s] -> logits [b, s - start, v] at positions ``start..s-1``
+    (v: this TP rank's vocab shard).
 
     Right padding needs no attention mask: causal attention never lets a real position see a
-    later pad. fp32 whatever the model's dtype, so logprobs, KL and the losses are fp32.
+    later pad. fp32 whatever the model's dtype, so logprobs, KL and the losses are fp32. With
+    ``start`` > 0 the fused forward computes the last layer's queries, MLP and head only from
+    ``start`` on (the positions before it feed later ones only through keys and values).
     """
-    return _forward(model, tokens).float()
+    return _forward(model, tokens, start).float()
 
 
-def token_values(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Critic forward. tokens [b, s] -> values [b, s-1]; element t is V(tokens 0..t)."""
-    out = _forward(model, tokens)  # [b, s, 1]
-    return out[:, :-1, 0].float()
+def token_values(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Critic forward. tokens [b, s] -> values [b, s-1]; element t is V(tokens 0..t), computed
+    for t >= ``start`` (0 before it: for losses that mask those positions out)."""
+    out = _forward(model, tokens, start)[:, :-1, 0].float()  # [b, s-1-start]
+    return F.pad(out, (start, 0)) if start else out
 
 
 def sequence_scores(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1."""
-    out = _forward(model, tokens)[..., 0]  # [b, s]
-    idx = (lengths.to(out.device).long() - 1).clamp(min=0)
-    return out.gather(1, idx.unsqueeze(1)).squeeze(1).float()
+    """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1
+    (the last layer runs only from the shortest sequence's last position on)."""
+    idx = (lengths.to(tokens.device).long() - 1).clamp(min=0)
+    start = int(idx.min()) if idx.numel() else 0
+    out = _forward(model, tokens, start)[..., 0]  # [b, s - start]
+    return out.gather(1, (idx - start).unsqueeze(1)).squeeze(1).float()

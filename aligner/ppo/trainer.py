@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from aligner import precision as mp
 from aligner.distributed import ParallelState
@@ -59,6 +60,18 @@ class Rollout:
     """[b, s-1] float32 (whitened when configured)."""
     returns: torch.Tensor
     """[b, s-1] float32 value targets."""
+    start: int = 0
+    """First position whose logits any loss term reads (:func:`loss_start`)."""
+
+
+def loss_start(mask: torch.Tensor) -> int:
+    """``mask [b, s-1]`` -> the first transition any row's mask covers (0 when none does).
+
+    Logits before it feed no loss, KL or metric, so the forwards compute the last layer only
+    from there on (``gpt.policy_logits(..., start)``); the log-probs before it are 0.
+    """
+    cols = mask.detach().any(0).nonzero()
+    return int(cols[0, 0]) if cols.numel() else 0
 
 
 class PromptSampler:
@@ -311,6 +324,7 @@ class PPOTrainer:
         gen = self.engine.generate(encoded, sampling)
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
         mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
+        start = loss_start(mask)
         timers["timers/generate"] = time.perf_counter() - t
 
         # 2. Values and scores from the server, overlapped with the log-prob forwards.
@@ -320,12 +334,12 @@ class PPOTrainer:
         beta = self.kl_ctl.value
         ref_logprobs = None
         if self.reference is not None and beta > 0:
-            ref_logprobs, _ = self._logprobs(self.reference, tokens)
+            ref_logprobs, _ = self._logprobs(self.reference, tokens, start=start)
         first = None
         if self.reuse_rollout_forward:
-            first, old_logprobs, entropy = self._first_forward(tokens, orders[0])
+            first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
         else:
-            old_logprobs, entropy = self._logprobs(self.policy, tokens, with_entropy=True)
+            old_logprobs, entropy = self._logprobs(self.policy, tokens, with_entropy=True, start=start)
         if ref_logprobs is None:
             ref_logprobs = old_logprobs
         timers["timers/logprobs"] = time.perf_counter() - t
@@ -353,7 +367,9 @@ class PPOTrainer:
 
         # 5. PPO epochs over shuffled minibatches.
         t = time.perf_counter()
-        rollout = Rollout(tokens, lengths, prompt_lengths, mask, old_logprobs, values, advantages, returns)
+        rollout = Rollout(
+            tokens, lengths, prompt_lengths, mask, old_logprobs, values, advantages, returns, start
+        )
         handoff = [first] if first is not None else []
         del first  # the first minibatch step holds the only reference: freed once it is done
         train_stats = self._update_policy(rollout, orders, handoff)
@@ -397,9 +413,10 @@ class PPOTrainer:
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
         mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
         future = self._critic_infer(tokens, lengths, prompt_lengths)
-        logprobs, _ = self._logprobs(self.policy, tokens)
+        start = loss_start(mask)
+        logprobs, _ = self._logprobs(self.policy, tokens, start=start)
         if self.reference is not None:
-            ref_logprobs, _ = self._logprobs(self.reference, tokens)
+            ref_logprobs, _ = self._logprobs(self.reference, tokens, start=start)
             kl = ((logprobs - ref_logprobs) * mask).sum(1)
         else:
             kl = torch.zeros(tokens.shape[0])
@@ -438,39 +455,45 @@ class PPOTrainer:
         return time.perf_counter() - t
 
     def _logprobs(
-        self, model: torch.nn.Module, tokens: torch.Tensor, with_entropy: bool = False
+        self, model: torch.nn.Module, tokens: torch.Tensor, with_entropy: bool = False, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Training-forward log-probs [b, s-1] (and entropy [b, s-1]), in micro-batches, no grad."""
+        """Training-forward log-probs [b, s-1] (and entropy [b, s-1]), in micro-batches, no grad;
+        0 before position ``start``."""
         was_training = model.training
         model.eval()  # dropout off: these are the "old" log-probs of the ratio
         out_lp, out_ent = [], []
         mb = self.cfg.ppo.micro_batch_size
         with torch.no_grad():
             for i in range(0, tokens.shape[0], mb):
-                logits = self._masked_logits(gpt.policy_logits(model, tokens[i : i + mb]))
-                out_lp.append(self._sequence_logprobs(logits, tokens[i : i + mb]))
+                logits = self._masked_logits(gpt.policy_logits(model, tokens[i : i + mb], start))
+                out_lp.append(self._sequence_logprobs(logits, tokens[i : i + mb], start))
                 if with_entropy:
-                    out_ent.append(
-                        core.entropy_from_logits(
-                            logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group
-                        )
-                    )
+                    out_ent.append(self._entropy(logits, start))
         model.train(was_training)
         return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)
 
-    def _sequence_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """logits [b, s, v] (masked), tokens [b, s] -> [b, s-1]; 0 where the target is padding
-        (a never-sampled id whose log-prob is -inf; those positions are outside every mask)."""
+    def _sequence_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """logits [b, s - start, v] (masked; positions ``start..s-1``), tokens [b, s] -> [b, s-1];
+        0 before ``start`` and where the target is padding (a never-sampled id whose log-prob is
+        -inf; those positions are outside every mask)."""
         lp = core.sequence_logprobs(
             logits,
-            tokens,
+            tokens[:, start:],
             self.cfg.generation.temperature,
             group=self._tp_group,
             vocab_start=self._vocab_start,
         )
+        if start:
+            lp = F.pad(lp, (start, 0))
         if self._pad_from is None:
             return lp
         return lp.masked_fill(tokens[:, 1:] >= self._actions, 0.0)
+
+    def _entropy(self, logits: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """logits [b, s - start, v] (positions ``start..s-1``) -> entropy [b, s-1] of the
+        sampling distribution at the positions that predict a next token; 0 before ``start``."""
+        ent = core.entropy_from_logits(logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group)
+        return F.pad(ent, (start, 0)) if start else ent
 
     def _masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self._pad_from is None:
@@ -486,20 +509,18 @@ class PPOTrainer:
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
         return [torch.randperm(b, generator=gen) for _ in range(self.cfg.ppo.ppo_epochs)]
 
-    def _first_forward(self, tokens: torch.Tensor, order: torch.Tensor):
+    def _first_forward(self, tokens: torch.Tensor, order: torch.Tensor, start: int = 0):
         """The first PPO pass's forward (one minibatch of one micro-batch: every row, in the
         first epoch's order), with gradients. Returns ``(logits, logprobs)`` for that pass and,
         detached and back in row order, the rollout's log-probs and entropy."""
         self.policy.train()
         rows = tokens[order]
-        logits = self._masked_logits(gpt.policy_logits(self.policy, rows))
-        logp = self._sequence_logprobs(logits, rows)
+        logits = self._masked_logits(gpt.policy_logits(self.policy, rows, start))
+        logp = self._sequence_logprobs(logits, rows, start)
         old_logprobs = torch.empty_like(logp, requires_grad=False)
         old_logprobs[order] = logp.detach()
         with torch.no_grad():
-            ent = core.entropy_from_logits(
-                logits.detach()[:, :-1], self.cfg.generation.temperature, group=self._tp_group
-            )
+            ent = self._entropy(logits.detach(), start)
         entropy = torch.empty_like(ent)
         entropy[order] = ent
         return (logits, logp), old_logprobs, entropy
@@ -535,8 +556,8 @@ class PPOTrainer:
             if first is not None:  # this pass's forward was run for the rollout log-probs
                 (logits, logp), first = first, None
             else:
-                logits = self._masked_logits(gpt.policy_logits(self.policy, tokens))
-                logp = self._sequence_logprobs(logits, tokens)
+                logits = self._masked_logits(gpt.policy_logits(self.policy, tokens, r.start))
+                logp = self._sequence_logprobs(logits, tokens, r.start)
             loss, stats = core.policy_loss(
                 logp,
                 r.old_logprobs[micro],
@@ -548,9 +569,7 @@ class PPOTrainer:
                 agg=p.loss_agg,
             )
             if p.entropy_coef > 0:
-                ent = core.entropy_from_logits(
-                    logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group
-                )
+                ent = self._entropy(logits, r.start)
                 loss = loss - p.entropy_coef * core.aggregate(ent, mask, p.loss_agg)
             (loss / n_micro).backward()
             acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss.detach()) / n_micro

@@ -202,6 +202,27 @@ def test_compiled_trimmed_forwards_are_bounded(monkeypatch):
     assert names == {"forward", "forward_from_4", "forward_from_8"}  # each its own dynamo state
 
 
+def test_scores_at_each_last_token_only():
+    """The reward forward runs the last layer at one position per sequence: the same scores and
+    gradients as reading the full forward there, whatever the lengths; bad positions are named."""
+    torch.manual_seed(0)
+    model = gpt.build_reward_model(_cfg(num_query_groups=2))
+    gpt.set_forward(model, "fused")
+    full = model.aligner_fused(TOKENS)[..., 0]  # [b, s]
+    for lengths in (LENGTHS, torch.tensor([1, 2, 17]), torch.tensor([17, 17, 17])):
+        idx = lengths - 1
+        torch.testing.assert_close(
+            gpt.sequence_scores(model, TOKENS, lengths),
+            full.gather(1, idx.unsqueeze(1))[:, 0],
+            atol=1e-6,
+            rtol=1e-6,
+        )
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 17\)"):
+        model.aligner_fused.at(TOKENS, torch.tensor([0, 3, 17]))
+    with pytest.raises(ValueError, match="one position per sequence"):
+        model.aligner_fused.at(TOKENS, torch.tensor([0, 3]))
+
+
 def test_follows_weight_updates():
     """The fused forward reads the parameters at every call (optimizer steps, loads)."""
     torch.manual_seed(0)
@@ -256,6 +277,16 @@ def test_compiled_equals_megatron():
         part = gpt.token_values(model, TOKENS, 5)
         torch.testing.assert_close(part[:, 5:], out0[:, 5:], atol=tol, rtol=tol)
         assert not part[:, :5].any()
+    # A reward model's scores, the last layer at each sequence's last token only: one compiled
+    # variant for any lengths.
+    torch.manual_seed(0)
+    rm = gpt.build_reward_model(_cfg(num_query_groups=2), params_dtype=dtype)
+    for lengths in (LENGTHS, torch.tensor([17, 2, 11])):
+        with torch.no_grad():
+            gpt.set_forward(rm, "megatron")
+            want = gpt.sequence_scores(rm, TOKENS, lengths)
+            gpt.set_forward(rm, "compiled")
+            torch.testing.assert_close(gpt.sequence_scores(rm, TOKENS, lengths), want, atol=tol, rtol=tol)
 
 
 # -- TP=2 ---------------------------------------------------------------------------------
@@ -275,7 +306,7 @@ def _tp_worker(rank: int, port: int) -> None:
     try:
         distributed.initialize(distributed.ParallelConfig(tensor_model_parallel_size=2), seed=5)
         # 40 tokens split 20/20; 4 heads in 2 groups: one group per rank.
-        for head in ("lm", "value"):
+        for head in ("lm", "value", "reward"):
             for arch in ("gqa", "gpt2"):
                 torch.manual_seed(0)
                 model = HEADS[head](_cfg(**ARCHS[arch]))

@@ -196,7 +196,7 @@ def causal_attention(
     ``[B, m, d]`` for the last ``m <= n`` positions, ``mask`` ``[m, n]`` (those rows of the
     causal mask: 0 on and below the diagonal, -inf above, in the model dtype) -> (context
     ``[B, m, d]``, probabilities ``[B, m, n]`` for the backward when ``keep_probs``, else an
-    empty tensor).
+    empty tensor). A ``[B, m, n]`` mask gives each row its own (queries at other positions).
 
     ``baddbmm(mask, q, k^T, alpha=scale)`` rounds ``scale * q k^T`` once, as Megatron's
     ``baddbmm(beta=0)`` does, and adding 0 or -inf is exact; torch's softmax reads the scores
@@ -211,7 +211,8 @@ def causal_attention(
     rows = attention_rows_per_chunk(q)
     for i in range(0, b, rows):
         sl = slice(i, i + rows)
-        scores = torch.baddbmm(mask, q[sl], k[sl].transpose(1, 2), beta=1.0, alpha=scale)
+        m = mask[sl] if mask.dim() == 3 else mask
+        scores = torch.baddbmm(m, q[sl], k[sl].transpose(1, 2), beta=1.0, alpha=scale)
         if keep_probs:
             p = torch.ops.aten._softmax.out(scores, -1, False, out=probs[sl])
         else:
@@ -285,9 +286,10 @@ def _attention_backward(ctx, grad_out, _grad_probs):
 causal_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _forward_fn(spec: _Spec, start: int = 0):
+def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
     """The pure forward for one architecture: ``(tokens, cos, sin, mask, *params) -> output``
-    at positions ``start..n-1``."""
+    at positions ``start..n-1``; with ``rows``, ``(tokens, cos, sin, mask, idx, *params) ->
+    [b, 1, ...]``, the output at position ``idx[i]`` of each sequence ``i``."""
     g, h, d = spec.groups, spec.heads, spec.d
     r = h // g
     tp = spec.tp_size
@@ -328,6 +330,9 @@ def _forward_fn(spec: _Spec, start: int = 0):
 
     def forward(tokens, cos, sin, mask, *p):
         b, n = tokens.shape
+        if rows:
+            idx, p = p[0], p[1:]
+            at = torch.arange(b, device=tokens.device)
         x = embed(tokens, p[0])
         if not spec.rope:
             x = x + p[1][:n]
@@ -337,13 +342,19 @@ def _forward_fn(spec: _Spec, start: int = 0):
             i += 12
             # The last layer's keys and values are needed at every position, everything else
             # (queries, attention output, MLP, head) only from ``start`` on.
-            s0 = start if layer == spec.layers - 1 else 0
+            last = layer == spec.layers - 1
+            s0 = start if last else 0
             m = n - s0
             qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
             qk = qkv[:, :, :, : r + 1]
             if spec.rope:
                 qk = apply_rope(qk, cos, sin)
-            q = qk[:, s0:, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, m, d)
+            if rows and last:  # one query per sequence, each under its own row of the mask
+                q = qk[at, idx, :, :r].reshape(b * h, 1, d)
+                qmask = mask[idx].unsqueeze(1).expand(b, h, n).reshape(b * h, 1, n)
+            else:
+                q = qk[:, s0:, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, m, d)
+                qmask = mask[s0:]
             k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
             v = qkv[:, :, :, r + 1].transpose(1, 2)
             if r > 1:
@@ -352,9 +363,11 @@ def _forward_fn(spec: _Spec, start: int = 0):
             k = k.reshape(b * h, n, d)
             v = v.reshape(b * h, n, d)
             keep = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            ctx = causal_attention(q, k, v, mask[s0:], spec.scale, keep)[0]
-            ctx = ctx.view(b, h, m, d).transpose(1, 2).reshape(b, m, h * d)
-            if s0:
+            ctx = causal_attention(q, k, v, qmask, spec.scale, keep)[0]
+            ctx = ctx.view(b, h, q.shape[1], d).transpose(1, 2).reshape(b, q.shape[1], h * d)
+            if rows and last:
+                x = x[at, idx].unsqueeze(1)
+            elif s0:
                 x = x[:, s0:]
             x = x + row(ctx, wproj, bproj)
             f = col(norm(x, n2w, n2b), w1, b1)
@@ -397,7 +410,7 @@ def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
     arguments, so only shapes and dtypes are guarded."""
     with _COMPILED_LOCK:
         if (spec.key, start) not in _COMPILED and start:
-            trimmed = [s for k, s in _COMPILED if k == spec.key and s]
+            trimmed = [s for k, s in _COMPILED if k == spec.key and isinstance(s, int) and s]
             if len(trimmed) >= MAX_TRIMMED_COMPILES:
                 start = max((s for s in trimmed if s <= start), default=0)
         fn = _COMPILED.get((spec.key, start))
@@ -408,6 +421,17 @@ def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
             fn = torch.compile(fn, fullgraph=True)
             _COMPILED[(spec.key, start)] = fn
         return start, fn
+
+
+def _compiled_rows_fn(spec: _Spec):
+    """The compiled forward at one position per sequence (:meth:`FusedForward.at`), one per
+    architecture: the positions are a tensor argument, so every batch's lengths share it."""
+    with _COMPILED_LOCK:
+        fn = _COMPILED.get((spec.key, "rows"))
+        if fn is None:
+            fn = torch.compile(_own_code(_forward_fn(spec, rows=True), "forward_at_rows"), fullgraph=True)
+            _COMPILED[(spec.key, "rows")] = fn
+        return fn
 
 
 class FusedForward:
@@ -429,6 +453,7 @@ class FusedForward:
         self.compiled = compiled
         self.spec = _Spec(model, tp_size)
         self._fns: dict[int, tuple[int, object]] = {}  # start -> (start taken, forward)
+        self._rows_fn = None
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _tables_for(self, n: int, dtype: torch.dtype, device: torch.device):
@@ -463,3 +488,21 @@ class FusedForward:
         taken, fn = fn
         out = fn(tokens, cos, sin, mask, *params)
         return out[:, start - taken :] if start != taken else out
+
+    def at(self, tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The output at position ``idx[i]`` of each sequence ``i`` (``[b, 1, ...]``): a reward
+        model's score at each sequence's last token. The last layer runs only there (its keys
+        and values everywhere); one compiled variant serves every ``idx``."""
+        b, n = tokens.shape
+        if idx.shape != (b,):
+            raise ValueError(f"idx has shape {tuple(idx.shape)}: expected ({b},), one position per sequence")
+        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
+            raise ValueError(f"idx must lie in [0, {n}) (the sequence length), got {idx.tolist()}")
+        params = _params(self.model, self.spec)
+        ref = params[0]
+        cos, sin, mask = self._tables_for(n, ref.dtype, ref.device)
+        if self._rows_fn is None:
+            self._rows_fn = (
+                _compiled_rows_fn(self.spec) if self.compiled else _forward_fn(self.spec, rows=True)
+            )
+        return self._rows_fn(tokens, cos, sin, mask, idx.to(tokens.device, torch.int64), *params)

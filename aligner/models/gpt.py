@@ -354,8 +354,10 @@ def token_values(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torc
 
 def sequence_scores(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1
-    (the last layer runs only from the shortest sequence's last position on)."""
+    (the fused forward runs the last layer only there)."""
     idx = (lengths.to(tokens.device).long() - 1).clamp(min=0)
-    start = int(idx.min()) if idx.numel() else 0
-    out = _forward(model, tokens, start)[..., 0]  # [b, s - start]
-    return out.gather(1, (idx - start).unsqueeze(1)).squeeze(1).float()
+    fast = getattr(model, "aligner_fused", None)
+    if fast is not None:
+        return fast.at(tokens, idx)[:, 0, 0].float()
+    out = _forward(model, tokens)[..., 0]  # [b, s]
+    return out.gather(1, idx.unsqueeze(1)).squeeze(1).float()

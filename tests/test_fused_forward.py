@@ -199,7 +199,7 @@ def test_compiled_trimmed_forwards_are_bounded(monkeypatch):
     assert fused._compiled_fn(spec, 3)[0] == 0
     assert fused._compiled_fn(spec, 8)[1] is fused._compiled_fn(spec, 9)[1]
     names = {fn._torchdynamo_orig_callable.__code__.co_name for fn in fused._COMPILED.values()}
-    assert names == {"forward", "forward_from_4", "forward_from_8"}  # each its own dynamo state
+    assert names == {"forward", "forward_lm_from_4", "forward_lm_from_8"}  # each its own dynamo state
 
 
 def test_scores_at_each_last_token_only():

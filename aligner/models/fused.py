@@ -417,7 +417,7 @@ def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
         if fn is None:
             fn = _forward_fn(spec, start)
             if start:
-                fn = _own_code(fn, f"forward_from_{start}")
+                fn = _own_code(fn, f"forward_{spec.head}_from_{start}")
             fn = torch.compile(fn, fullgraph=True)
             _COMPILED[(spec.key, start)] = fn
         return start, fn
@@ -429,7 +429,9 @@ def _compiled_rows_fn(spec: _Spec):
     with _COMPILED_LOCK:
         fn = _COMPILED.get((spec.key, "rows"))
         if fn is None:
-            fn = torch.compile(_own_code(_forward_fn(spec, rows=True), "forward_at_rows"), fullgraph=True)
+            fn = torch.compile(
+                _own_code(_forward_fn(spec, rows=True), f"forward_{spec.head}_at_rows"), fullgraph=True
+            )
             _COMPILED[(spec.key, "rows")] = fn
         return fn
 

@@ -59,7 +59,7 @@ from aligner.models.gpt import (
     tensor_state_dict,
     token_values,
 )
-from aligner.ppo.core import explained_variance, value_loss
+from aligner.ppo.core import explained_variance, loss_start, value_loss
 from aligner.precision import (
     load_master_state_dict,
     make_optimizer,
@@ -578,8 +578,7 @@ class CriticService:
         # Values before the first masked position feed no loss: after the first pass the last
         # layer starts there. The first pass is the infer forward (kept or recomputed the same
         # way, so that reusing it changes nothing), which covers every position.
-        cols = mask.any(0).nonzero()
-        start = int(cols[0, 0]) if cols.numel() else 0
+        start = loss_start(mask)
         if kept is not None:
             self.reused_forwards += 1
         first_pass_values = torch.zeros_like(returns)

@@ -404,6 +404,21 @@ def _own_code(fn, name: str):
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+def _compiled_variant(spec: _Spec, variant: int | str):
+    """The compiled forward of ``variant`` (a start position, or ``"rows"``: one position per
+    sequence), compiled once per architecture; the caller holds ``_COMPILED_LOCK``."""
+    fn = _COMPILED.get((spec.key, variant))
+    if fn is None:
+        if variant == "rows":
+            fn = _own_code(_forward_fn(spec, rows=True), f"forward_{spec.head}_at_rows")
+        elif variant:
+            fn = _own_code(_forward_fn(spec, variant), f"forward_{spec.head}_from_{variant}")
+        else:
+            fn = _forward_fn(spec)
+        fn = _COMPILED[(spec.key, variant)] = torch.compile(fn, fullgraph=True)
+    return fn
+
+
 def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
     """``(start', fn)``: the compiled forward from ``start' <= start`` on, one per architecture
     and ``start'``, shared by every model of it (policy and reference): the parameters are
@@ -413,27 +428,14 @@ def _compiled_fn(spec: _Spec, start: int = 0) -> tuple[int, object]:
             trimmed = [s for k, s in _COMPILED if k == spec.key and isinstance(s, int) and s]
             if len(trimmed) >= MAX_TRIMMED_COMPILES:
                 start = max((s for s in trimmed if s <= start), default=0)
-        fn = _COMPILED.get((spec.key, start))
-        if fn is None:
-            fn = _forward_fn(spec, start)
-            if start:
-                fn = _own_code(fn, f"forward_{spec.head}_from_{start}")
-            fn = torch.compile(fn, fullgraph=True)
-            _COMPILED[(spec.key, start)] = fn
-        return start, fn
+        return start, _compiled_variant(spec, start)
 
 
 def _compiled_rows_fn(spec: _Spec):
     """The compiled forward at one position per sequence (:meth:`FusedForward.at`), one per
     architecture: the positions are a tensor argument, so every batch's lengths share it."""
     with _COMPILED_LOCK:
-        fn = _COMPILED.get((spec.key, "rows"))
-        if fn is None:
-            fn = torch.compile(
-                _own_code(_forward_fn(spec, rows=True), f"forward_{spec.head}_at_rows"), fullgraph=True
-            )
-            _COMPILED[(spec.key, "rows")] = fn
-        return fn
+        return _compiled_variant(spec, "rows")
 
 
 class FusedForward:
@@ -472,6 +474,11 @@ class FusedForward:
             self._tables = {key: t}  # one length at a time is the common case
         return t
 
+    def _inputs(self, n: int):
+        """(parameters, cos, sin, causal mask) for a forward over ``n`` positions."""
+        params = _params(self.model, self.spec)
+        return (params, *self._tables_for(n, params[0].dtype, params[0].device))
+
     def __call__(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """The output at positions ``start..s-1`` (``[b, s - start, ...]``). Every layer but the
         last runs at all positions (later positions attend to them); the last one computes its
@@ -480,9 +487,7 @@ class FusedForward:
         n = tokens.shape[1]
         if not 0 <= start < n:
             raise ValueError(f"start={start}: expected 0 <= start < {n} (the sequence length)")
-        params = _params(self.model, self.spec)
-        ref = params[0]
-        cos, sin, mask = self._tables_for(n, ref.dtype, ref.device)
+        params, cos, sin, mask = self._inputs(n)
         fn = self._fns.get(start)
         if fn is None:
             fn = _compiled_fn(self.spec, start) if self.compiled else (start, _forward_fn(self.spec, start))
@@ -500,9 +505,7 @@ class FusedForward:
             raise ValueError(f"idx has shape {tuple(idx.shape)}: expected ({b},), one position per sequence")
         if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
             raise ValueError(f"idx must lie in [0, {n}) (the sequence length), got {idx.tolist()}")
-        params = _params(self.model, self.spec)
-        ref = params[0]
-        cos, sin, mask = self._tables_for(n, ref.dtype, ref.device)
+        params, cos, sin, mask = self._inputs(n)
         if self._rows_fn is None:
             self._rows_fn = (
                 _compiled_rows_fn(self.spec) if self.compiled else _forward_fn(self.spec, rows=True)

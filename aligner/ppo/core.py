@@ -66,6 +66,7 @@ __all__ = [
     "global_masked_var",
     "global_whiten",
     "kl_penalty",
+    "loss_start",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -159,6 +160,16 @@ def response_mask(lengths: Tensor, prompt_lengths: Tensor, seq_len: int) -> Tens
     start = (prompt_lengths.long() - 1).unsqueeze(1)
     end = (lengths.long() - 1).unsqueeze(1)
     return ((t.unsqueeze(0) >= start) & (t.unsqueeze(0) < end)).float()
+
+
+def loss_start(mask: Tensor) -> int:
+    """``mask [b, s-1]`` -> the first transition any row's mask covers (0 when none does).
+
+    Outputs before it feed no loss, KL or metric, so the forwards compute the last layer only
+    from there on (``gpt.policy_logits(..., start)``, ``gpt.token_values(..., start)``).
+    """
+    cols = mask.detach().any(0).nonzero()
+    return int(cols[0, 0]) if cols.numel() else 0
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

@@ -61,17 +61,7 @@ class Rollout:
     returns: torch.Tensor
     """[b, s-1] float32 value targets."""
     start: int = 0
-    """First position whose logits any loss term reads (:func:`loss_start`)."""
-
-
-def loss_start(mask: torch.Tensor) -> int:
-    """``mask [b, s-1]`` -> the first transition any row's mask covers (0 when none does).
-
-    Logits before it feed no loss, KL or metric, so the forwards compute the last layer only
-    from there on (``gpt.policy_logits(..., start)``); the log-probs before it are 0.
-    """
-    cols = mask.detach().any(0).nonzero()
-    return int(cols[0, 0]) if cols.numel() else 0
+    """First position whose logits any loss term reads (:func:`core.loss_start`)."""
 
 
 class PromptSampler:
@@ -324,7 +314,7 @@ class PPOTrainer:
         gen = self.engine.generate(encoded, sampling)
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
         mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
-        start = loss_start(mask)
+        start = core.loss_start(mask)
         timers["timers/generate"] = time.perf_counter() - t
 
         # 2. Values and scores from the server, overlapped with the log-prob forwards.
@@ -413,7 +403,7 @@ class PPOTrainer:
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
         mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
         future = self._critic_infer(tokens, lengths, prompt_lengths)
-        start = loss_start(mask)
+        start = core.loss_start(mask)
         logprobs, _ = self._logprobs(self.policy, tokens, start=start)
         if self.reference is not None:
             ref_logprobs, _ = self._logprobs(self.reference, tokens, start=start)

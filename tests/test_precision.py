@@ -259,8 +259,10 @@ def test_old_fp32_optimizer_state_loads(ps):
     old.step()
     tensors, meta = optimizer_to_safe(old)
     new = make_optimizer(model, lr=1e-2, precision="fp32")
+    assert meta["param_groups"][0]["foreach"] is None  # torch's default, saved with the state
     new.load_state_tensors(tensors, json.loads(json.dumps(meta)))
     assert torch.equal(new.state[model.weight]["exp_avg"], old.state[model.weight]["exp_avg"])
+    assert all(g["foreach"] is True for g in new.param_groups)  # this run's multi-tensor path kept
     bad = dict(tensors)
     with pytest.raises(Exception, match="parameter groups"):
         new.load_state_tensors(bad, {**meta, "param_groups": [{**meta["param_groups"][0], "params": [0]}]})

@@ -346,8 +346,8 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             raise CheckpointError("cannot load optimizer state: " + "; ".join(problems))
         adam = meta.get("adam", meta)
         optimizer_from_safe(self, {k: v for k, v in tensors.items() if not k.startswith("master.")}, adam)
-        for group in self.param_groups:  # how to compute, not what: state saved by any version
-            group["foreach"] = True
+        for group in self.param_groups:  # how to compute, not what: this optimizer's own choice
+            group["foreach"] = self.defaults["foreach"]
         for i, (p, m) in enumerate(zip(self.model_params, self.master_params)):
             t = tensors.get(f"master.{i}")
             if t is not None:

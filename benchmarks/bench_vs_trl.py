@@ -83,7 +83,9 @@ sequence length in the first few, until their shapes go dynamic) and then ``--up
 measured ones; seconds per update is the median wall time between the ends of consecutive
 measured updates
 (TRL: its ``on_step_end`` callback; ours: the metrics log's timestamps). On a shared machine
-numbers move with other load: ``--repeats`` reruns every system and keeps the best median.
+numbers move with other load: ``--repeats N`` runs N rounds, each system once per round (so
+that a slow spell falls on both systems' runs of a round), keeps each system's best median,
+and also reports TRL's time over ours within each round and the median of those ratios.
 """
 
 from __future__ import annotations
@@ -631,6 +633,11 @@ def _child(role: str, case: str, inputs: Path, out: Path, args, attn: str) -> di
     return json.loads(out.read_text())
 
 
+def round_ratios(rounds: list[dict[str, float]]) -> list[float]:
+    """TRL's seconds per update over ours, for each round in which both systems ran."""
+    return [x["trl"] / x["ours"] for x in rounds if x.get("ours") and x.get("trl")]
+
+
 def report(results: dict, peaks: dict[str, float], precision: str) -> str:
     peak = peaks[precision]
     lines = [
@@ -659,6 +666,13 @@ def report(results: dict, peaks: dict[str, float], precision: str) -> str:
                 f"{case:<5}{'TRL/ours':<9}{t['s_per_update'] / o['s_per_update']:>8.2f}x"
                 f"{o['gen_tokens_per_s'] / t['gen_tokens_per_s']:>10.2f}x  (seconds per update; tokens/s ours/TRL)"
             )
+        paired = round_ratios(r.get("rounds", []))
+        if len(paired) > 1:
+            lines.append(
+                f"{case:<5}{'rounds':<9}"
+                + ", ".join(f"{x:.2f}x" for x in paired)
+                + f"  (TRL/ours within each round; median {statistics.median(paired):.2f}x)"
+            )
     return "\n".join(lines)
 
 
@@ -677,7 +691,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="ours,trl", help="comma list: ours, trl")
     ap.add_argument("--warmup", type=int, default=4, help="updates run before the measured ones")
     ap.add_argument("--updates", type=int, default=3, help="measured updates")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each system per case (best median kept)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds per case, each running every system once (best median kept)",
+    )
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     ap.add_argument("--threads", type=int, default=None, help="TRL's torch threads (default: all cores)")
     ap.add_argument("--server-threads", type=int, default=1, help="our critic server's threads")
@@ -740,16 +759,27 @@ def main(argv: list[str] | None = None) -> int:
         inputs = build_inputs(case, folder)
         (folder / "inputs.json").write_text(json.dumps(inputs))
         results[name] = {}
-        for system in systems:
-            best = None
-            attns = [a for a in args.trl_attn.split(",") if a] if system == "trl" else ["-"]
-            for rep in range(args.repeats):
+        rounds: list[dict[str, float]] = []
+        # Round by round (each system once per round), so that a slow spell of the machine
+        # falls on both systems' runs of a round rather than on all of one system's.
+        for rep in range(args.repeats):
+            this_round: dict[str, float] = {}
+            for system in systems:
+                attns = [a for a in args.trl_attn.split(",") if a] if system == "trl" else ["-"]
                 for attn in attns:
                     out = folder / f"{system}-{attn}-{rep}.json"
                     got = _child(system, name, folder / "inputs.json", out, args, attn)
-                    if got is not None and (best is None or got["s_per_update"] < best["s_per_update"]):
-                        best = got
-            results[name][system] = best
+                    if got is None:
+                        continue
+                    s = got["s_per_update"]
+                    this_round[system] = min(this_round.get(system, s), s)
+                    best = results[name].get(system)
+                    if best is None or s < best["s_per_update"]:
+                        results[name][system] = got
+            rounds.append(this_round)
+        for system in systems:
+            results[name].setdefault(system, None)
+        results[name]["rounds"] = rounds
     flops = {name: update_flops(CASES[name]) for name in cases}
     full = {
         "precision": args.precision,

@@ -221,3 +221,47 @@ def test_hf_sequence_classification_reward_model(pstate, tmp_path):
     with torch.no_grad():
         want = hf(torch.from_numpy(tokens)).logits[:, 0].numpy()
     np.testing.assert_allclose(out.rewards, want, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_with_dropout_is_exact(pstate, tmp_path):
+    """With dropout every random state the critic's training draws from comes back with a
+    checkpoint: torch's generator (hidden dropout) and Megatron's model-parallel tracker
+    (attention dropout), as well as Python's and NumPy's."""
+    import random
+
+    from megatron.core import tensor_parallel
+
+    svc = _service(pstate, tmp_path, model={"hidden_dropout": 0.2, "attention_dropout": 0.2})
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    svc.train(tokens, lengths, returns, old_values, mask, 1)
+    svc.save(1)
+    r2 = svc.train(tokens, lengths, returns, old_values, mask, 2)
+    r3 = svc.train(tokens, lengths, returns, old_values, mask, 3)
+    v3 = svc.infer(tokens, lengths, pl).values
+    after = (random.random(), float(np.random.rand()))
+    # Every generator somewhere else before the load, as in a restarted server.
+    torch.manual_seed(99)
+    tensor_parallel.model_parallel_cuda_manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    svc.load(1)
+    assert svc.train(tokens, lengths, returns, old_values, mask, 2) == r2
+    assert svc.train(tokens, lengths, returns, old_values, mask, 3) == r3
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v3)
+    assert (random.random(), float(np.random.rand())) == after
+
+
+def test_checkpoint_with_only_torch_rng_still_loads(pstate, tmp_path):
+    """Checkpoints written before every RNG was saved hold torch's CPU state alone."""
+    from aligner.checkpoint import load_tensors, save_tensors
+
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, *_ = _batch(svc)
+    path = svc.save(0)
+    rng = load_tensors(path / "rng_tp00.safetensors")
+    assert {"torch_cpu", "python", "numpy_keys"} <= set(rng)
+    save_tensors(path / "rng_tp00.safetensors", {"torch_cpu": rng["torch_cpu"]})
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    svc.load(0)
+    assert torch.equal(torch.rand(3), expected)

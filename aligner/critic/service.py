@@ -41,6 +41,8 @@ from aligner.checkpoint import (
     load_tensors,
     prune_checkpoints,
     read_json,
+    restore_rng_state,
+    rng_state_tensors,
     save_tensors,
     step_dir_name,
     write_json,
@@ -646,7 +648,8 @@ class CriticService:
             # The fp32 master weights under bf16: the checkpoint holds the truth, not its rounding.
             "model": master_state_dict(self.critic, self.optimizer),
             "optim": optim_tensors,
-            "rng": {"torch_cpu": torch.get_rng_state()},
+            # Every generator training can draw from (dropout: torch's and Megatron's tracker).
+            "rng": rng_state_tensors(),
         }
 
     def _meta(self, step: int) -> dict[str, Any]:
@@ -771,7 +774,10 @@ class CriticService:
         self.optimizer.load_state_tensors(mine["optim"], meta["optimizer"])
         # The model file holds fp32 weights (the masters) whatever the precision it was saved in.
         load_master_state_dict(self.critic, self.optimizer, mine["model"], what="critic checkpoint")
-        torch.set_rng_state(mine["rng"]["torch_cpu"])
+        if "python" in mine["rng"]:
+            restore_rng_state(mine["rng"])
+        else:  # written before every RNG was saved: torch's CPU generator only
+            torch.set_rng_state(mine["rng"]["torch_cpu"])
         self.critic_step = int(meta["critic_step"])
         self._results = OrderedDict(
             (int(k), P.TrainResult(**v))

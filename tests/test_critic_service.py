@@ -239,6 +239,21 @@ def test_resume_with_dropout_is_exact(pstate, tmp_path):
     r3 = svc.train(tokens, lengths, returns, old_values, mask, 3)
     v3 = svc.infer(tokens, lengths, pl).values
     after = (random.random(), float(np.random.rand()))
+
+    def step_2_after_load(reseed) -> P.TrainResult:
+        svc.load(1)
+        reseed()
+        return svc.train(tokens, lengths, returns, old_values, mask, 2)
+
+    def reseed_tracker_only():
+        cpu = torch.get_rng_state()
+        tensor_parallel.model_parallel_cuda_manual_seed(99)
+        torch.set_rng_state(cpu)
+
+    # Both generators feed the training step: hidden dropout draws from torch's generator,
+    # attention dropout from the tracker.
+    assert step_2_after_load(lambda: torch.manual_seed(99)) != r2
+    assert step_2_after_load(reseed_tracker_only) != r2
     # Every generator somewhere else before the load, as in a restarted server.
     torch.manual_seed(99)
     tensor_parallel.model_parallel_cuda_manual_seed(99)
@@ -265,3 +280,34 @@ def test_checkpoint_with_only_torch_rng_still_loads(pstate, tmp_path):
     torch.manual_seed(7)
     svc.load(0)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_rng_states_are_checked_before_a_load_applies_anything(pstate, tmp_path, caplog):
+    """A malformed RNG shard fails the load with nothing applied; device states that do not fit
+    this process (saved on another kind of device) are left out with a warning."""
+    from aligner.checkpoint import load_tensors, save_tensors
+
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    path = svc.save(0)
+    at_save = svc.critic_step
+    file = path / "rng_tp00.safetensors"
+    rng = load_tensors(file)
+    svc.train(tokens, lengths, returns, old_values, mask, 1)
+    v1 = svc.infer(tokens, lengths, pl).values
+    save_tensors(file, {k: v for k, v in rng.items() if k != "numpy_pos"})
+    with pytest.raises(CriticServiceError, match=r"rank 0: RNG states \['numpy_pos'\] are missing"):
+        svc.load(0)
+    assert svc.critic_step == 1
+    np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v1)
+    # A CUDA-sized tracker state on this CPU server: the portable states come back, with a warning.
+    tracker = {k: torch.zeros(16, dtype=torch.uint8) for k in rng if k.startswith("tracker.")}
+    assert tracker
+    save_tensors(file, {**{k: v for k, v in rng.items() if not k.startswith("tracker.")}, **tracker})
+    saved = torch.Generator()
+    saved.set_state(rng["torch_cpu"])
+    expected = torch.rand(3, generator=saved)
+    with caplog.at_level("WARNING", logger="aligner.critic"):
+        svc.load(0)
+    assert svc.critic_step == at_save and torch.equal(torch.rand(3), expected)
+    assert "tracker.model-parallel-rng [16] here [5056]" in caplog.text

@@ -83,8 +83,9 @@ sequence length in the first few, until their shapes go dynamic) and then ``--up
 measured ones; seconds per update is the median wall time between the ends of consecutive
 measured updates
 (TRL: its ``on_step_end`` callback; ours: the metrics log's timestamps). On a shared machine
-numbers move with other load: ``--repeats N`` runs N rounds, each system once per round (so
-that a slow spell falls on both systems' runs of a round), keeps each system's best median,
+numbers move with other load: ``--repeats N`` runs N rounds, each system once per round in
+alternating order (so that a slow spell falls on both systems' runs of a round), keeps each
+system's best median,
 and also reports TRL's time over ours within each round and the median of those ratios.
 """
 
@@ -761,10 +762,11 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {}
         rounds: list[dict[str, float]] = []
         # Round by round (each system once per round), so that a slow spell of the machine
-        # falls on both systems' runs of a round rather than on all of one system's.
+        # falls on both systems' runs of a round rather than on all of one system's; the order
+        # alternates, so that going first or second is no system's advantage.
         for rep in range(args.repeats):
             this_round: dict[str, float] = {}
-            for system in systems:
+            for system in systems if rep % 2 == 0 else systems[::-1]:
                 attns = [a for a in args.trl_attn.split(",") if a] if system == "trl" else ["-"]
                 for attn in attns:
                     out = folder / f"{system}-{attn}-{rep}.json"

@@ -142,7 +142,10 @@ def rng_to_restore(
     if device == own_device and all(fits(k) for k in device):
         out.update((k, saved[k]) for k in device)
         return out, None
-    shape = lambda d, k: list(d[k].shape) if k in d else "absent"  # noqa: E731
+
+    def shape(d: dict[str, torch.Tensor], k: str) -> object:
+        return list(d[k].shape) if k in d else "absent"
+
     misfits = [
         f"{k} {shape(saved, k)} here {shape(own, k)}"
         for k in sorted(set(device) | set(own_device))

@@ -85,8 +85,8 @@ measured updates
 (TRL: its ``on_step_end`` callback; ours: the metrics log's timestamps). On a shared machine
 numbers move with other load: ``--repeats N`` runs N rounds, each system once per round in
 alternating order (so that a slow spell falls on both systems' runs of a round), keeps each
-system's best median,
-and also reports TRL's time over ours within each round and the median of those ratios.
+system's best median, and also reports TRL's time over ours within each round and the median
+of those ratios.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from aligner.checkpoint import (
     read_json,
     restore_rng_state,
     rng_state_tensors,
+    rng_to_restore,
     save_tensors,
     step_dir_name,
     write_json,
@@ -107,54 +108,6 @@ class ServiceClosedError(CriticServiceError):
 def _hash_keys(tensors: dict[str, torch.Tensor]) -> int:
     blob = ";".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(tensors.items()))
     return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:7], "big")
-
-
-_PORTABLE_RNG = ("torch_cpu", "python", "python_gauss", "numpy_keys", "numpy_pos", "numpy_gauss")
-
-
-def rng_to_restore(
-    saved: dict[str, torch.Tensor], own: dict[str, torch.Tensor], where: str
-) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The part of a checkpoint's RNG states (``saved``) that this process can restore, checked
-    against its own (``own``, from :func:`aligner.checkpoint.rng_state_tensors`), and a note on
-    what is left out (None when nothing is).
-
-    torch's CPU state alone is the layout written before every RNG was saved. The device states
-    (CUDA's generator, Megatron's tracker) are restored only when their names and shapes are
-    this process's: a checkpoint from a GPU server loaded on a CPU one restores the portable
-    states (torch's CPU generator, Python's, NumPy's) and says so. Raises
-    :class:`CheckpointError` for a shard that is neither, before anything is applied.
-    """
-
-    def fits(k: str) -> bool:
-        return k in saved and k in own and saved[k].shape == own[k].shape and saved[k].dtype == own[k].dtype
-
-    if set(saved) == {"torch_cpu"} and fits("torch_cpu"):
-        return dict(saved), None
-    bad = [k for k in _PORTABLE_RNG if not fits(k)]
-    if bad:
-        raise CheckpointError(
-            f"{where}: RNG states {bad} are missing or not of this process's shape "
-            f"(the shard holds {sorted(saved)})"
-        )
-    out = {k: saved[k] for k in _PORTABLE_RNG}
-    device, own_device = sorted(set(saved) - set(out)), sorted(set(own) - set(out))
-    if device == own_device and all(fits(k) for k in device):
-        out.update((k, saved[k]) for k in device)
-        return out, None
-
-    def shape(d: dict[str, torch.Tensor], k: str) -> object:
-        return list(d[k].shape) if k in d else "absent"
-
-    misfits = [
-        f"{k} {shape(saved, k)} here {shape(own, k)}"
-        for k in sorted(set(device) | set(own_device))
-        if not fits(k)
-    ]
-    return out, (
-        f"{where}: device RNG states do not fit this process ({'; '.join(misfits)}; saved on "
-        "another kind of device?): restored torch's CPU, Python's and NumPy's generators only"
-    )
 
 
 class CriticService:

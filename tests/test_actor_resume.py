@@ -215,6 +215,35 @@ def test_resume_refuses_a_changed_model_and_allows_a_changed_lr(server, continuo
     assert rows[-1]["step"] == STEPS + 1
 
 
+def test_resume_checks_random_states_and_leaves_out_a_gpus(server, continuous, tmp_path):
+    """Random states are checked before a resume applies anything. A shard missing one fails
+    the resume, naming it. A checkpoint whose device states do not fit this process (a GPU
+    run's: CUDA's generator, and a tracker state of CUDA's size) resumes on a CPU with a
+    warning naming them, restoring the portable states."""
+    import shutil
+
+    from aligner.checkpoint import load_tensors, save_tensors
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
+    rng_file = run_dir / "checkpoints" / f"step_{STEPS:08d}" / "actor" / "rng_rank0000.safetensors"
+    saved = load_tensors(rng_file)
+    tracker = [k for k in saved if k.startswith("tracker.")]
+    assert tracker and "torch_cuda" not in saved
+    save_tensors(rng_file, {k: v for k, v in saved.items() if k != "numpy_pos"})
+    out = _run(server, run_dir, f"ppo.num_steps={STEPS + 1}", ok=False)
+    assert out.returncode != 0
+    assert "cannot resume" in out.stderr and "RNG states ['numpy_pos']" in out.stderr, out.stderr[-2000:]
+    cuda_sized = torch.zeros(16, dtype=torch.uint8)  # torch.cuda.get_rng_state()'s size
+    save_tensors(rng_file, {**saved, "torch_cuda": cuda_sized, **{k: cuda_sized for k in tracker}})
+    out = _run(server, run_dir, f"ppo.num_steps={STEPS + 1}")
+    assert f"resuming from step {STEPS}" in out.stdout
+    assert "device RNG states do not fit this process" in out.stderr, out.stderr[-2000:]
+    assert "torch_cuda [16] here absent" in out.stderr
+    assert f"{tracker[0]} [16] here [{saved[tracker[0]].numel()}]" in out.stderr
+    assert read_metrics(str(run_dir / "metrics.jsonl"))[-1]["step"] == STEPS + 1
+
+
 def test_fresh_start_refuses_a_root_with_checkpoints(server, continuous, tmp_path):
     import shutil
 

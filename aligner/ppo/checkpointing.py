@@ -47,6 +47,7 @@ from aligner.checkpoint import (
     read_json,
     restore_rng_state,
     rng_state_tensors,
+    rng_to_restore,
     save_tensors,
     step_dir_name,
     write_json,
@@ -379,7 +380,9 @@ class ActorCheckpointer:
 
     def load(self, trainer: Any, step_dir: Path) -> int:
         """Restore the actor from ``step_dir`` and the server's critic from the same step.
-        Everything is checked before anything changes. Returns the step."""
+        Everything is checked before anything changes. Random states come back when the
+        process layout is the checkpoint's; device states that do not fit this process (a
+        GPU's generators on a CPU) are left out with a warning. Returns the step."""
         st = self.state
         d = Path(step_dir) / ROLE
         saved = read_json(d / "trainer_state.json")
@@ -403,6 +406,13 @@ class ActorCheckpointer:
         rng_file = d / f"rng_rank{st.rank:04d}.safetensors"
         same_layout = saved["world_size"] == st.world_size and saved["data_parallel_size"] == st.dp_size
         rng = load_tensors(rng_file) if same_layout else None
+        if rng is not None:  # checked before anything is applied
+            try:
+                rng, rng_note = rng_to_restore(rng, rng_state_tensors(), str(rng_file))
+            except CheckpointError as e:
+                raise CheckpointError(f"cannot resume from {d}: {e}") from e
+            if rng_note:  # device states saved on another kind of device: left out
+                log.warning("%s", rng_note)
 
         from aligner.models.checkpoint_io import load_model_checkpoint
 

@@ -414,12 +414,13 @@ class ActorCheckpointer:
             if rng_note:  # device states saved on another kind of device: left out
                 log.warning("%s", rng_note)
 
-        from aligner.models.checkpoint_io import load_model_checkpoint
-
-        load_model_checkpoint(trainer.policy, d / "policy")
         problems = trainer.optimizer.state_problems(optim_t, optim_meta)
         if problems:
             raise CheckpointError(f"cannot resume from {d}: optimizer state: " + "; ".join(problems))
+
+        from aligner.models.checkpoint_io import load_model_checkpoint
+
+        load_model_checkpoint(trainer.policy, d / "policy")
         trainer.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
         self._apply_current_hyperparameters(trainer.optimizer)
         trainer.load_training_state(saved["trainer"])

@@ -86,7 +86,7 @@ measured updates
 numbers move with other load: ``--repeats N`` runs N rounds, each system once per round in
 alternating order (so that a slow spell falls on both systems' runs of a round), keeps each
 system's best median, and also reports TRL's time over ours within each round and the median
-of those ratios.
+of those ratios, and our actor's idle share in each round.
 """
 
 from __future__ import annotations
@@ -674,6 +674,13 @@ def report(results: dict, peaks: dict[str, float], precision: str) -> str:
                 + ", ".join(f"{x:.2f}x" for x in paired)
                 + f"  (TRL/ours within each round; median {statistics.median(paired):.2f}x)"
             )
+        idle = [x["ours_idle"] for x in r.get("rounds", []) if "ours_idle" in x]
+        if len(idle) > 1:
+            lines.append(
+                f"{case:<5}{'idle':<9}"
+                + ", ".join(f"{100 * x:.1f}%" for x in idle)
+                + "  (our actor's share of the step waiting on the server, each round)"
+            )
     return "\n".join(lines)
 
 
@@ -775,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     s = got["s_per_update"]
                     this_round[system] = min(this_round.get(system, s), s)
+                    if system == "ours":
+                        this_round["ours_idle"] = got["idle_share"]
                     best = results[name].get(system)
                     if best is None or s < best["s_per_update"]:
                         results[name][system] = got

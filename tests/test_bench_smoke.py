@@ -68,15 +68,22 @@ def _result(s_per_update: float) -> dict:
 
 def test_rounds_pair_each_systems_runs_of_one_round():
     # Round 2's TRL run failed: that round gives no ratio. Best medians: ours 1.0, TRL 2.0.
-    rounds = [{"ours": 1.0, "trl": 2.5}, {"ours": 1.5}, {"ours": 1.2, "trl": 3.0}, {"ours": 1.0, "trl": 2.0}]
+    rounds = [
+        {"ours": 1.0, "ours_idle": 0.021, "trl": 2.5},
+        {"ours": 1.5, "ours_idle": 0.048},
+        {"ours": 1.2, "ours_idle": 0.057, "trl": 3.0},
+        {"ours": 1.0, "ours_idle": 0.004, "trl": 2.0},
+    ]
     assert bench.round_ratios(rounds) == [2.5, 2.5, 2.0]
     results = {"B1": {"ours": _result(1.0), "trl": _result(2.0), "rounds": rounds}}
     text = bench.report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
     assert "B1   TRL/ours     2.00x" in text
     assert "B1   rounds   2.50x, 2.50x, 2.00x  (TRL/ours within each round; median 2.50x)" in text
+    assert "B1   idle     2.1%, 4.8%, 5.7%, 0.4%  (our actor's share of the step waiting" in text
     # One round: the best-of line is all there is.
     results["B1"]["rounds"] = rounds[:1]
-    assert "rounds" not in bench.report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
+    text = bench.report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
+    assert "rounds" not in text and "B1   idle" not in text
 
 
 def _run(tmp_path, systems: str) -> dict:

@@ -215,7 +215,7 @@ def test_resume_refuses_a_changed_model_and_allows_a_changed_lr(server, continuo
     assert rows[-1]["step"] == STEPS + 1
 
 
-def test_resume_checks_random_states_and_leaves_out_a_gpus(server, continuous, tmp_path):
+def test_resume_checks_random_states_and_leaves_out_device_ones(server, continuous, tmp_path):
     """Random states are checked before a resume applies anything. A shard missing one fails
     the resume, naming it. A checkpoint whose device states do not fit this process (a GPU
     run's: CUDA's generator, and a tracker state of CUDA's size) resumes on a CPU with a

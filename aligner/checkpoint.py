@@ -129,7 +129,9 @@ def rng_state_tensors() -> dict[str, torch.Tensor]:
 
 
 def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of :func:`rng_state_tensors`."""
+    """Inverse of :func:`rng_state_tensors`, for the states :func:`rng_to_restore` selected:
+    torch's CPU generator alone (the layout written before every RNG was saved), or it with
+    Python's and NumPy's, and the device states that fit."""
     import math
     import random
 
@@ -138,19 +140,20 @@ def restore_rng_state(tensors: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
-    py = tensors["python"].tolist()
-    gauss = float(tensors["python_gauss"][0])
-    random.setstate((int(py[0]), tuple(int(w) for w in py[1:]), None if math.isnan(gauss) else gauss))
-    pos, has_gauss = (int(x) for x in tensors["numpy_pos"].tolist())
-    np.random.set_state(
-        (
-            "MT19937",
-            tensors["numpy_keys"].numpy().astype(np.uint32),
-            pos,
-            has_gauss,
-            float(tensors["numpy_gauss"][0]),
+    if "python" in tensors:
+        py = tensors["python"].tolist()
+        gauss = float(tensors["python_gauss"][0])
+        random.setstate((int(py[0]), tuple(int(w) for w in py[1:]), None if math.isnan(gauss) else gauss))
+        pos, has_gauss = (int(x) for x in tensors["numpy_pos"].tolist())
+        np.random.set_state(
+            (
+                "MT19937",
+                tensors["numpy_keys"].numpy().astype(np.uint32),
+                pos,
+                has_gauss,
+                float(tensors["numpy_gauss"][0]),
+            )
         )
-    )
     tracker_states = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("tracker.")}
     if tracker_states:
         from megatron.core import tensor_parallel

@@ -778,10 +778,7 @@ class CriticService:
         self.optimizer.load_state_tensors(mine["optim"], meta["optimizer"])
         # The model file holds fp32 weights (the masters) whatever the precision it was saved in.
         load_master_state_dict(self.critic, self.optimizer, mine["model"], what="critic checkpoint")
-        if "python" in mine["rng"]:
-            restore_rng_state(mine["rng"])
-        else:  # written before every RNG was saved: torch's CPU generator only
-            torch.set_rng_state(mine["rng"]["torch_cpu"])
+        restore_rng_state(mine["rng"])  # what _read_checkpoint's rng_to_restore kept
         self.critic_step = int(meta["critic_step"])
         self._results = OrderedDict(
             (int(k), P.TrainResult(**v))

@@ -48,7 +48,7 @@ clean:
 # $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
 CHECK_PYTHONS ?= python3.10 python3.12
 CHECK_VENVS ?= /tmp/aligner-check-pythons
-CHECK_TESTS ?= tests/test_models.py tests/test_hf_convert.py tests/test_ppo_core.py \
+CHECK_TESTS ?= tests/test_models.py tests/test_hf_convert.py tests/test_rl.py \
 	tests/test_checkpoint.py tests/test_tokenizers_tasks.py tests/test_cpu_compat.py \
 	tests/test_precision.py tests/test_critic_service.py tests/test_generation.py
 

@@ -8,10 +8,12 @@ clusters.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +21,20 @@ import torch.distributed as dist
 
 from aligner import cpu_compat
 
-__all__ = ["ParallelConfig", "ParallelState", "initialize", "destroy", "seed_everything", "free_port"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelState",
+    "barrier",
+    "broadcast_json",
+    "comm_device",
+    "destroy",
+    "free_port",
+    "initialize",
+    "is_writer",
+    "recv_json",
+    "seed_everything",
+    "send_json",
+]
 
 
 @dataclass
@@ -172,3 +187,61 @@ def destroy() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Small collectives every role uses: all of them are no-ops in a world of one
+# ----------------------------------------------------------------------------------------------
+
+
+def is_writer() -> bool:
+    """Whether this process writes run-level files: global rank 0, or a process with no group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier(group: object | None = None) -> None:
+    """``dist.barrier`` when there is more than one rank, else nothing."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def comm_device() -> torch.device:
+    """Where collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _json_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def broadcast_json(obj: Any, src: int = 0, group: object | None = None) -> Any:
+    """Rank ``src``'s JSON-able ``obj`` on every rank of ``group`` (as bytes in a tensor: nothing
+    is pickled). ``src`` is a global rank; other ranks' ``obj`` is ignored."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return obj
+    dev = comm_device()
+    blob = _json_tensor(obj) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8)
+    n = torch.tensor([blob.numel()], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src, group=group)
+    buf = blob.to(dev) if dist.get_rank() == src else torch.empty(int(n), dtype=torch.uint8, device=dev)
+    dist.broadcast(buf, src, group=group)
+    return json.loads(bytes(buf.cpu().numpy()))
+
+
+def send_json(obj: Any, dst: int, group: object | None = None) -> None:
+    """Send a JSON-able ``obj`` to global rank ``dst`` (its length, then its bytes)."""
+    blob = _json_tensor(obj).to(comm_device())
+    dist.send(torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device), dst, group=group)
+    dist.send(blob, dst, group=group)
+
+
+def recv_json(src: int, group: object | None = None) -> Any:
+    """Receive what :func:`send_json` on global rank ``src`` sent."""
+    dev = comm_device()
+    n = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.recv(n, src, group=group)
+    buf = torch.empty(int(n), dtype=torch.uint8, device=dev)
+    dist.recv(buf, src, group=group)
+    return json.loads(bytes(buf.cpu().numpy()))

@@ -253,7 +253,7 @@ def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
     """The same budget as the copy run with the advantage sign flipped stays near chance."""
-    from aligner.ppo import core
+    from aligner import rl as core
 
     real = core.policy_loss
 

@@ -330,8 +330,8 @@ def test_trainer_log_probs_from_the_first_masked_position():
     forward's there and after, 0 before."""
     from types import SimpleNamespace
 
-    from aligner.ppo.core import loss_start, response_mask
     from aligner.ppo.trainer import PPOTrainer
+    from aligner.rl import loss_start, response_mask
 
     mask = response_mask(torch.tensor([6, 8]), torch.tensor([3, 5]), 8)
     assert mask[0].nonzero().flatten().tolist() == [2, 3, 4]

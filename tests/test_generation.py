@@ -164,7 +164,7 @@ def _most_generated(out) -> int:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logprobs_equal_training_forward_and_eos_ends(model, ps, backend):
-    from aligner.ppo.core import gather_logprobs
+    from aligner.rl import gather_logprobs
 
     temperature = 0.7
     probe = _engine(model, ps, backend).generate(PROMPTS * 2, SamplingParams(max_new_tokens=20, seed=3))

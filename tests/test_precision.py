@@ -31,7 +31,6 @@ from aligner.models.gpt import (
     tensor_state_dict,
     token_values,
 )
-from aligner.ppo.core import gather_logprobs
 from aligner.precision import (
     load_master_state_dict,
     make_optimizer,
@@ -39,6 +38,7 @@ from aligner.precision import (
     precision_dtype,
     resolve_precision,
 )
+from aligner.rl import gather_logprobs
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=32)

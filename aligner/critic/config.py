@@ -91,7 +91,7 @@ class OptimConfig:
     value_clip_eps: float | None = 0.2
     """Clip range of the clipped value loss around the rollout values; null for the plain loss."""
     loss_agg: str = "token_mean"
-    """'token_mean' or 'seq_mean_token_mean' (see aligner.ppo.core.aggregate)."""
+    """'token_mean' or 'seq_mean_token_mean' (see aligner.rl.aggregate)."""
     epochs: int = 1
     """Passes over each critic_train batch."""
     num_minibatches: int = 1

@@ -62,7 +62,6 @@ from aligner.models.gpt import (
     tensor_state_dict,
     token_values,
 )
-from aligner.ppo.core import explained_variance, loss_start, value_loss
 from aligner.precision import (
     load_master_state_dict,
     make_optimizer,
@@ -70,6 +69,7 @@ from aligner.precision import (
     precision_dtype,
     resolve_precision,
 )
+from aligner.rl import explained_variance, loss_start, value_loss
 
 __all__ = [
     "CriticService",

@@ -15,7 +15,7 @@ Log-probabilities are those of the *tempered full distribution*:
 ``log_softmax(logits / temperature)`` at the emitted token, with no top-k/top-p
 renormalisation (and for greedy decoding, the same tempered distribution at the argmax).
 This is exactly what the training forward computes with the same temperature
-(``aligner.ppo.core.gather_logprobs``), so the first PPO ratio of a fresh rollout is 1. When
+(``aligner.rl.gather_logprobs``), so the first PPO ratio of a fresh rollout is 1. When
 top-k/top-p truncation is on, the tokens are drawn from the truncated distribution, so these
 log-probabilities are not the behaviour policy's exact ones; that is the usual convention
 (vLLM, NeMo-RL, OpenRLHF) and it is what the trainer can recompute.

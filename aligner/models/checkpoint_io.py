@@ -22,16 +22,15 @@ from typing import Any
 
 import torch
 
+from aligner.distributed import barrier, is_writer
 from aligner.models.config import ConfigError, ModelConfig
 from aligner.models.hf import (
     ROLES,
     ConversionError,
     _as_dtype,
-    _barrier,
     _check_out_dir,
     _config_of,
     _head_of,
-    _is_writer,
     _load_json,
     atomic_output_dir,
     build_model,
@@ -95,7 +94,7 @@ def save_model_checkpoint(
         meta["hf_config"] = hf_config
     entries = [(s.name, s.shape, wire) for s in megatron_tensor_specs(cfg, head)]
     stream = iter_megatron_tensors(m, cfg, dtype=wire)
-    if _is_writer():
+    if is_writer():
         with atomic_output_dir(out_dir, overwrite) as tmp:
             write_tensor_stream(
                 stream, tmp / "model.safetensors", entries, {"format": "pt", "producer": FORMAT}
@@ -105,7 +104,7 @@ def save_model_checkpoint(
                 fh.write("\n")
     else:
         write_tensor_stream(stream, None, entries)
-    _barrier()
+    barrier()
     return out_dir
 
 

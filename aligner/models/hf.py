@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.checkpoint import atomic_directory
+from aligner.distributed import barrier, is_writer
 from aligner.models.config import ConfigError, ModelConfig
 
 __all__ = [
@@ -1056,15 +1057,6 @@ class StreamingSafetensorsWriter:
             self._fh.close()
 
 
-def _is_writer() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError(f"output {out_dir} exists and is not a folder")
@@ -1177,7 +1169,7 @@ def export_hf(
         raise ConversionError(f"tokenizer folder {tokenizer_dir} does not exist")
     entries = [(n, s, wire) for n, s in hf_tensor_specs(cfg, full_arch, head)]
     stream = iter_hf_tensors(m, cfg, full_arch, dtype=wire)
-    if _is_writer():
+    if is_writer():
         with atomic_output_dir(out_dir, overwrite) as tmp:
             write_tensor_stream(stream, tmp / "model.safetensors", entries, {"format": "pt"})
             hf_conf.save_pretrained(tmp)
@@ -1185,7 +1177,7 @@ def export_hf(
                 _copy_tokenizer(tokenizer_dir, tmp)
     else:
         write_tensor_stream(stream, None, entries)
-    _barrier()
+    barrier()
     return out_dir
 
 

@@ -1,7 +1,6 @@
-"""PPO for language models.
+"""The actor's PPO loop: configuration, the trainer recipe and its checkpoints.
 
-``aligner.ppo.core`` holds the numerics (log-probs, KL estimators, reward shaping, GAE,
-losses, KL controllers) as pure tensor functions. It is deliberately not imported here so
-that importing the package stays cheap and free of import cycles with the trainer modules
-that also live in this package.
+The maths it runs (log-probs, KL estimators, reward shaping, GAE, losses, KL controllers) is
+:mod:`aligner.rl`, shared with the critic server. Nothing is imported here so that importing
+the package stays cheap.
 """

@@ -52,9 +52,8 @@ from aligner.checkpoint import (
     step_dir_name,
     write_json,
 )
-from aligner.distributed import ParallelState
+from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
 from aligner.models.config import ModelConfig
-from aligner.models.hf import _barrier
 
 __all__ = [
     "ROLE",
@@ -87,30 +86,6 @@ def _fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _comm_device() -> torch.device:
-    """Where collectives take their tensors: CUDA under NCCL, the CPU under gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_json(obj: Any) -> Any:
-    """Rank 0's JSON-able ``obj`` on every rank (as bytes in a tensor: nothing is pickled)."""
-    import json
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    blob = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
-    dev = _comm_device()
-    n = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
-    dist.broadcast(n, 0)
-    buf = torch.zeros(int(n), dtype=torch.uint8, device=dev)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return json.loads(bytes(buf.cpu().numpy()))
-
-
 def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
     """A digest of a model's weights (summed over its TP shards), to recognise the same frozen
     reference model on resume without storing it."""
@@ -121,7 +96,7 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
         t = t.detach().to("cpu", torch.float64)
         stats = torch.stack([t.sum(), (t * t).sum(), t.abs().max() if t.numel() else t.new_zeros(())])
         if state.tp_size > 1:
-            stats = stats.to(_comm_device())
+            stats = stats.to(comm_device())
             dist.all_reduce(stats, group=state.tp_group)
             stats = stats.cpu()
         h.update(name.encode())
@@ -207,7 +182,7 @@ class ActorCheckpointer:
                 decision = [self._decide(), None]
             except Exception as e:  # every rank raises, not only rank 0
                 decision = [None, f"{type(e).__name__}: {e}"]
-        path, error = _broadcast_json(decision)
+        path, error = broadcast_json(decision)
         if error is not None:
             raise CheckpointError(error)
         return None if path is None else Path(path)
@@ -311,7 +286,7 @@ class ActorCheckpointer:
         if st.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         from aligner.models.checkpoint_io import save_model_checkpoint
 
         save_model_checkpoint(trainer.policy, self.cfg.model, tmp / "policy", role="policy")
@@ -321,12 +296,12 @@ class ActorCheckpointer:
             save_tensors(tmp / f"optim_tp{st.tp_rank:02d}.safetensors", tensors)
             write_json(tmp / f"optim_tp{st.tp_rank:02d}.json", meta)
         save_tensors(tmp / f"rng_rank{st.rank:04d}.safetensors", rng_state_tensors())
-        _barrier()
+        barrier()
         _fault("before_commit", step)
         if st.rank == 0:
             write_json(tmp / "trainer_state.json", self._state_json(trainer))
             commit_directory(tmp, final, {"step": step, "role": ROLE})
-        _barrier()
+        barrier()
         self.last_saved = step
         _fault("after_commit", step)
         if st.rank == 0:
@@ -441,10 +416,10 @@ class ActorCheckpointer:
                     "this run; they are removed at the next save"
                 )
             self._write_best()
-        _barrier()
+        barrier()
         if st.rank == 0:
             self.critic.load(step)
-        _barrier()
+        barrier()
         self.last_saved = step
         return step
 

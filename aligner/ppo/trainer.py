@@ -10,7 +10,7 @@ Each step reads as the algorithm (DESIGN.md, "one PPO step"):
 5. PPO epochs of clipped-surrogate updates over shuffled minibatches;
 6. refit the generation engine and log the step.
 
-All numbers come from :mod:`aligner.ppo.core`; this file only moves tensors between them.
+All numbers come from :mod:`aligner.rl`; this file only moves tensors between them.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aligner import precision as mp
+from aligner import rl
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, SamplingParams
 from aligner.models import gpt
-from aligner.ppo import core
 from aligner.ppo.config import ActorConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Rollout:
     returns: torch.Tensor
     """[b, s-1] float32 value targets."""
     start: int = 0
-    """First position whose logits any loss term reads (:func:`core.loss_start`)."""
+    """First position whose logits any loss term reads (:func:`aligner.rl.loss_start`)."""
 
 
 class PromptSampler:
@@ -210,11 +210,11 @@ class PPOTrainer:
                 "the first PPO forward's" if self.reuse_rollout_forward else "a separate no-grad forward",
             )
         self.kl_ctl = (
-            core.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
+            rl.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
             if p.adaptive_kl
-            else core.FixedKLController(p.init_kl_coef)
+            else rl.FixedKLController(p.init_kl_coef)
         )
-        self.score_moments = core.RunningMoments()
+        self.score_moments = rl.RunningMoments()
         self.step_count = 0
         self._pending_train: Future | None = None
         self._completed_train: dict[str, Any] | None = None  # its result, not yet reported
@@ -313,8 +313,8 @@ class PPOTrainer:
         sampling = SamplingParams(**{**self.sampling.__dict__, "seed": cfg.seed * 100_003 + step_id})
         gen = self.engine.generate(encoded, sampling)
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
-        mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
-        start = core.loss_start(mask)
+        mask = rl.response_mask(lengths, prompt_lengths, tokens.shape[1])
+        start = rl.loss_start(mask)
         timers["timers/generate"] = time.perf_counter() - t
 
         # 2. Values and scores from the server, overlapped with the log-prob forwards.
@@ -341,16 +341,16 @@ class PPOTrainer:
 
         # 3. KL-shaped rewards, GAE and whitened advantages.
         raw_scores = scores
-        scores = core.apply_missing_eos_penalty(scores, gen.ended, p.missing_eos_penalty)
-        scores = core.clip_scores(scores, p.score_clip)
+        scores = rl.apply_missing_eos_penalty(scores, gen.ended, p.missing_eos_penalty)
+        scores = rl.clip_scores(scores, p.score_clip)
         if p.normalize_scores:
             self.score_moments.update(scores, group=self._dp_group)
             scores = self.score_moments.normalize(scores)
-        kl = core.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
-        rewards, non_score = core.shaped_rewards(scores, kl, mask, beta)
-        advantages, returns = core.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
+        kl = rl.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
+        rewards, non_score = rl.shaped_rewards(scores, kl, mask, beta)
+        advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
         if p.whiten_advantages:
-            advantages = core.global_whiten(advantages, mask, shift_mean=True, group=self._dp_group)
+            advantages = rl.global_whiten(advantages, mask, shift_mean=True, group=self._dp_group)
 
         # 4. The critic's training batch for this step id; the server trains while we do.
         self._pending_train = self._critic_train(tokens, lengths, returns, values, mask, step_id)
@@ -401,9 +401,9 @@ class PPOTrainer:
         params = SamplingParams(**{**self.sampling.__dict__, "greedy": True, "seed": 0})
         gen = self.engine.generate(encoded, params)
         tokens, lengths, prompt_lengths = gen.tokens, gen.lengths, gen.prompt_lengths
-        mask = core.response_mask(lengths, prompt_lengths, tokens.shape[1])
+        mask = rl.response_mask(lengths, prompt_lengths, tokens.shape[1])
         future = self._critic_infer(tokens, lengths, prompt_lengths)
-        start = core.loss_start(mask)
+        start = rl.loss_start(mask)
         logprobs, _ = self._logprobs(self.policy, tokens, start=start)
         if self.reference is not None:
             ref_logprobs, _ = self._logprobs(self.reference, tokens, start=start)
@@ -466,7 +466,7 @@ class PPOTrainer:
         """logits [b, s - start, v] (masked; positions ``start..s-1``), tokens [b, s] -> [b, s-1];
         0 before ``start`` and where the target is padding (a never-sampled id whose log-prob is
         -inf; those positions are outside every mask)."""
-        lp = core.sequence_logprobs(
+        lp = rl.sequence_logprobs(
             logits,
             tokens[:, start:],
             self.cfg.generation.temperature,
@@ -482,7 +482,7 @@ class PPOTrainer:
     def _entropy(self, logits: torch.Tensor, start: int = 0) -> torch.Tensor:
         """logits [b, s - start, v] (positions ``start..s-1``) -> entropy [b, s-1] of the
         sampling distribution at the positions that predict a next token; 0 before ``start``."""
-        ent = core.entropy_from_logits(logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group)
+        ent = rl.entropy_from_logits(logits[:, :-1], self.cfg.generation.temperature, group=self._tp_group)
         return F.pad(ent, (start, 0)) if start else ent
 
     def _masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -548,7 +548,7 @@ class PPOTrainer:
             else:
                 logits = self._masked_logits(gpt.policy_logits(self.policy, tokens, r.start))
                 logp = self._sequence_logprobs(logits, tokens, r.start)
-            loss, stats = core.policy_loss(
+            loss, stats = rl.policy_loss(
                 logp,
                 r.old_logprobs[micro],
                 r.advantages[micro],
@@ -560,7 +560,7 @@ class PPOTrainer:
             )
             if p.entropy_coef > 0:
                 ent = self._entropy(logits, r.start)
-                loss = loss - p.entropy_coef * core.aggregate(ent, mask, p.loss_agg)
+                loss = loss - p.entropy_coef * rl.aggregate(ent, mask, p.loss_agg)
             (loss / n_micro).backward()
             acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss.detach()) / n_micro
             for k, v in stats.items():
@@ -628,7 +628,7 @@ class PPOTrainer:
 
     def _global_mean(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         m = torch.ones_like(x) if mask is None else mask
-        return core.global_masked_mean(x, m, group=self._dp_group)
+        return rl.global_masked_mean(x, m, group=self._dp_group)
 
     def _metrics(
         self,
@@ -660,7 +660,7 @@ class PPOTrainer:
             "objective/non_score_reward": float(row(non_score.sum(1))),
             "objective/entropy": float(self._global_mean(entropy, mask)),
             "objective/kl_coef": float(beta),
-            "critic/explained_variance": float(core.explained_variance(values, returns, mask)),
+            "critic/explained_variance": float(rl.explained_variance(values, returns, mask)),
             "rollout/response_length": float(row(resp_len)),
             "rollout/ended_fraction": float(row(gen.ended.float())),
             "rollout/logprob_mismatch_max": float(gen_mismatch),

@@ -1,4 +1,4 @@
-"""Tests of aligner.ppo.core against naive pure-Python references and hand-worked cases.
+"""Tests of aligner.rl against naive pure-Python references and hand-worked cases.
 
 The references below loop over rows and tokens with plain Python floats (float64) and are
 written independently of the vectorised code (e.g. GAE as an explicit discounted sum over
@@ -15,7 +15,7 @@ import statistics
 import pytest
 import torch
 
-from aligner.ppo.core import (
+from aligner.rl import (
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,

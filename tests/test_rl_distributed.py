@@ -1,4 +1,4 @@
-"""Two-process CPU (gloo) tests of the collective paths of aligner.ppo.core.
+"""Two-process CPU (gloo) tests of the collective paths of aligner.rl.
 
 Each test spawns two workers that check their results in-process; an assertion error in a
 worker makes ``torch.multiprocessing.spawn`` raise in the parent, which fails the test
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from aligner.ppo.core import (
+from aligner.rl import (
     RunningMoments,
     entropy_from_logits,
     gather_logprobs,

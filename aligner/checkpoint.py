@@ -34,6 +34,7 @@ __all__ = [
     "optimizer_to_safe",
     "optimizer_from_safe",
     "step_dir_name",
+    "shard_file",
     "complete_steps",
     "prune_checkpoints",
     "CheckpointError",
@@ -295,6 +296,26 @@ def optimizer_from_safe(
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def shard_file(
+    kind: str, *, tp: int = 0, pp: int = 0, dp: int | None = None, suffix: str = ".safetensors"
+) -> str:
+    """The one naming scheme of both roles' per-rank checkpoint files.
+
+    ``{kind}_tp{tp:02d}_pp{pp:02d}{suffix}`` for what one model-parallel rank holds (shared by its
+    data-parallel replicas: weights, optimizer state), and ``{kind}_tp.._pp.._dp{dp:03d}{suffix}``
+    for what each rank holds alone (its random states). For example
+    ``shard_file("optim", tp=1)`` is ``optim_tp01_pp00.safetensors`` and
+    ``shard_file("rng", tp=0, pp=1, dp=2)`` is ``rng_tp00_pp01_dp002.safetensors``.
+    """
+    for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise ValueError(f"shard_file: {name}={v!r}, expected an integer >= 0")
+    if not kind or "_" in kind or "/" in kind:
+        raise ValueError(f"shard_file: kind={kind!r}, expected a non-empty name without '_' or '/'")
+    rank = f"_tp{tp:02d}_pp{pp:02d}" + ("" if dp is None else f"_dp{dp:03d}")
+    return f"{kind}{rank}{suffix}"
 
 
 def complete_steps(root: str | os.PathLike, role: str | None = None) -> list[int]:

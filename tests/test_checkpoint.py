@@ -86,3 +86,17 @@ def test_errors_name_the_file(tmp_path):
     junk.write_bytes(b"garbage")
     with pytest.raises(ck.CheckpointError, match="junk.safetensors"):
         ck.load_tensors(junk)
+
+
+def test_shard_file_names_every_rank_file_one_way():
+    assert ck.shard_file("model") == "model_tp00_pp00.safetensors"
+    assert ck.shard_file("optim", tp=1, pp=2) == "optim_tp01_pp02.safetensors"
+    assert ck.shard_file("optim", tp=1, suffix=".json") == "optim_tp01_pp00.json"
+    assert ck.shard_file("rng", tp=0, pp=1, dp=2) == "rng_tp00_pp01_dp002.safetensors"
+    # names sort by tp, then pp, then dp
+    names = [ck.shard_file("rng", tp=t, pp=p, dp=d) for t in range(2) for p in range(2) for d in range(3)]
+    assert names == sorted(names)
+    with pytest.raises(ValueError, match="tp=-1"):
+        ck.shard_file("optim", tp=-1)
+    with pytest.raises(ValueError, match="kind="):
+        ck.shard_file("my_optim")

@@ -48,14 +48,13 @@ RUN mkdir -p aligner && touch aligner/__init__.py \
     && pip uninstall -y aligner \
     && rm -rf aligner build
 
-# The project itself, and the entry points with their configs.
+# The project itself (its Hydra configs are package data: aligner/configs), and the entry points.
 COPY aligner ./aligner
 RUN pip install --no-deps . && rm -rf build
-COPY configs ./configs
 COPY servers ./servers
 COPY examples ./examples
 
-# HTTP, gRPC and metrics ports of the critic server (configs/critic.yaml: server.*_port).
+# HTTP, gRPC and metrics ports of the critic server (aligner/configs/critic.yaml: server.*_port).
 EXPOSE 8000 8001 8002
 
 ENTRYPOINT ["/usr/bin/tini", "--"]

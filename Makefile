@@ -21,11 +21,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Everything: unit tests, real servers, process groups, entry points, end-to-end learning runs.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Unit tests only, in one process each (the markers are declared in pyproject.toml).
+FAST_MARKERS := not slow and not server and not multiprocess and not subprocess
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q tests -m "$(FAST_MARKERS)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check aligner servers examples tests benchmarks
@@ -48,7 +51,7 @@ clean:
 # $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
 CHECK_PYTHONS ?= python3.10 python3.12
 CHECK_VENVS ?= /tmp/aligner-check-pythons
-CHECK_TESTS ?= tests/test_models.py tests/test_hf_convert.py tests/test_rl.py \
+CHECK_TESTS ?= tests/test_models.py tests/test_hf_convert.py tests/test_rl_*.py \
 	tests/test_checkpoint.py tests/test_tokenizers_tasks.py tests/test_cpu_compat.py \
 	tests/test_precision.py tests/test_critic_service.py tests/test_generation.py
 

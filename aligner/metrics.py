@@ -1,4 +1,5 @@
-"""Run metrics: one JSONL line per step, TensorBoard scalars and text, and a console line.
+"""Run metrics: one JSONL line per step, TensorBoard scalars and text, and a console line; and
+the step's timers (``timers/<part>``).
 
 Only the logging rank constructs an enabled logger; every other rank gets a disabled one, so
 who logs is decided in one place (the entry point).
@@ -10,12 +11,35 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["MetricsLogger", "read_metrics", "format_console"]
+__all__ = ["MetricsLogger", "Timers", "read_metrics", "format_console"]
 
 # The metrics shown on the console line and progress bar, in this order.
 CONSOLE_KEYS = ("objective/scores", "objective/kl", "policy/clipfrac", "loss/value", "timers/step")
+
+
+class Timers:
+    """Wall-clock seconds of the named parts of one step, as the metrics ``timers/<name>``.
+
+    ``timed = Timers()``, then ``with timed("generate"): ...`` around each part; a name timed
+    twice adds up (a part may be spread over the step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        """``timers/<name>`` -> seconds, in the order the parts first ran."""
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        key = f"timers/{name}"
+        self.seconds.setdefault(key, 0.0)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[key] += time.perf_counter() - t
 
 
 class MetricsLogger:

@@ -1,17 +1,68 @@
-"""Gradient plumbing shared by the actor's policy and the server's critic: data-parallel
-averaging and global-norm clipping over tensor-parallel shards (replicated weights counted
-once). The optimizer itself is :class:`aligner.precision.MixedPrecisionAdamW`, which applies
-these to its fp32 master gradients."""
+"""What the actor's policy and the server's critic share about optimisation: the AdamW and
+clipping settings (:class:`OptimConfig`, the ``optim`` section of both roles' configs), and the
+gradient plumbing: data-parallel averaging and global-norm clipping over tensor-parallel shards
+(replicated weights counted once). The optimizer itself is
+:class:`aligner.precision.MixedPrecisionAdamW`, which applies these to its fp32 master gradients."""
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["allreduce_gradients", "clip_grad_norm"]
+from aligner.config_checks import Problems
+
+__all__ = ["OptimConfig", "allreduce_gradients", "clip_grad_norm"]
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with global-norm gradient clipping. Each role's ``optim`` section extends it with
+    what only that role has (the policy's learning-rate schedule, the critic's value loss)."""
+
+    lr: float = 1e-3
+    """Learning rate (the peak of the schedule, where there is one)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon (1e-5 as in the N+ implementation details, not torch's 1e-8)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW); 0 disables it."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still
+    measured and logged)."""
+
+    def adamw(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`aligner.precision.make_optimizer` these settings give."""
+        return {
+            "lr": self.lr,
+            "betas": (self.adam_beta1, self.adam_beta2),
+            "eps": self.adam_eps,
+            "weight_decay": self.weight_decay,
+        }
+
+    def problems(self, prefix: str = "optim") -> Problems:
+        """Every value out of range, each named ``<prefix>.<key>``."""
+        p = Problems()
+        p.expect(self.lr > 0, f"{prefix}.lr", self.lr, "> 0")
+        p.expect(self.adam_eps > 0, f"{prefix}.adam_eps", self.adam_eps, "> 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            v = getattr(self, key)
+            p.expect(0 <= v < 1, f"{prefix}.{key}", v, "a value in [0, 1)")
+        p.expect(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, ">= 0")
+        p.expect(
+            self.grad_clip is None or self.grad_clip >= 0,
+            f"{prefix}.grad_clip",
+            self.grad_clip,
+            ">= 0, or null/0 to disable clipping",
+        )
+        return p
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:

@@ -54,7 +54,7 @@ Rules that matter:
 
 The actor's trainer, mechanically:
 
-- ``make_optimizer(model, cfg)`` in ``aligner/ppo/trainer.py``: return
+- ``make_optimizer(model, cfg)`` in ``aligner/ppo/optimizer.py``: return
   ``mp.make_optimizer(model, o.lr, (o.adam_beta1, o.adam_beta2), o.adam_eps, o.weight_decay,
   precision=prec)`` and keep the ``LambdaLR`` as it is. Freeze layers first
   (``freeze_all_but_last_layers``): only trainable weights get masters. Passing the module casts

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         spec = importlib.util.spec_from_file_location("train_actor", ROOT / "examples" / "train_actor.py")
         entry = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(entry)
-        with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
             dcfg = compose(
                 "actor",
                 overrides=[

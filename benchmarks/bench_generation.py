@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "hf" not in skip:
         from transformers import LlamaForCausalLM
 
-        from aligner.models.hf import hf_config_from_model_config, iter_hf_tensors
+        from aligner.models.hf import iter_hf_tensors
+        from aligner.models.hf_config import hf_config_from_model_config
 
         weights = {k: v.clone() for k, v in iter_hf_tensors(policy, cfg, "llama")}
         for attn in ("sdpa", "eager"):

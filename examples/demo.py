@@ -1,6 +1,6 @@
 """``make demo``: the critic/reward server and the actor on one machine, on the CPU.
 
-Starts ``servers/serve_critic.py`` (a tiny critic plus the sort task's reward function), waits
+Starts ``python -m aligner.critic.server`` (a tiny critic plus the sort task's reward function), waits
 for its ``READY`` line, runs ``examples/train_actor.py`` against it to train a policy from
 random initialisation to sort 6 digits, and always stops the server, however the actor ends.
 The actor prints a progress bar, a summary table and the path of a reward/KL plot.

@@ -4,7 +4,7 @@
     ALIGNER_CRITIC_URL=grpc://critic:8001 torchrun --nproc_per_node 2 examples/train_actor.py \
         parallel.tensor_model_parallel_size=2
 
-Every key of ``configs/actor.yaml`` can be overridden on the command line; unknown keys are
+Every key of ``actor.yaml`` (:mod:`aligner.configs`) can be overridden on the command line; unknown keys are
 errors. The config is checked, and the prompts read, before any model is built.
 """
 
@@ -36,8 +36,9 @@ def run(cfg: ActorConfig) -> dict:
     from aligner.metrics import MetricsLogger, format_console, read_metrics
     from aligner.models import gpt
     from aligner.ppo.checkpointing import ActorCheckpointer, weights_fingerprint
-    from aligner.ppo.config import ConfigError, load_prompts, validate_actor_config
-    from aligner.ppo.trainer import PPOTrainer, PromptSampler
+    from aligner.ppo.config import ConfigError, validate_actor_config
+    from aligner.ppo.prompts import PromptSampler, load_prompts
+    from aligner.ppo.trainer import PPOTrainer
     from aligner.report import format_summary, plot_run, summarize
     from aligner.tasks import get_task
     from aligner.tokenizers import build_tokenizer
@@ -173,7 +174,9 @@ def run(cfg: ActorConfig) -> dict:
             val_prompts=val_prompts[state.dp_rank :: state.dp_size],
         )
         if resume_dir is not None:
-            checkpointer.load(trainer, resume_dir)
+            # The checkpointer restores the policy and optimizer in place; the trainer takes back
+            # the rest of its state (and refits its engine before generating again).
+            trainer.load_training_state(checkpointer.load(trainer.actor_state(), resume_dir))
         t0 = time.time()
         trainer.train()
         if bar is not None:
@@ -200,7 +203,7 @@ def run(cfg: ActorConfig) -> dict:
 def _validation_prompts(cfg: ActorConfig, tokenizer, train_prompts: list[str]) -> list[str]:
     """The fixed evaluation prompts: validation.prompt_file, else the training prompt file's first
     lines, else the built-in task drawn with validation.seed. Never depends on batch sizes."""
-    from aligner.ppo.config import load_prompts
+    from aligner.ppo.prompts import load_prompts
     from aligner.tasks import get_task
 
     v = cfg.validation
@@ -232,7 +235,7 @@ def _export(cfg: ActorConfig, policy, log: bool) -> None:
         print(f"exported the policy as a Hugging Face folder: {out}", flush=True)
 
 
-@hydra.main(config_path="../configs", config_name="actor", version_base=None)
+@hydra.main(config_path="pkg://aligner.configs", config_name="actor", version_base=None)
 def main(dcfg: DictConfig) -> None:
     cfg: ActorConfig = OmegaConf.to_object(dcfg)
     run(cfg)

@@ -63,7 +63,7 @@ def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]
     from omegaconf import OmegaConf
 
     entry = _load_entry()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose("actor", overrides=[f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides])
     entry.run(OmegaConf.to_object(dcfg))
     return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
@@ -98,6 +98,8 @@ def _best_window(rows: list[dict], n: int = 5) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.subprocess
 def test_copy_is_learned_through_the_entry_point(tmp_path):
     """The real command line: a subprocess running examples/train_actor.py."""
     with _server(tmp_path, "copy") as server:
@@ -117,7 +119,7 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     all_rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     rows = [r for r in all_rows if "objective/scores" in r]
     assert len(rows) == 120
-    # configs/actor.yaml validates before training and every 50 steps, and saves every 100.
+    # aligner/configs/actor.yaml validates before training and every 50 steps, and saves every 100.
     val = {r["step"]: r["val/scores"] for r in all_rows if "val/scores" in r}
     assert sorted(val) == [0, 50, 100] and val[100] > val[0]
     assert "validation samples at step 50" in out.stdout
@@ -157,17 +159,18 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_reverse_is_learned(tmp_path, monkeypatch):
     """Learned in fp32 (the copy run computes in bf16 where the CPU has it), with generation on
     more threads than training, which makes each step wait for the server's pending critic
     update before generating, and with the compiled decode step where torch.compile works."""
     from aligner.generation.native import NativeEngine
     from aligner.models.fused import compile_available
-    from aligner.ppo.trainer import PPOTrainer
+    from aligner.ppo.critic_link import CriticLink
 
     # No generation may start while a critic update is in flight on the server.
     inflight, checked = [], []
-    send, wait, generate = PPOTrainer._critic_train, PPOTrainer.wait_critic, NativeEngine.generate
+    send, wait, generate = CriticLink.train, CriticLink.wait, NativeEngine.generate
 
     def sending(self, *a, **k):
         future = send(self, *a, **k)
@@ -182,8 +185,8 @@ def test_reverse_is_learned(tmp_path, monkeypatch):
         checked.append(not inflight)
         return generate(self, *a, **k)
 
-    monkeypatch.setattr(PPOTrainer, "_critic_train", sending)
-    monkeypatch.setattr(PPOTrainer, "wait_critic", waiting)
+    monkeypatch.setattr(CriticLink, "train", sending)
+    monkeypatch.setattr(CriticLink, "wait", waiting)
     monkeypatch.setattr(NativeEngine, "generate", generating)
     extra = ["generation.num_threads=2"]
     if compile_available() is None:
@@ -198,6 +201,7 @@ def test_reverse_is_learned(tmp_path, monkeypatch):
     assert len(checked) >= 300 and all(checked), checked.count(False)
 
 
+@pytest.mark.server
 def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
     """One minibatch per step: the rollout log-probs from the first PPO forward and the critic's
     values from its first training pass (both kept, not recomputed) give the same run, metric
@@ -251,6 +255,7 @@ def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
     """The same budget as the copy run with the advantage sign flipped stays near chance."""
     from aligner import rl as core
@@ -269,6 +274,7 @@ def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
     finals = {}
     for beta in (0.005, 0.5):
@@ -283,6 +289,8 @@ def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.multiprocess
 def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
     """TP=2 on two processes: same seed, TP-invariant weights and per-DP-rank sampling streams,
     so its first rollout is the TP=1 rollout and scores the same."""
@@ -331,6 +339,7 @@ def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
     assert max(r["rollout/logprob_mismatch_max"] for r in runs[2]) < 1e-3
 
 
+@pytest.mark.subprocess
 def test_bad_config_fails_before_any_model_is_built(tmp_path):
     """Every problem reported at once, naming key and value; no server is needed to get there."""
     cmd = [
@@ -371,7 +380,8 @@ def test_bad_config_fails_before_any_model_is_built(tmp_path):
     ],
 )
 def test_bad_prompt_files_are_reported_with_line_numbers(tmp_path, lines, fragment):
-    from aligner.ppo.config import ConfigError, load_prompts
+    from aligner.ppo.config import ConfigError
+    from aligner.ppo.prompts import load_prompts
     from aligner.tokenizers import CharTokenizer
 
     path = tmp_path / "prompts.jsonl"
@@ -381,6 +391,7 @@ def test_bad_prompt_files_are_reported_with_line_numbers(tmp_path, lines, fragme
     assert fragment in str(e.value)
 
 
+@pytest.mark.subprocess
 def test_unknown_config_key_is_an_error(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "train_actor.py"), "ppo.bogus=1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(ROOT))

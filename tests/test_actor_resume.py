@@ -23,6 +23,7 @@ from aligner.checkpoint import complete_steps, read_json
 from aligner.critic.launch import start_server
 from aligner.metrics import read_metrics
 
+pytestmark = [pytest.mark.server, pytest.mark.subprocess]
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 
@@ -226,7 +227,7 @@ def test_resume_checks_random_states_and_leaves_out_device_ones(server, continuo
 
     run_dir = tmp_path / "run"
     shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
-    rng_file = run_dir / "checkpoints" / f"step_{STEPS:08d}" / "actor" / "rng_rank0000.safetensors"
+    rng_file = run_dir / "checkpoints" / f"step_{STEPS:08d}" / "actor" / "rng_tp00_pp00_dp000.safetensors"
     saved = load_tensors(rng_file)
     tracker = [k for k in saved if k.startswith("tracker.")]
     assert tracker and "torch_cuda" not in saved
@@ -254,6 +255,7 @@ def test_fresh_start_refuses_a_root_with_checkpoints(server, continuous, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tensor_parallel_run_resumes_exactly(server, tmp_path):
     """TP=2 on two processes: each rank's optimizer shard and RNG come back; killed while the
     ranks write their files, the run resumes from the previous step and ends as the
@@ -265,10 +267,10 @@ def test_tensor_parallel_run_resumes_exactly(server, tmp_path):
     assert out.returncode != 0
     assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == 2
     assert sorted(
-        p.name for p in (run_dir / "checkpoints" / "step_00000002" / "actor").glob("*_tp*.safetensors")
+        p.name for p in (run_dir / "checkpoints" / "step_00000002" / "actor").glob("optim_tp*.safetensors")
     ) == [
-        "optim_tp00.safetensors",
-        "optim_tp01.safetensors",
+        "optim_tp00_pp00.safetensors",
+        "optim_tp01_pp00.safetensors",
     ]
     out = _run(server, run_dir, *tp, nproc=2)
     assert "resuming from step 2" in out.stdout, out.stdout[-2000:]

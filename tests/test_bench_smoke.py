@@ -1,9 +1,9 @@
-"""The TRL side-by-side benchmark (benchmarks/bench_vs_trl.py): its shared inputs, its FLOP
-count, and one update of each side at a miniature shape (TRL's only when trl is installed)."""
+"""The TRL side-by-side benchmark (benchmarks/bench_vs_trl.py and benchmarks/vs_trl/): its shared
+inputs, its FLOP count, its report, and one update of each side at a miniature shape through the
+script (TRL's only when trl is installed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses look their module up there
-_spec.loader.exec_module(bench)
+from benchmarks.vs_trl.cases import CASES, build_inputs
+from benchmarks.vs_trl.flops import forward_flops, update_flops
+from benchmarks.vs_trl.report import report, round_ratios
 
-MINI = bench.CASES["mini"]
+ROOT = Path(__file__).resolve().parents[1]
+MINI = CASES["mini"]
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    return bench.build_inputs(MINI, tmp_path_factory.mktemp("bench-inputs"))
+    return build_inputs(MINI, tmp_path_factory.mktemp("bench-inputs"))
 
 
 def test_inputs_serve_both_sides(inputs):
@@ -54,11 +53,11 @@ def test_flop_count_matches_the_parameter_count(inputs):
         )
         m = model.from_pretrained(inputs[role])
         weights = sum(p.numel() for n, p in m.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-        assert bench.forward_flops(MINI, 1, 0, head) == 2 * weights
-    f = bench.update_flops(bench.CASES["B1"])
+        assert forward_flops(MINI, 1, 0, head) == 2 * weights
+    f = update_flops(CASES["B1"])
     assert f["total"] == f["generate"] + f["rollout_forwards"] + f["train"] > 0
     # The train phase is 3x (forward + backward) the forwards of policy and value per epoch.
-    b2 = bench.update_flops(bench.CASES["B2"])
+    b2 = update_flops(CASES["B2"])
     assert f["train"] / f["rollout_forwards"] > 4 * b2["train"] / b2["rollout_forwards"] * 0.9
 
 
@@ -74,15 +73,15 @@ def test_rounds_pair_each_systems_runs_of_one_round():
         {"ours": 1.2, "ours_idle": 0.057, "trl": 3.0},
         {"ours": 1.0, "ours_idle": 0.004, "trl": 2.0},
     ]
-    assert bench.round_ratios(rounds) == [2.5, 2.5, 2.0]
+    assert round_ratios(rounds) == [2.5, 2.5, 2.0]
     results = {"B1": {"ours": _result(1.0), "trl": _result(2.0), "rounds": rounds}}
-    text = bench.report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
+    text = report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
     assert "B1   TRL/ours     2.00x" in text
     assert "B1   rounds   2.50x, 2.50x, 2.00x  (TRL/ours within each round; median 2.50x)" in text
     assert "B1   idle     2.1%, 4.8%, 5.7%, 0.4%  (our actor's share of the step waiting" in text
     # One round: the best-of line is all there is.
     results["B1"]["rounds"] = rounds[:1]
-    text = bench.report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
+    text = report(results, {"fp32": 100.0, "bf16": 400.0}, "bf16")
     assert "rounds" not in text and "B1   idle" not in text
 
 
@@ -112,6 +111,8 @@ def _run(tmp_path, systems: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.subprocess
 def test_our_side_runs_one_update(tmp_path):
     r = _run(tmp_path, "ours")["ours"]
     assert r["s_per_update"] > 0 and r["gen_tokens_per_s"] > 0
@@ -121,6 +122,7 @@ def test_our_side_runs_one_update(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_trl_side_runs_one_update(tmp_path):
     pytest.importorskip("trl.experimental.ppo", reason="the bench extra (trl 1.12) is not installed")
     r = _run(tmp_path, "trl")["trl"]

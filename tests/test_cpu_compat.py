@@ -91,6 +91,7 @@ def test_redirections_make_megatron_run_on_cpu():
         distributed.destroy()
 
 
+@pytest.mark.subprocess
 def test_not_applied_when_cuda_is_available():
     """On a CUDA machine nothing is patched (simulated in a fresh interpreter)."""
     code = (

@@ -28,6 +28,7 @@ print("mapped" if big_maps() - before else "heap")
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
 @pytest.mark.parametrize("mode", ["tune", "default"])
 def test_large_blocks_come_from_the_heap_once_tuned(mode):

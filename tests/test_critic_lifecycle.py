@@ -1,8 +1,10 @@
-"""The critic server process: start-up errors, SIGKILL + restart with a recovering client, SIGTERM."""
+"""The critic server process: its entry points (also from an installed package), start-up errors,
+SIGKILL + restart with a recovering client, SIGTERM."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -15,21 +17,24 @@ import pytest
 
 from aligner.checkpoint import complete_steps, read_json
 from aligner.critic.client import RemoteCriticClient
-from aligner.critic.launch import SERVE_SCRIPT, ServerStartError, start_server
+from aligner.critic.launch import SERVER_MODULE, ServerStartError, start_server
 from aligner.critic.testing import digit_batch, tiny_overrides, train_arrays
 from aligner.distributed import free_port
 from aligner.tokenizers import build_tokenizer
 
+pytestmark = pytest.mark.server
 TOK = build_tokenizer("char")
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_failing(overrides: list[str]) -> subprocess.Popen:
+def _run_failing(overrides: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(SERVE_SCRIPT), *overrides],
+        [sys.executable, "-m", SERVER_MODULE, *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        cwd=cwd,
     )
 
 
@@ -46,7 +51,9 @@ def test_config_errors_fail_at_start_up_naming_the_key(tmp_path):
         ),
         "type": (["model.hidden_size=wide"], ["model.hidden_size", "wide"]),
     }
-    procs = {name: _run_failing(tiny_overrides(tmp_path / name) + o) for name, (o, _) in cases.items()}
+    procs = {
+        name: _run_failing(tiny_overrides(tmp_path / name) + o, tmp_path) for name, (o, _) in cases.items()
+    }
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode not in (0, None), (name, out, err)
@@ -54,7 +61,100 @@ def test_config_errors_fail_at_start_up_naming_the_key(tmp_path):
         for needle in cases[name][1]:
             assert needle in err, (name, needle, err[-2000:])
     # Nothing was written into the working directory by Hydra.
-    assert not (SERVE_SCRIPT.parent.parent / "outputs").exists()
+    assert not (tmp_path / "outputs").exists()
+
+
+ENTRY_POINTS = {
+    "module": [sys.executable, "-m", SERVER_MODULE],
+    "script": [sys.executable, str(ROOT / "servers" / "serve_critic.py")],
+    # What pip's console script aligner-serve-critic runs.
+    "console": [sys.executable, "-c", "import sys; from aligner.critic.server import main; sys.exit(main())"],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_reads_the_packaged_config_from_anywhere(tmp_path, entry):
+    """The module, the script and the console script compose critic.yaml from the package (in a
+    working directory that has no configs), print it for --help, and reject an unknown key."""
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    helped = subprocess.run(
+        [*ENTRY_POINTS[entry], "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+    )
+    assert helped.returncode == 0, helped.stderr[-2000:]
+    assert helped.stdout.startswith("the critic server is powered by Hydra")
+    assert "grpc_port: 8001" in helped.stdout and "keep_last:" in helped.stdout
+    bad = subprocess.run(
+        [*ENTRY_POINTS[entry], "checkpoint.kep_last=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert bad.returncode not in (0, None) and "READY" not in bad.stdout
+    assert "kep_last" in bad.stderr, bad.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # Hydra wrote nothing into the working directory
+    if entry == "console":
+        scripts = (ROOT / "pyproject.toml").read_text()
+        assert 'aligner-serve-critic = "aligner.critic.server:main"' in scripts
+
+
+def test_the_server_child_imports_the_package_its_launcher_came_from(monkeypatch):
+    """A checkout goes first on the child's PYTHONPATH; site-packages never does (it would come
+    before the standard library)."""
+    import sysconfig
+
+    from aligner.critic import launch
+
+    assert launch._child_pythonpath(f"/x{os.pathsep}") == os.pathsep.join([str(ROOT), "/x"])
+    installed = Path(sysconfig.get_paths()["purelib"]) / "aligner" / "critic" / "launch.py"
+    monkeypatch.setattr(launch, "__file__", str(installed))
+    assert launch._child_pythonpath("/x") == "/x"
+
+
+@pytest.mark.slow
+def test_an_installed_package_serves_without_the_repository(tmp_path):
+    """Built as a wheel and installed elsewhere (not editable), the package carries its configs
+    and its launcher starts the server from that installation."""
+    src = tmp_path / "project"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "aligner", src / "aligner", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True
+    )
+    wheel = next((tmp_path / "dist").glob("aligner-*.whl"))
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(site)}
+    helped = subprocess.run(
+        [site / "bin" / "aligner-serve-critic", "--help"], capture_output=True, text=True, env=env, cwd=work
+    )
+    assert helped.returncode == 0 and "grpc_port: 8001" in helped.stdout, helped.stderr[-2000:]
+    run = """
+import sys, aligner
+from aligner.critic.launch import start_server
+from aligner.critic.testing import tiny_overrides
+print("PACKAGE", aligner.__file__)
+server = start_server(tiny_overrides(sys.argv[1]), log_path=sys.argv[1] + "/server.log")
+print("STOPPED", server.stop(timeout=60))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", run, str(tmp_path / "server")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"PACKAGE {site / 'aligner' / '__init__.py'}" in out.stdout
+    assert "STOPPED 0" in out.stdout
+    assert complete_steps(tmp_path / "server" / "ckpt", role="critic") == [0]
 
 
 def test_a_taken_port_fails_fast_naming_it(tmp_path):

@@ -29,6 +29,7 @@ from aligner.models.gpt import (
 from aligner.tasks.digits import sort_reward
 from aligner.tokenizers import build_tokenizer
 
+pytestmark = pytest.mark.server
 MAX_BATCH = 16
 TOK = build_tokenizer("char")
 
@@ -74,7 +75,7 @@ def _in_process_values(env, client, tokens, step_label):
     """Save the server's critic, load it here, and run the same forward."""
     client.save(step_label)
     state = load_tensors(
-        env["root"] / "ckpt" / f"step_{step_label:08d}" / "critic" / "model_tp00.safetensors"
+        env["root"] / "ckpt" / f"step_{step_label:08d}" / "critic" / "model_tp00_pp00.safetensors"
     )
     critic = build_critic(env["cfg"], init_from=state)
     with torch.no_grad():

@@ -11,7 +11,8 @@ import torch
 from aligner.checkpoint import complete_steps
 from aligner.critic import protocol as P
 from aligner.critic.config import build_config
-from aligner.critic.service import CriticService, CriticServiceError
+from aligner.critic.errors import CriticServiceError
+from aligner.critic.service import CriticService
 from aligner.critic.testing import digit_batch, tiny_config, train_arrays
 from aligner.distributed import ParallelConfig, destroy, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
@@ -118,7 +119,7 @@ def test_infer_forward_is_reused_as_the_first_training_pass(pstate, tmp_path, pr
     many = _service(pstate, tmp_path / "many", precision, optim={"num_minibatches": 2})
     assert not many.reuse_infer_forward
     many.infer(tokens, lengths, pl)
-    assert many._kept is None
+    assert many.update.kept is None
 
 
 def test_save_load_restores_weights_optimizer_and_bookkeeping(pstate, tmp_path):
@@ -154,7 +155,7 @@ def test_load_of_a_missing_step_changes_nothing(pstate, tmp_path):
     with pytest.raises(P.ProtocolError, match="field 'step'.*complete critic checkpoint"):
         svc.load(42)
     svc.save(0)
-    (tmp_path / "ckpt" / "step_00000000" / "critic" / "model_tp00.safetensors").write_bytes(b"garbage")
+    (tmp_path / "ckpt" / "step_00000000" / "critic" / "model_tp00_pp00.safetensors").write_bytes(b"garbage")
     with pytest.raises(CriticServiceError, match="cannot load critic step 0"):
         svc.load(0)
     np.testing.assert_array_equal(svc.infer(tokens, lengths, pl).values, v0)
@@ -273,9 +274,9 @@ def test_checkpoint_with_only_torch_rng_still_loads(pstate, tmp_path):
     svc = _service(pstate, tmp_path)
     tokens, lengths, pl, *_ = _batch(svc)
     path = svc.save(0)
-    rng = load_tensors(path / "rng_tp00.safetensors")
+    rng = load_tensors(path / "rng_tp00_pp00.safetensors")
     assert {"torch_cpu", "python", "numpy_keys"} <= set(rng)
-    save_tensors(path / "rng_tp00.safetensors", {"torch_cpu": rng["torch_cpu"]})
+    save_tensors(path / "rng_tp00_pp00.safetensors", {"torch_cpu": rng["torch_cpu"]})
     expected = torch.rand(3)
     torch.manual_seed(7)
     svc.load(0)
@@ -291,7 +292,7 @@ def test_rng_states_are_checked_before_a_load_applies_anything(pstate, tmp_path,
     tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
     path = svc.save(0)
     at_save = svc.critic_step
-    file = path / "rng_tp00.safetensors"
+    file = path / "rng_tp00_pp00.safetensors"
     rng = load_tensors(file)
     svc.train(tokens, lengths, returns, old_values, mask, 1)
     v1 = svc.infer(tokens, lengths, pl).values

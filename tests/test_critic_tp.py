@@ -17,7 +17,7 @@ from aligner.models.config import ModelConfig
 from aligner.models.gpt import build_reward_model
 from aligner.tokenizers import build_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.multiprocess]
 TOK = build_tokenizer("char")
 
 
@@ -71,7 +71,7 @@ def test_tp2_server_matches_tp1(tmp_path):
                 np.testing.assert_array_equal(client.infer(tokens, lengths, pl).result()[0], after)
             assert complete_steps(tmp_path / "tp2" / "ckpt", role="critic") == [0]
             assert (
-                tmp_path / "tp2" / "ckpt" / "step_00000000" / "critic" / "model_tp01.safetensors"
+                tmp_path / "tp2" / "ckpt" / "step_00000000" / "critic" / "model_tp01_pp00.safetensors"
             ).is_file()
             assert server.stop(timeout=60) == 0, server.output_tail()
         finally:

@@ -39,6 +39,7 @@ def _torchrun(tp: int, pp: int) -> list[dict]:
     return json.loads(line[-1][len("RESULT ") :])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "tp,pp,expect",
     [

@@ -320,6 +320,7 @@ def _tp_worker(rank: int, port: int) -> None:
         distributed.destroy()
 
 
+@pytest.mark.multiprocess
 def test_tp2_fused_equals_megatron():
     mp.spawn(_tp_worker, args=(distributed.free_port(),), nprocs=2, join=True)
 
@@ -328,9 +329,7 @@ def test_trainer_log_probs_from_the_first_masked_position():
     """The actor computes log-probs and entropies from the first position any response mask
     covers (hand-worked: prompts of 3 and 5 tokens -> transition 2): equal to the full
     forward's there and after, 0 before."""
-    from types import SimpleNamespace
-
-    from aligner.ppo.trainer import PPOTrainer
+    from aligner.ppo.logprobs import PolicyLogprobs
     from aligner.rl import loss_start, response_mask
 
     mask = response_mask(torch.tensor([6, 8]), torch.tensor([3, 5]), 8)
@@ -341,21 +340,16 @@ def test_trainer_log_probs_from_the_first_masked_position():
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg())
     gpt.set_forward(model, "fused")
-    actor = SimpleNamespace(
-        cfg=SimpleNamespace(generation=SimpleNamespace(temperature=0.7)),
-        _tp_group=None,
-        _vocab_start=0,
-        _pad_from=None,
-    )
+    actor = PolicyLogprobs(temperature=0.7, group=None, vocab_start=0, pad_from=None)
     tokens = TOKENS[:2, :8]
     full = gpt.policy_logits(model, tokens)
     part = gpt.policy_logits(model, tokens, 2)
     pairs = {
         "logprobs": (
-            PPOTrainer._sequence_logprobs(actor, full, tokens),
-            PPOTrainer._sequence_logprobs(actor, part, tokens, 2),
+            actor.sequence_logprobs(full, tokens),
+            actor.sequence_logprobs(part, tokens, 2),
         ),
-        "entropy": (PPOTrainer._entropy(actor, full), PPOTrainer._entropy(actor, part, 2)),
+        "entropy": (actor.entropy(full), actor.entropy(part, 2)),
     }
     for name, (want, got) in pairs.items():
         assert got.shape == want.shape == (2, 7), name

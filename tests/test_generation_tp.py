@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from aligner import distributed
 
+pytestmark = pytest.mark.multiprocess
 WORLD = 2
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [3, 3, 3, 3, 13]]
 

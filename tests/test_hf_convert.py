@@ -14,8 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from aligner import distributed
-from aligner.models import checkpoint_io, convert_cli, gpt, hf
-from aligner.models.config import ModelConfig
+from aligner.models import checkpoint_io, convert_cli, gpt, hf, hf_config, hf_names, model_files
+from aligner.models.config import ConversionError, ModelConfig
 
 VOCAB = 100
 TOL = 1e-4
@@ -154,15 +154,15 @@ def test_shorter_max_seq_len_for_rope_models(llama_dir):
     assert cfg.max_seq_len == 16
     tokens = _tokens(s=16)
     assert (_our_logits(model, tokens) - _logits(ref, tokens)).abs().max().item() < TOL
-    with pytest.raises(hf.ConversionError, match="n_positions"):
-        hf.model_config_from_hf(transformers.GPT2Config(**_GPT2), max_seq_len=16)
+    with pytest.raises(ConversionError, match="n_positions"):
+        hf_config.model_config_from_hf(transformers.GPT2Config(**_GPT2), max_seq_len=16)
 
 
 def test_stream_names_match_hf_state_dict_and_specs(llama_dir):
     ref, src = llama_dir
     model, cfg = hf.import_hf(src)
     streamed = dict(hf.iter_hf_tensors(model, cfg, "LlamaForCausalLM"))
-    assert list(streamed) == [n for n, _ in hf.hf_tensor_specs(cfg, "LlamaForCausalLM")]
+    assert list(streamed) == [n for n, _ in hf_names.hf_tensor_specs(cfg, "LlamaForCausalLM")]
     ref_state = ref.state_dict()
     assert set(streamed) == set(ref_state)
     for name, t in streamed.items():
@@ -206,7 +206,7 @@ def test_import_from_sharded_index(llama_dir, tmp_path):
 
 def test_load_from_in_memory_state_dict(llama_dir):
     ref, src = llama_dir
-    cfg = hf.model_config_from_hf(ref.config)
+    cfg = hf_config.model_config_from_hf(ref.config)
     model = gpt.build_policy(cfg)
     hf.load_hf_into_megatron(model, ref.state_dict(), cfg, "LlamaForCausalLM")
     tokens = _tokens()
@@ -240,7 +240,7 @@ def test_export_copies_tokenizer_files(llama_dir, tmp_path):
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    with pytest.raises(hf.ConversionError, match="tokenizer folder .*nowhere does not exist"):
+    with pytest.raises(ConversionError, match="tokenizer folder .*nowhere does not exist"):
         hf.export_hf(model, cfg, tmp_path / "out2", "llama", tokenizer_dir=tmp_path / "nowhere")
 
 
@@ -281,7 +281,7 @@ def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     # A trained (non-zero) bias has no place in HF's score layer: refuse rather than drop it.
     with torch.no_grad():
         model.output_layer.bias.fill_(0.5)
-    with pytest.raises(hf.ConversionError, match=r"output_layer\.bias"):
+    with pytest.raises(ConversionError, match=r"output_layer\.bias"):
         hf.export_hf(model, cfg, tmp_path / "biased", case)
     assert not (tmp_path / "biased").exists()
 
@@ -303,7 +303,7 @@ def test_critic_from_causal_lm_keeps_fresh_head(llama_dir):
 
 
 def test_model_config_from_hf_fields():
-    c = hf.model_config_from_hf(transformers.GPT2Config(**_GPT2))
+    c = hf_config.model_config_from_hf(transformers.GPT2Config(**_GPT2))
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_size, c.max_seq_len) == (
         2,
         64,
@@ -317,14 +317,16 @@ def test_model_config_from_hf_fields():
         "learned_absolute",
     )
     assert c.tie_embeddings and c.add_bias_linear
-    q = hf.model_config_from_hf(transformers.Qwen2Config(**_LLAMA_LIKE, rope_theta=1e6))
+    q = hf_config.model_config_from_hf(transformers.Qwen2Config(**_LLAMA_LIKE, rope_theta=1e6))
     assert q.add_qkv_bias and not q.add_bias_linear and q.rotary_base == 1e6 and q.kv_heads == 2
     assert q.norm_epsilon == 1e-5 and q.ffn_size == 96 and q.activation == "swiglu"
-    m = hf.model_config_from_hf(
+    m = hf_config.model_config_from_hf(
         transformers.MistralConfig(**{**_LLAMA_LIKE, "max_position_embeddings": 4096}, sliding_window=1024)
     )
     assert m.max_seq_len == 1024  # capped at the sliding window
-    lb = hf.model_config_from_hf(transformers.LlamaConfig(**_LLAMA_LIKE, attention_bias=True, mlp_bias=True))
+    lb = hf_config.model_config_from_hf(
+        transformers.LlamaConfig(**_LLAMA_LIKE, attention_bias=True, mlp_bias=True)
+    )
     assert lb.add_bias_linear
 
 
@@ -352,7 +354,7 @@ def test_checkpoint_round_trip_across_vocab_padding(llama_dir, tmp_path):
     assert (_our_logits(other, tokens) - _logits(ref, tokens)).abs().max().item() < TOL
 
     # Overwriting needs consent; the folder is replaced as a whole.
-    with pytest.raises(hf.ConversionError, match="not empty"):
+    with pytest.raises(ConversionError, match="not empty"):
         checkpoint_io.save_model_checkpoint(model, cfg, ckpt)
     checkpoint_io.save_model_checkpoint(model, cfg, ckpt, overwrite=True)
     assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors"]
@@ -367,36 +369,64 @@ def test_reward_checkpoint_loads_into_critic(tmp_path):
     critic = gpt.build_critic(cfg)
     assert checkpoint_io.load_model_checkpoint(critic, ckpt)["role"] == "reward"
     assert torch.equal(gpt.tensor_state_dict(critic)["output_layer.weight"], ref.score.weight.detach())
-    with pytest.raises(hf.ConversionError, match="meta.json"):
+    with pytest.raises(ConversionError, match="meta.json"):
         checkpoint_io.load_model_checkpoint(gpt.build_policy(cfg), ckpt)
 
 
 def test_checkpoint_errors_name_the_file(llama_dir, tmp_path):
     _, src = llama_dir
     model, cfg = hf.import_hf(src)
-    with pytest.raises(hf.ConversionError, match="does not exist"):
+    with pytest.raises(ConversionError, match="does not exist"):
         checkpoint_io.load_model_checkpoint(model, tmp_path / "nowhere")
     ckpt = checkpoint_io.save_model_checkpoint(model, cfg, tmp_path / "ckpt")
     meta = json.loads((ckpt / "meta.json").read_text())
     (ckpt / "meta.json").write_text(json.dumps({**meta, "format": "something-else"}))
-    with pytest.raises(hf.ConversionError, match=r"meta\.json.*format"):
+    with pytest.raises(ConversionError, match=r"meta\.json.*format"):
         checkpoint_io.load_model_checkpoint(model, ckpt)
     (ckpt / "meta.json").write_text("{not json")
-    with pytest.raises(hf.ConversionError, match=r"meta\.json.*not valid JSON"):
+    with pytest.raises(ConversionError, match=r"meta\.json.*not valid JSON"):
         checkpoint_io.load_model_checkpoint(model, ckpt)
     (ckpt / "meta.json").write_text(
         json.dumps({**meta, "model_config": {**meta["model_config"], "num_layers": 3}})
     )
-    with pytest.raises(hf.ConversionError, match=r"num_layers: 2 != 3"):
+    with pytest.raises(ConversionError, match=r"num_layers: 2 != 3"):
         checkpoint_io.load_model_checkpoint(model, ckpt)
     (ckpt / "meta.json").write_text(json.dumps(meta))
     state = load_file(str(ckpt / "model.safetensors"))
     state["decoder.final_layernorm.weight"] = torch.ones(63)
     save_file(state, str(ckpt / "model.safetensors"))
     with pytest.raises(
-        hf.ConversionError, match=r"decoder\.final_layernorm\.weight: expected shape \(64,\), got \(63,\)"
+        ConversionError, match=r"decoder\.final_layernorm\.weight: expected shape \(64,\), got \(63,\)"
     ):
         checkpoint_io.load_model_checkpoint(model, ckpt)
+
+
+def test_model_files_write_streams_and_refuse_bad_input(tmp_path):
+    entries = [("a", (2, 3), torch.float32), ("b", (4,), torch.bfloat16)]
+    tensors = {"a": torch.randn(2, 3), "b": torch.randn(4).bfloat16()}
+    model_files.write_tensor_stream(iter(tensors.items()), tmp_path / "t.safetensors", entries)
+    back = load_file(str(tmp_path / "t.safetensors"))
+    assert list(back) == ["a", "b"] and all(torch.equal(back[k], v) for k, v in tensors.items())
+    with pytest.raises(ConversionError, match=r"expected tensor a \(2, 3\) torch.float32 next, got b"):
+        model_files.write_tensor_stream(iter([("b", tensors["b"])]), tmp_path / "u.safetensors", entries)
+    with pytest.raises(ConversionError, match="1 tensors were never written"):
+        model_files.write_tensor_stream(iter([("a", tensors["a"])]), tmp_path / "v.safetensors", entries)
+
+    assert model_files.as_dtype("bf16") is torch.bfloat16
+    assert model_files.as_dtype(torch.float16) is torch.float16 and model_files.as_dtype(None) is None
+    with pytest.raises(ConversionError, match="dtype='int4': expected one of"):
+        model_files.as_dtype("int4")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ConversionError, match=r"thing: .*list\.json holds a list, expected a JSON object"):
+        model_files.read_json_object(tmp_path / "list.json", "thing")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    with pytest.raises(ConversionError, match="is not empty"):
+        model_files.check_output_dir(full, overwrite=False)
+    model_files.check_output_dir(full, overwrite=True)
+    with pytest.raises(ConversionError, match="exists and is not a folder"):
+        model_files.check_output_dir(full / "x", overwrite=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,14 +440,14 @@ def _copy_hf(src: str, dst) -> str:
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(hf.ConversionError, match=r"nowhere does not exist"):
+    with pytest.raises(ConversionError, match=r"nowhere does not exist"):
         hf.import_hf(tmp_path / "nowhere")
 
 
 def test_folder_without_config(llama_dir, tmp_path):
     d = _copy_hf(llama_dir[1], tmp_path / "x")
     os.remove(os.path.join(d, "config.json"))
-    with pytest.raises(hf.ConversionError, match=r"config\.json does not exist"):
+    with pytest.raises(ConversionError, match=r"config\.json does not exist"):
         hf.import_hf(d)
 
 
@@ -425,7 +455,7 @@ def test_malformed_config(llama_dir, tmp_path):
     d = _copy_hf(llama_dir[1], tmp_path / "x")
     with open(os.path.join(d, "config.json"), "w") as fh:
         fh.write('{"architectures": ["LlamaForCausalLM"], ')
-    with pytest.raises(hf.ConversionError, match=r"config\.json is not valid JSON"):
+    with pytest.raises(ConversionError, match=r"config\.json is not valid JSON"):
         hf.import_hf(d)
 
 
@@ -434,7 +464,7 @@ def test_config_field_with_wrong_type(llama_dir, tmp_path):
     conf = json.loads(open(os.path.join(d, "config.json")).read())
     conf["num_hidden_layers"] = "two"
     open(os.path.join(d, "config.json"), "w").write(json.dumps(conf))
-    with pytest.raises(hf.ConversionError, match=r"config\.json.*num_hidden_layers"):
+    with pytest.raises(ConversionError, match=r"config\.json.*num_hidden_layers"):
         hf.import_hf(d)
 
 
@@ -443,7 +473,7 @@ def test_unknown_architecture(llama_dir, tmp_path):
     conf = json.loads(open(os.path.join(d, "config.json")).read())
     conf["architectures"] = ["FalconForCausalLM"]
     open(os.path.join(d, "config.json"), "w").write(json.dumps(conf))
-    with pytest.raises(hf.ConversionError, match=r"'FalconForCausalLM' is not supported.*LlamaForCausalLM"):
+    with pytest.raises(ConversionError, match=r"'FalconForCausalLM' is not supported.*LlamaForCausalLM"):
         hf.import_hf(d)
 
 
@@ -452,7 +482,7 @@ def test_unsupported_rope_scaling(llama_dir, tmp_path):
     conf = json.loads(open(os.path.join(d, "config.json")).read())
     conf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     open(os.path.join(d, "config.json"), "w").write(json.dumps(conf))
-    with pytest.raises(hf.ConversionError, match=r"rope_type='linear'"):
+    with pytest.raises(ConversionError, match=r"rope_type='linear'"):
         hf.import_hf(d)
 
 
@@ -463,7 +493,7 @@ def test_tensor_with_wrong_shape(llama_dir, tmp_path):
     state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
     save_file(state, path, metadata={"format": "pt"})
     with pytest.raises(
-        hf.ConversionError,
+        ConversionError,
         match=r"model\.layers\.1\.self_attn\.k_proj\.weight in .*model\.safetensors: "
         r"expected shape \(32, 64\), got \(16, 64\)",
     ):
@@ -476,20 +506,20 @@ def test_missing_tensor(llama_dir, tmp_path):
     state = load_file(path)
     del state["model.layers.0.mlp.up_proj.weight"]
     save_file(state, path, metadata={"format": "pt"})
-    with pytest.raises(hf.ConversionError, match=r"missing tensor model\.layers\.0\.mlp\.up_proj\.weight"):
+    with pytest.raises(ConversionError, match=r"missing tensor model\.layers\.0\.mlp\.up_proj\.weight"):
         hf.import_hf(d)
 
 
 def test_missing_safetensors(llama_dir, tmp_path):
     d = _copy_hf(llama_dir[1], tmp_path / "x")
     os.remove(os.path.join(d, "model.safetensors"))
-    with pytest.raises(hf.ConversionError, match=r"no model\.safetensors"):
+    with pytest.raises(ConversionError, match=r"no model\.safetensors"):
         hf.import_hf(d)
 
 
 def test_tp_size_that_does_not_divide_heads(llama_dir):
     with pytest.raises(
-        hf.ConversionError, match=r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"
+        ConversionError, match=r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"
     ):
         hf.validate_hf_folder(llama_dir[1], tensor_parallel_size=3)
 
@@ -499,7 +529,7 @@ def test_policy_from_sequence_classifier_is_refused(tmp_path):
         _hf_model("llama", model_class="LlamaForSequenceClassification", num_labels=1, pad_token_id=0),
         tmp_path / "rm",
     )
-    with pytest.raises(hf.ConversionError, match="not as a policy"):
+    with pytest.raises(ConversionError, match="not as a policy"):
         hf.import_hf(src, "policy")
 
 
@@ -507,7 +537,7 @@ def test_export_to_a_family_that_cannot_hold_the_model(tmp_path):
     src = _save(_hf_model("gpt2"), tmp_path / "gpt2")
     model, cfg = hf.import_hf(src)
     with pytest.raises(
-        hf.ConversionError, match=r"(?s)cannot export this model as LlamaForCausalLM.*normalization"
+        ConversionError, match=r"(?s)cannot export this model as LlamaForCausalLM.*normalization"
     ):
         hf.export_hf(model, cfg, tmp_path / "out", "llama")
     assert not (tmp_path / "out").exists()
@@ -515,9 +545,9 @@ def test_export_to_a_family_that_cannot_hold_the_model(tmp_path):
 
 def test_config_mismatch_is_reported(llama_dir):
     _, src = llama_dir
-    cfg = hf.model_config_from_hf(src)
+    cfg = hf_config.model_config_from_hf(src)
     other = ModelConfig.from_dict({**cfg.to_dict(), "ffn_hidden_size": 128})
-    with pytest.raises(hf.ConversionError, match=r"ffn_hidden_size: 128 != 96"):
+    with pytest.raises(ConversionError, match=r"ffn_hidden_size: 128 != 96"):
         hf.load_hf_into_megatron(gpt.build_policy(other), src, other)
 
 

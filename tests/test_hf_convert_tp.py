@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from aligner import distributed
 from aligner.models import checkpoint_io, gpt, hf
 
+pytestmark = pytest.mark.multiprocess
 VOCAB = 100
 TOL = 1e-4
 

@@ -171,7 +171,7 @@ def test_gpt2_style_variant_builds():
 
 def test_init_from_checkpoint_checks_architecture(tmp_path):
     from aligner.models.checkpoint_io import load_weights_from, save_model_checkpoint
-    from aligner.models.hf import ConversionError
+    from aligner.models.config import ConversionError
 
     cfg = ModelConfig(**TINY)
     saved = gpt.build_policy(cfg)
@@ -189,3 +189,24 @@ def test_init_from_checkpoint_checks_architecture(tmp_path):
         )
     with pytest.raises(ConversionError, match="expected a checkpoint folder with meta.json"):
         load_weights_from(fresh, cfg, tmp_path)
+
+
+def test_build_model_by_role_and_what_the_model_carries():
+    from aligner.models.config import ConversionError
+
+    cfg = ModelConfig(**TINY)
+    for role, head in gpt.ROLES.items():
+        model = gpt.build_model(cfg, role)
+        assert gpt.role_head(role) == head == gpt.head_of(model)
+        assert gpt.config_of(model) is cfg
+    other = ModelConfig(**{**TINY, "num_layers": 1})
+    assert gpt.config_of(model, other) is other  # a given config wins
+    with pytest.raises(
+        ConversionError, match=r"role='actor': expected one of \['critic', 'policy', 'reward'\]"
+    ):
+        gpt.build_model(cfg, "actor")
+    plain = torch.nn.Linear(2, 2)
+    with pytest.raises(ConversionError, match="no aligner_head"):
+        gpt.head_of(plain)
+    with pytest.raises(ConversionError, match="no aligner_config"):
+        gpt.config_of(plain)

@@ -57,6 +57,7 @@ def _tp_worker(rank: int, port: int, q) -> None:
         q.put((rank, repr(e), None))
 
 
+@pytest.mark.multiprocess
 def test_tp2_norm_counts_shards_once_and_replicated_once():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -273,7 +273,7 @@ def test_old_fp32_optimizer_state_loads(ps):
 
 def test_bf16_models_run_and_give_fp32_outputs_close_to_fp32(ps):
     """Same weights, bf16 vs fp32 forward. Stated tolerances on this model: logprobs within
-    2e-2 (max) and 2e-3 (mean) of fp32 (PLATFORM.md: logits differ by up to ~1.6e-2); values
+    2e-2 (max) and 2e-3 (mean) of fp32 (docs/platform.md: logits differ by up to ~1.6e-2); values
     and scores (O(1) here) within 3e-2 (max) and 6e-3 (mean): bf16 keeps 8 bits of mantissa,
     relative steps of 2**-9 ~ 2e-3 per rounding."""
     torch.manual_seed(4)
@@ -351,6 +351,7 @@ def _dp_worker(rank: int, port: int, q) -> None:
         q.put((rank, repr(e), None))
 
 
+@pytest.mark.multiprocess
 def test_dp_allreduce_is_fp32():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -397,7 +398,7 @@ def test_bf16_critic_service_learns_and_resumes_exactly(ps, tmp_path):
     assert losses[-1] < 0.7 * losses[0], losses
     # Checkpoint round trip: resume equals continuous, bit for bit.
     path = svc.save(5)
-    assert {t.dtype for t in load_tensors(path / "model_tp00.safetensors").values()} == {FP32}
+    assert {t.dtype for t in load_tensors(path / "model_tp00_pp00.safetensors").values()} == {FP32}
     assert read_json(path / "meta.json")["precision"] == "bf16"
     r6 = svc.train(tokens, lengths, returns, old_values, mask, 6)
     r7 = svc.train(tokens, lengths, returns, old_values, mask, 7)
@@ -411,7 +412,7 @@ def test_bf16_critic_service_learns_and_resumes_exactly(ps, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(masters7, fresh.optimizer.master_params))
     # The bf16 server's checkpoint loads into an fp32 critic (its weights are the masters).
     fp32 = build_critic(svc.model_cfg)
-    load_state_dict_strict(fp32, load_tensors(path / "model_tp00.safetensors"))
+    load_state_dict_strict(fp32, load_tensors(path / "model_tp00_pp00.safetensors"))
     assert all(v.dtype == FP32 for v in tensor_state_dict(fp32).values())
 
 
@@ -424,9 +425,9 @@ def test_an_fp32_critic_checkpoint_resumes_in_bf16_with_its_fp32_weights(ps, tmp
     tokens, lengths, pl, returns, old_values, mask = _batch(svc32)
     svc32.train(tokens, lengths, returns, old_values, mask, 0)
     path = svc32.save(0)
-    optim = load_tensors(path / "optim_tp00.safetensors")
+    optim = load_tensors(path / "optim_tp00_pp00.safetensors")
     save_tensors(
-        path / "optim_tp00.safetensors", {k: v for k, v in optim.items() if not k.startswith("master.")}
+        path / "optim_tp00_pp00.safetensors", {k: v for k, v in optim.items() if not k.startswith("master.")}
     )
     svc16 = _bf16_service(ps, tmp_path)
     svc16.load(0)

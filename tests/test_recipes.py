@@ -115,7 +115,7 @@ def compose(config: str, overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         return hydra_compose(config, overrides=list(overrides))
 
 
@@ -715,10 +715,10 @@ def test_dockerfile_builds_the_project_on_a_cuda_base_chosen_at_build_time(schem
     )
     assert "python3-dev" in runs and "tini" in runs
 
-    # Both entry points, their configs and the package are in the image's working directory.
+    # Both entry points and the package (which carries their configs) are in the image's working directory.
     workdir = next(a for i, a in steps if i == "WORKDIR")
     copied = {a.split()[0] for i, a in steps if i == "COPY"}
-    assert {"aligner", "configs", "servers", "examples", "pyproject.toml"} <= copied
+    assert {"aligner", "servers", "examples", "pyproject.toml"} <= copied
     for script in (CRITIC_ENTRY, ACTOR_ENTRY):
         assert script.split("/")[0] in copied and (ROOT / script).is_file()
     ignored = (ROOT / ".dockerignore").read_text().split()
@@ -788,6 +788,7 @@ def test_the_recipes_and_the_local_launcher_share_one_readiness_check():
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_wait_cli_and_probe_paths_against_a_real_server(tmp_path):
     from aligner.critic.testing import tiny_overrides
 

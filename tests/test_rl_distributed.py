@@ -33,6 +33,7 @@ from aligner.rl import (
     whiten,
 )
 
+pytestmark = pytest.mark.multiprocess
 WORLD = 2
 
 

@@ -1,7 +1,8 @@
 """RemoteCriticClient: the actor's handle on the critic/reward server.
 
 - ``infer`` and ``train`` return ``concurrent.futures.Future`` so the actor overlaps them with
-  its own work (DESIGN.md steps 3-4 and 6-7); ``save``/``load``/``info`` block.
+  its own work (docs/design.md, "Roles and data flow", steps 3-4 and 6-7); ``save``/``load``/``info``
+  block.
 - Ordering: trains run one at a time in submission order, and an ``infer`` submitted after a
   ``train`` is sent only once that train has returned, so it sees the update (the server's
   lock then guarantees the rest). ``save`` waits for pending trains too.
@@ -47,7 +48,6 @@ log = logging.getLogger("aligner.critic.client")
 
 ENV_URL = "ALIGNER_CRITIC_URL"
 DEFAULT_URL = "grpc://127.0.0.1:8001"
-_UNAVAILABLE_MARK = "[critic-unavailable]"
 
 
 class CriticError(RuntimeError):
@@ -86,7 +86,7 @@ def _classify(exc: BaseException) -> str:
         return "peer"
     if P.ERROR_MARK.strip() in text:
         return "request"
-    if _UNAVAILABLE_MARK in text:
+    if P.UNAVAILABLE_MARK.strip() in text:
         return "unavailable"
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return "unavailable"

@@ -1,6 +1,6 @@
 """Configuration of the critic/reward server: one dataclass per component.
 
-These back ``configs/critic.yaml`` as Hydra structured configs (so an unknown key or a value
+These back ``aligner/configs/critic.yaml`` as Hydra structured configs (so an unknown key or a value
 of the wrong type is an error naming the key), and :func:`build_config` runs the cross-field
 checks once at start-up, reporting every problem together.
 """
@@ -11,12 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from aligner.config_checks import Problems
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
+from aligner.optim import OptimConfig
 
 __all__ = [
     "ServerConfig",
     "ParallelSection",
-    "OptimConfig",
+    "CriticOptimConfig",
     "RewardConfig",
     "InitConfig",
     "CheckpointConfig",
@@ -73,21 +75,11 @@ class ParallelSection:
 
 
 @dataclass
-class OptimConfig:
-    """The critic's Adam optimiser and value loss."""
+class CriticOptimConfig(OptimConfig):
+    """The critic's Adam optimiser (the settings both roles share) and its value loss."""
 
     lr: float = 1e-5
     """Adam learning rate."""
-    adam_eps: float = 1e-5
-    """Adam epsilon (1e-5, as the N+ implementation details recommend over torch's 1e-8)."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW); 0 disables it."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this; null or 0 disables clipping."""
     value_clip_eps: float | None = 0.2
     """Clip range of the clipped value loss around the rollout values; null for the plain loss."""
     loss_agg: str = "token_mean"
@@ -104,6 +96,20 @@ class OptimConfig:
     the training forward's, so the first pass's value clipping is exactly inactive). Any
     other request, a load or a train step drops what is kept. The kept activations are one
     training forward's worth of memory."""
+
+    def problems(self, prefix: str = "optim") -> Problems:
+        p = super().problems(prefix)
+        v = self.value_clip_eps
+        p.expect(v is None or v > 0, f"{prefix}.value_clip_eps", v, "> 0, or null for the unclipped loss")
+        p.expect(
+            self.loss_agg in LOSS_AGGREGATIONS,
+            f"{prefix}.loss_agg",
+            self.loss_agg,
+            f"one of {list(LOSS_AGGREGATIONS)}",
+        )
+        p.expect(self.epochs >= 1, f"{prefix}.epochs", self.epochs, ">= 1")
+        p.expect(self.num_minibatches >= 1, f"{prefix}.num_minibatches", self.num_minibatches, ">= 1")
+        return p
 
 
 @dataclass
@@ -172,12 +178,12 @@ class LogConfig:
 
 @dataclass
 class CriticServerConfig:
-    """Everything the critic/reward server needs (``configs/critic.yaml``)."""
+    """Everything the critic/reward server needs (``aligner/configs/critic.yaml``)."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=14, max_seq_len=64))
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     init: InitConfig = field(default_factory=InitConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -191,9 +197,9 @@ class CriticServerConfig:
     model_forward: str = "auto"
     """How the critic and reward model forwards run: 'fused' (``aligner.models.fused``: Megatron's arithmetic in fewer ops on the same parameters), 'compiled' (fused under torch.compile, TP=1), 'megatron' (the modules' own forward), or 'auto' (fused where the architecture allows it, else megatron)."""
 
-    def problems(self) -> list[str]:
+    def problems(self) -> Problems:
         """Every cross-field problem, as messages that name the key (empty when consistent)."""
-        e: list[str] = []
+        e = Problems()
         s = self.server
         for key in ("http_port", "grpc_port"):
             v = getattr(s, key)
@@ -243,26 +249,8 @@ class CriticServerConfig:
             ]
 
         o = self.optim
-        if not o.lr > 0:
-            e.append(f"optim.lr={o.lr}: expected > 0")
-        if not o.adam_eps > 0:
-            e.append(f"optim.adam_eps={o.adam_eps}: expected > 0")
-        for key in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(o, key) < 1:
-                e.append(f"optim.{key}={getattr(o, key)}: expected a value in [0, 1)")
-        if o.weight_decay < 0:
-            e.append(f"optim.weight_decay={o.weight_decay}: expected >= 0")
-        if o.grad_clip is not None and o.grad_clip < 0:
-            e.append(f"optim.grad_clip={o.grad_clip}: expected >= 0, or null/0 to disable clipping")
-        if o.value_clip_eps is not None and not o.value_clip_eps > 0:
-            e.append(f"optim.value_clip_eps={o.value_clip_eps}: expected > 0, or null for the unclipped loss")
-        if o.loss_agg not in LOSS_AGGREGATIONS:
-            e.append(f"optim.loss_agg={o.loss_agg!r}: expected one of {list(LOSS_AGGREGATIONS)}")
-        if o.epochs < 1:
-            e.append(f"optim.epochs={o.epochs}: expected >= 1")
-        if o.num_minibatches < 1:
-            e.append(f"optim.num_minibatches={o.num_minibatches}: expected >= 1")
-        elif o.num_minibatches > s.max_request_batch:
+        e += o.problems("optim")
+        if 1 <= o.num_minibatches and o.num_minibatches > s.max_request_batch:
             e.append(
                 f"optim.num_minibatches={o.num_minibatches} exceeds server.max_request_batch="
                 f"{s.max_request_batch}: a train request could never fill every minibatch"
@@ -381,7 +369,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "server": ServerConfig,
             "model": ModelConfig,
             "parallel": ParallelSection,
-            "optim": OptimConfig,
+            "optim": CriticOptimConfig,
             "reward": RewardConfig,
             "init": InitConfig,
             "checkpoint": CheckpointConfig,
@@ -396,9 +384,5 @@ def build_config(data: Any) -> CriticServerConfig:
             if k in data:
                 kwargs[k] = data[k]
         cfg = CriticServerConfig(**kwargs)
-    errors = errors + cfg.problems()
-    if errors:
-        raise ConfigError(
-            "invalid critic server config (" + str(len(errors)) + " problem(s)):\n  " + "\n  ".join(errors)
-        )
+    Problems(errors + cfg.problems()).raise_if_any("critic server config", ConfigError)
     return cfg

@@ -14,10 +14,27 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["wait_ready", "ServerProcess", "start_server", "SERVE_SCRIPT", "ServerStartError", "parse_url"]
+__all__ = ["wait_ready", "ServerProcess", "start_server", "SERVER_MODULE", "ServerStartError", "parse_url"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVE_SCRIPT = REPO_ROOT / "servers" / "serve_critic.py"
+SERVER_MODULE = "aligner.critic.server"
+"""What the child runs, as ``python -m``: the server's entry point, found wherever the package is
+installed."""
+
+
+def _child_pythonpath(inherited: str) -> str:
+    """``PYTHONPATH`` for the child: the folder this package was imported from first, so that the
+    child runs the same code as its parent even from a checkout that is not installed; unchanged
+    when that folder is the interpreter's site-packages (placed on PYTHONPATH it would come
+    before the standard library)."""
+    import site
+    import sysconfig
+
+    parent = Path(__file__).resolve().parents[2]
+    site_dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    site_dirs |= {*site.getsitepackages(), site.getusersitepackages()}
+    if any(Path(d).resolve() == parent for d in site_dirs):
+        return inherited
+    return os.pathsep.join([str(parent)] + [p for p in inherited.split(os.pathsep) if p])
 
 
 _DIST_ENV = (
@@ -118,7 +135,7 @@ def wait_ready(
 
 
 class ServerProcess:
-    """A running ``servers/serve_critic.py`` child (in its own process group)."""
+    """A running ``python -m aligner.critic.server`` child (in its own process group)."""
 
     def __init__(self, proc: subprocess.Popen, log_path: Path | None, nproc: int = 1) -> None:
         self.proc = proc
@@ -239,7 +256,8 @@ def start_server(
     cwd: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start ``servers/serve_critic.py <overrides>`` and return once it printed READY and answers.
+    """Start ``python -m aligner.critic.server <overrides>`` and return once it printed READY and
+    answers.
 
     Args:
         overrides: Hydra overrides, e.g. ``["server.grpc_port=0", "reward.fn=aligner.tasks.digits:copy_reward"]``.
@@ -247,7 +265,8 @@ def start_server(
         ready_timeout_s: how long to wait for READY and readiness.
         log_path: where the server's stderr goes (default: a new temporary file).
         nproc: > 1 launches it under ``torchrun --nproc_per_node nproc`` (tensor parallel critic).
-        cwd: working directory (default: the repository root).
+        cwd: working directory (default: the caller's); relative paths in ``overrides`` and the
+            PyTriton cache (``.cache``) are taken from it.
         env: extra environment variables.
 
     Raises:
@@ -260,9 +279,7 @@ def start_server(
         full_env.pop(key, None)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
+    full_env["PYTHONPATH"] = _child_pythonpath(full_env.get("PYTHONPATH", ""))
     full_env.update(env or {})
     if nproc > 1:
         cmd = [
@@ -271,11 +288,12 @@ def start_server(
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={nproc}",
-            str(SERVE_SCRIPT),
+            "-m",
+            SERVER_MODULE,
             *overrides,
         ]
     else:
-        cmd = [python, str(SERVE_SCRIPT), *overrides]
+        cmd = [python, "-m", SERVER_MODULE, *overrides]
     if log_path is None:
         import tempfile
 
@@ -292,7 +310,7 @@ def start_server(
             stderr=stderr,
             text=True,
             env=full_env,
-            cwd=str(cwd or REPO_ROOT),
+            cwd=None if cwd is None else str(cwd),
             start_new_session=True,
         )
     finally:

@@ -2,8 +2,9 @@
 
 Models, their inputs and outputs (names, dtypes, shapes), the protocol version, the typed
 request/response containers, and the checks that every request passes before anything is
-computed or applied. Shapes use the project's notation (DESIGN.md): ``b`` batch, ``s`` padded
-length; per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..t``.
+computed or applied. Shapes use the project's notation (docs/design.md, "Tensor conventions"):
+``b`` batch, ``s`` padded length; per-token arrays have length ``s-1`` and element ``t``
+describes the state ``0..t``.
 
 | model          | batching            | inputs                                                    | outputs |
 |----------------|---------------------|-----------------------------------------------------------|---------|
@@ -19,7 +20,7 @@ with a leading batch dimension, and may merge concurrent requests of the same ``
 execution. Every other model has ``max_batch_size = 0``: Triton then checks the *full* shape,
 so ``step`` is exactly ``[1, 1]`` and a training batch is never merged with another (a merged
 train request would apply two steps as one). ``explained_variance`` and ``value_clipfrac``
-are additions to DESIGN.md's table; clients that do not ask for them are unaffected.
+are additions to the table of docs/design.md ("Wire protocol"); clients that do not ask for them are unaffected.
 
 Errors. A request that breaks the contract raises :class:`ProtocolError`, whose message starts
 with :data:`ERROR_MARK` and names the model, the field, what was expected and what came, so a
@@ -47,6 +48,7 @@ __all__ = [
     "MODEL_NAMES",
     "ERROR_MARK",
     "BATCH_PEER_MARK",
+    "UNAVAILABLE_MARK",
     "TensorSpec",
     "ModelSpec",
     "MODELS",
@@ -80,6 +82,10 @@ ERROR_MARK = "[critic] "
 BATCH_PEER_MARK = "[critic-batch-peer] "
 """Prefix of the error a *valid* infer request gets when another request merged into the same
 dynamic batch was invalid (PyTriton 0.7 can only fail a whole execution); safe to retry."""
+
+UNAVAILABLE_MARK = "[critic-unavailable] "
+"""Prefix of the error a valid request gets from a server that is shutting down and ran nothing:
+retry once a server is ready again."""
 
 
 @dataclass(frozen=True)

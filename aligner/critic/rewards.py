@@ -144,7 +144,8 @@ def load_policy_trunk(critic: torch.nn.Module, path: str) -> None:
     from safetensors import safe_open
 
     from aligner.models.checkpoint_io import read_checkpoint_meta
-    from aligner.models.hf import ConversionError, load_megatron_tensors
+    from aligner.models.config import ConversionError
+    from aligner.models.layout import load_megatron_tensors
 
     folder = Path(path)
     saved = read_checkpoint_meta(folder)["model_config"]

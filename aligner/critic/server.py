@@ -1,4 +1,15 @@
-"""Binds :class:`~aligner.critic.service.CriticService` to PyTriton and runs its lifecycle.
+"""The critic server's entry point: binds :class:`~aligner.critic.service.CriticService` to
+PyTriton and runs its lifecycle.
+
+    python -m aligner.critic.server                                  # READY grpc://127.0.0.1:8001
+    aligner-serve-critic server.grpc_port=9001 reward.fn=aligner.tasks.digits:copy_reward
+    torchrun --nproc_per_node 2 -m aligner.critic.server parallel.tensor_model_parallel_size=2
+
+Configuration: ``critic.yaml`` of :mod:`aligner.configs` (package data, so an installed package
+finds it), backed by :class:`~aligner.critic.config.CriticServerConfig`: overrides go on the
+command line, and unknown keys and ill-typed values are errors that name the key. Hydra writes
+nothing into the working directory (no outputs/ folder, no .hydra/, no log file); the server's
+own logs and metrics go to ``log.dir``. ``servers/serve_critic.py`` forwards here.
 
 Errors. PyTriton 0.7 turns an exception raised by an inference callable into a Triton error
 for *every* request of that execution, and the server stays up (checked in
@@ -13,10 +24,10 @@ carries :data:`~aligner.critic.protocol.BATCH_PEER_MARK`, which tells
 :class:`~aligner.critic.client.RemoteCriticClient` (whose requests were validated before
 sending) to retry. Training, save and load are never batched, so their errors are their own.
 
-Lifecycle. :func:`run_server` prepares the environment PyTriton needs here (PLATFORM.md:
-``LD_LIBRARY_PATH`` to the interpreter's libdir, a project-local cache), starts Triton on the
-configured (or free) ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout
-once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
+Lifecycle. :func:`run_server` prepares the environment PyTriton needs (``LD_LIBRARY_PATH`` to
+the interpreter's libdir, a project-local cache), starts Triton on the configured (or free)
+ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout once every model is
+loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
 Shutdown finishes the in-flight operation, saves the last applied step if
 ``checkpoint.save_on_sigterm``, stops Triton and returns 0.
 """
@@ -35,16 +46,22 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import hydra
 import numpy as np
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
 
+from aligner.configs import CONFIG_PATH
 from aligner.critic import protocol as P
-from aligner.critic.config import CriticServerConfig
-from aligner.critic.service import CriticService, CriticServiceError
+from aligner.critic.config import ConfigError, CriticServerConfig, build_config
+from aligner.critic.errors import CriticServiceError
+from aligner.critic.service import CriticService
 
 __all__ = [
     "prepare_environment",
     "CriticTritonServer",
     "run_server",
+    "main",
     "connectable_host",
     "check_ports_free",
     "PortInUseError",
@@ -54,10 +71,10 @@ log = logging.getLogger("aligner.critic")
 
 
 def prepare_environment(cache_root: str | os.PathLike | None = None) -> Path:
-    """Set what the bundled Triton needs on these machines, before it starts (PLATFORM.md).
+    """Set what the bundled Triton needs, before it starts.
 
     - ``LD_LIBRARY_PATH`` starts with this interpreter's ``LIBDIR``, so the Python backend stub
-      loads the same libpython as the running interpreter;
+      loads the same libpython as the running interpreter (not one the system finds first);
     - ``XDG_CACHE_HOME`` / ``PYTRITON_HOME`` point at a project-local cache (default ``.cache``
       in the working directory) instead of ``~/.cache``.
 
@@ -399,7 +416,7 @@ def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
 def run_server(cfg: CriticServerConfig) -> int:
     """Run the critic server until SIGTERM/SIGINT; returns the process exit code.
 
-    Under torchrun, rank 0 serves and ranks > 0 follow it (see :mod:`aligner.critic.service`).
+    Under torchrun, rank 0 serves and ranks > 0 follow it (see :mod:`aligner.critic.peers`).
     """
     import torch
 
@@ -509,3 +526,27 @@ def run_server(cfg: CriticServerConfig) -> int:
         if metrics is not None:
             metrics.close()
         destroy()
+
+
+# The structured schema critic.yaml names in its defaults list (registered on import, as Hydra
+# composes the config before main runs).
+ConfigStore.instance().store(name="critic_schema", node=CriticServerConfig)
+
+
+@hydra.main(config_path=CONFIG_PATH, config_name="critic", version_base=None)
+def main(cfg: DictConfig) -> None:
+    """``python -m aligner.critic.server [overrides]``, the ``aligner-serve-critic`` script: check
+    the configuration (exit 2 naming every bad key), then serve until SIGTERM/SIGINT."""
+    # One thread per process unless told otherwise (run_server sizes torch's pool by it; Triton's
+    # backend processes inherit it).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        checked = build_config(cfg)
+    except ConfigError as e:
+        print(f"critic server: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(run_server(checked))
+
+
+if __name__ == "__main__":
+    main()

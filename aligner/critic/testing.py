@@ -96,7 +96,8 @@ def digit_batch(
 def train_arrays(
     lengths: np.ndarray, prompt_lengths: np.ndarray, s: int, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(returns, old_values, mask), each ``[b, s-1]`` float32, with the response mask of DESIGN.md."""
+    """(returns, old_values, mask), each ``[b, s-1]`` float32, with the response mask of docs/design.md
+    ("Tensor conventions")."""
     rng = np.random.default_rng(seed)
     b = len(lengths)
     t = np.arange(s - 1)[None, :]

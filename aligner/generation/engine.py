@@ -1,6 +1,6 @@
 """The generation-engine protocol shared by every engine (native Megatron, TensorRT-LLM).
 
-Output convention (see ``DESIGN.md``, "Tensor conventions"):
+Output convention (see docs/design.md, "Tensor conventions"):
 
 - ``tokens[i, :lengths[i]]`` is prompt ``i`` followed by its response, right-padded with the
   engine's ``pad_id`` to the batch's ``s = max(lengths)``.
@@ -24,12 +24,15 @@ log-probabilities are not the behaviour policy's exact ones; that is the usual c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["SamplingParams", "GenerationOutput", "GenerationEngine", "DECODE_STEPS"]
+from aligner.config_checks import Problems
+
+__all__ = ["SamplingParams", "GenerationOutput", "GenerationEngine", "DECODE_STEPS", "sampling_problems"]
 
 #: The native engine's decode-step modes (``NativeEngine(decode_step=...)``, ``generation.decode_step``).
 DECODE_STEPS = ("auto", "eager", "static", "graph", "compiled")
@@ -43,9 +46,39 @@ def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def sampling_problems(values: Mapping[str, Any], prefix: str = "") -> Problems:
+    """What is wrong with these :class:`SamplingParams` field values (any subset of the fields,
+    by name), each problem under ``<prefix><name>``; a config that holds some of the fields
+    checks them here too."""
+    p, v = Problems(), dict(values)
+
+    def check(name: str, ok: Callable[[Any], bool], expected: str) -> None:
+        if name in v:
+            p.expect(ok(v[name]), prefix + name, v[name], expected)
+
+    check("max_new_tokens", lambda x: _is_int(x) and x >= 1, "an integer >= 1")
+    check("temperature", lambda x: _is_real(x) and math.isfinite(x) and x > 0, "a finite number > 0")
+    check("top_k", lambda x: _is_int(x) and x >= 0, "an integer >= 0 (0 = off)")
+    check("top_p", lambda x: _is_real(x) and 0.0 < x <= 1.0, "a number in (0, 1] (1.0 = off)")
+    check("greedy", lambda x: isinstance(x, bool), "a bool")
+    check(
+        "stop_token_ids",
+        lambda x: isinstance(x, (list, tuple)) and all(_is_int(t) and t >= 0 for t in x),
+        "a tuple of token ids >= 0",
+    )
+    check(
+        "stop_strings",
+        lambda x: isinstance(x, (list, tuple)) and all(isinstance(t, str) and t for t in x),
+        "a tuple of non-empty strings",
+    )
+    check("seed", lambda x: x is None or _is_int(x), "an integer or None")
+    return p
+
+
 @dataclass
 class SamplingParams:
-    """How to pick each next token. Every field is checked on construction."""
+    """How to pick each next token. Every field is checked on construction
+    (:func:`sampling_problems`); lists of stop tokens or strings become tuples."""
 
     max_new_tokens: int = 16
     """Most response tokens per sample (eos included); also bounded by the engine's max_seq_len."""
@@ -65,33 +98,9 @@ class SamplingParams:
     """Per-call seed; the engine combines it with its data-parallel rank. None: drawn from torch."""
 
     def __post_init__(self) -> None:
-        errors: list[str] = []
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            errors.append(f"max_new_tokens={self.max_new_tokens!r}: expected an integer >= 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature <= 0:
-            errors.append(f"temperature={self.temperature!r}: expected a finite number > 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            errors.append(f"top_k={self.top_k!r}: expected an integer >= 0 (0 = off)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            errors.append(f"top_p={self.top_p!r}: expected a number in (0, 1] (1.0 = off)")
-        if not isinstance(self.greedy, bool):
-            errors.append(f"greedy={self.greedy!r}: expected a bool")
-        if isinstance(self.stop_token_ids, (list, tuple)) and all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
-            self.stop_token_ids = tuple(self.stop_token_ids)
-        else:
-            errors.append(f"stop_token_ids={self.stop_token_ids!r}: expected a tuple of token ids >= 0")
-        if isinstance(self.stop_strings, (list, tuple)) and all(
-            isinstance(s, str) and s for s in self.stop_strings
-        ):
-            self.stop_strings = tuple(self.stop_strings)
-        else:
-            errors.append(f"stop_strings={self.stop_strings!r}: expected a tuple of non-empty strings")
-        if self.seed is not None and not _is_int(self.seed):
-            errors.append(f"seed={self.seed!r}: expected an integer or None")
-        if errors:
-            raise ValueError("invalid SamplingParams:\n  " + "\n  ".join(errors))
+        sampling_problems(vars(self)).raise_if_any("SamplingParams")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop_strings = tuple(self.stop_strings)
 
 
 @dataclass

@@ -29,11 +29,11 @@ mask), which is what a CUDA graph can capture and replay (:class:`CudaGraphDecod
 what ``torch.compile`` turns into one set of fused kernels for every position
 (:class:`CompiledDecodeStep`).
 
-Only architectures that :func:`unsupported_reason` accepts take this path (the local layer
-spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm, RoPE or learned absolute
-positions, MHA/GQA/MQA, optional biases, gated or plain MLP, tied or untied head, TP without
-sequence parallelism); anything else uses Megatron's own forward. The tests compare both
-with a full-recompute forward.
+Only architectures that :func:`aligner.models.local_spec.unsupported_reason` accepts take
+this path (the local layer spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm,
+RoPE or learned absolute positions, MHA/GQA/MQA, optional biases, gated or plain MLP, tied or
+untied head, TP without sequence parallelism); anything else uses Megatron's own forward. The
+tests compare both with a full-recompute forward.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from aligner.models.local_spec import unsupported_reason
+from aligner.models.rope import apply_rope, rope_tables
+
 __all__ = [
     "LeanDecoder",
     "CudaGraphDecodeStep",
     "CompiledDecodeStep",
-    "unsupported_reason",
     "onednn_linear_available",
-    "rope_tables",
-    "apply_rope",
 ]
 
 _ONEDNN_OK: bool | None = None
@@ -80,93 +80,6 @@ def onednn_linear_available() -> bool:
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _is_identity(m) -> bool:
-    return m is None or type(m).__name__ in ("IdentityOp", "IdentityFuncOp", "Identity")
-
-
-def unsupported_reason(model: nn.Module, heads: tuple[str, ...] = ("lm",)) -> str | None:
-    """None when :class:`LeanDecoder` computes exactly what ``model``'s forward does, else why
-    not. ``heads``: the heads (``model.aligner_head``) accepted; the decoder needs an LM head,
-    the trunk is the same for all (``aligner.models.fused`` accepts value and reward heads)."""
-    if type(model).__name__ != "GPTModel":
-        return f"model is a {type(model).__name__}, not a megatron GPTModel"
-    if not (model.pre_process and model.post_process):
-        return "pipeline-parallel stage (pre_process/post_process not both set)"
-    if getattr(model, "aligner_head", "lm") not in heads:
-        return f"head {getattr(model, 'aligner_head', 'lm')!r} is not one of {list(heads)}"
-    cfg = model.config
-    checks = {
-        "multi_latent_attention": getattr(cfg, "multi_latent_attention", False),
-        "mtp_num_layers": getattr(cfg, "mtp_num_layers", None),
-        "sequence_parallel": cfg.sequence_parallel,
-        "apply_residual_connection_post_layernorm": cfg.apply_residual_connection_post_layernorm,
-        "fp32_residual_connection": cfg.fp32_residual_connection,
-        "apply_query_key_layer_scaling": getattr(cfg, "apply_query_key_layer_scaling", False),
-        "attention_output_gate": getattr(cfg, "attention_output_gate", False),
-        "num_moe_experts": getattr(cfg, "num_moe_experts", None),
-        "qk_layernorm": getattr(cfg, "qk_layernorm", False),
-        "no_rope_freq": getattr(cfg, "no_rope_freq", None),
-        "activation_func_clamp_value": getattr(cfg, "activation_func_clamp_value", None),
-        "glu_linear_offset": getattr(cfg, "glu_linear_offset", 0.0),
-        "flash_decode": getattr(cfg, "flash_decode", False),
-    }
-    on = [k for k, v in checks.items() if v]
-    if on:
-        return f"config options not handled by the lean path: {on}"
-    if getattr(cfg, "softmax_type", "vanilla") != "vanilla":
-        return f"softmax_type={cfg.softmax_type!r}"
-    if model.position_embedding_type not in ("rope", "learned_absolute"):
-        return f"position_embedding_type={model.position_embedding_type!r}"
-    if model.position_embedding_type == "rope":
-        if cfg.rotary_interleaved:
-            return "interleaved RoPE"
-        rot_dim = model.rotary_pos_emb.inv_freq.numel() * 2
-        if rot_dim != cfg.kv_channels:
-            return f"partial RoPE (rotary dim {rot_dim} != head dim {cfg.kv_channels})"
-    if cfg.num_query_groups is not None and cfg.num_query_groups < cfg.tensor_model_parallel_size:
-        return "fewer query groups than tensor-parallel ranks"
-    for i, layer in enumerate(model.decoder.layers):
-        names = (type(layer).__name__, type(layer.self_attention).__name__, type(layer.mlp).__name__)
-        if names != ("TransformerLayer", "SelfAttention", "MLP"):
-            return f"layer {i} is {names}"
-        att = layer.self_attention
-        if not (
-            _is_identity(getattr(att, "q_layernorm", None))
-            and _is_identity(getattr(att, "k_layernorm", None))
-        ):
-            return f"layer {i} has q/k layernorms"
-        if not _is_identity(getattr(layer, "cross_attention", None)):
-            return f"layer {i} has cross attention"
-        if _is_identity(layer.input_layernorm) or _is_identity(layer.pre_mlp_layernorm):
-            return f"layer {i} fuses its layernorm into a linear layer"
-    if getattr(model.decoder, "final_layernorm", None) is None:
-        return "no final layernorm"
-    return None
-
-
-def rope_tables(
-    model: nn.Module, n: int, d: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's ``(cos, sin)`` for positions ``[0, n)`` of head dim ``d``, each ``[1, n, 1, 1, d]``
-    in ``dtype``, with sin's first half negated: then ``RoPE(x) = x*cos + roll(x, d/2)*sin``.
-
-    Megatron's ``emb`` is ``cat(freqs, freqs)`` and RoPE is ``x*cos + rotate_half(x)*sin`` with
-    ``rotate_half([x1, x2]) = [-x2, x1] = swap_halves(x) * [-1, 1]``; the sign folded into sin
-    is exact (negation commutes with rounding), and cos/sin are rounded to the model dtype as
-    Megatron rounds them.
-    """
-    emb = model.rotary_pos_emb.get_emb(n).reshape(n, d).float().to(device)
-    cos, sin = emb.cos(), emb.sin()
-    sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
-    return cos.to(dtype).view(1, n, 1, 1, d), sin.to(dtype).view(1, n, 1, 1, d)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` (head dim last) with :func:`rope_tables`' ``(cos, sin)``, in Megatron's
-    order of rounding: ``t*cos + rotate_half(t)*sin``, three ops."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class _Layer:

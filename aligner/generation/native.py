@@ -55,8 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams
-from aligner.generation.lean import CompiledDecodeStep, CudaGraphDecodeStep, LeanDecoder, unsupported_reason
+from aligner.generation.lean import CompiledDecodeStep, CudaGraphDecodeStep, LeanDecoder
 from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
+from aligner.models.local_spec import unsupported_reason
 
 __all__ = ["NativeEngine", "generate_no_cache"]
 

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder holding
 
-- ``model.safetensors``: every tensor of :func:`aligner.models.hf.megatron_tensor_specs` in its
+- ``model.safetensors``: every tensor of :func:`aligner.models.layout.megatron_tensor_specs` in its
   full TP=1/PP=1 layout, under Megatron's names with global layer numbers, the vocabulary
   un-padded (so a checkpoint saved at TP=2 loads at TP=1, or with another vocab padding);
 - ``meta.json``: ``{"format": "aligner-model", "version": 1, "model_config": {...},
@@ -23,21 +23,19 @@ from typing import Any
 import torch
 
 from aligner.distributed import barrier, is_writer
-from aligner.models.config import ConfigError, ModelConfig
-from aligner.models.hf import (
-    ROLES,
-    ConversionError,
-    _as_dtype,
-    _check_out_dir,
-    _config_of,
-    _head_of,
-    _load_json,
-    atomic_output_dir,
-    build_model,
+from aligner.models.config import ConfigError, ConversionError, ModelConfig
+from aligner.models.gpt import ROLES, build_model, config_of, head_of, unwrap
+from aligner.models.layout import (
     iter_megatron_tensors,
     load_megatron_tensors,
     megatron_tensor_specs,
     weight_layout_diff,
+)
+from aligner.models.model_files import (
+    as_dtype,
+    atomic_output_dir,
+    check_output_dir,
+    read_json_object,
     write_tensor_stream,
 )
 
@@ -71,18 +69,16 @@ def save_model_checkpoint(
 
     Collective: call on every rank; global rank 0 writes. ``role`` defaults to the model's head.
     """
-    from aligner.models.gpt import unwrap
-
     m = unwrap(model)
-    cfg = _config_of(m, cfg)
-    head = _head_of(m)
+    cfg = config_of(m, cfg)
+    head = head_of(m)
     role = role or _HEAD_ROLE[head]
     if ROLES.get(role) != head and not (head in ("value", "reward") and role in ("critic", "reward")):
         raise ConversionError(f"role={role!r} does not match the model's {head!r} head")
-    dtype = _as_dtype(dtype)
+    dtype = as_dtype(dtype)
     wire = dtype or next(iter(m.parameters())).dtype
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)
     meta: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -115,7 +111,7 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
     if not folder.is_dir():
         raise ConversionError(f"checkpoint folder {folder} does not exist")
     path = folder / "meta.json"
-    meta = _load_json(path, "checkpoint meta")
+    meta = read_json_object(path, "checkpoint meta")
     if meta.get("format") != FORMAT:
         raise ConversionError(f"{path}: field 'format'={meta.get('format')!r}: expected {FORMAT!r}")
     if meta.get("version") != VERSION:
@@ -140,10 +136,8 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
     :func:`read_checkpoint_meta`). A reward-model checkpoint loads into a critic and back."""
     from safetensors import safe_open
 
-    from aligner.models.gpt import unwrap
-
     m = unwrap(model)
-    head = _head_of(m)
+    head = head_of(m)
     folder = Path(ckpt_dir)
     meta = read_checkpoint_meta(folder)
     saved: ModelConfig = meta["model_config"]
@@ -205,7 +199,8 @@ def load_weights_from(model: torch.nn.Module, cfg: ModelConfig, path: str | os.P
     """Load initial weights into ``model`` from our checkpoint folder (``meta.json``) or a HF
     folder (``config.json``), after checking the saved architecture equals ``cfg``'s.
     Returns which kind of folder it was ("aligner" or "hf")."""
-    from aligner.models.hf import load_hf_into_megatron, model_config_from_hf
+    from aligner.models.hf import load_hf_into_megatron
+    from aligner.models.hf_config import model_config_from_hf
 
     folder = Path(path)
     if (folder / "meta.json").is_file():

@@ -1,4 +1,6 @@
-"""The architecture of a GPT-style model, independent of how it is parallelised."""
+"""The architecture of a GPT-style model, independent of how it is parallelised, and the two
+errors of the models package: :class:`ConfigError` (a wrong config value) and
+:class:`ConversionError` (a checkpoint, an HF folder or a config that cannot be converted)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "ConfigError", "FORWARD_MODES"]
+__all__ = ["ModelConfig", "ConfigError", "ConversionError", "FORWARD_MODES"]
 
 NORMS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
@@ -18,6 +20,10 @@ FORWARD_MODES = ("auto", "fused", "compiled", "megatron")
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names every offending field."""
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config cannot be converted; the message names the file/tensor/field."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aligner.models.config import ConfigError
+from aligner.models.config import ConfigError, ConversionError
 
 __all__ = ["main", "build_parser"]
 
@@ -70,6 +70,7 @@ def _run(args: argparse.Namespace) -> None:
 
     from aligner import distributed
     from aligner.models import checkpoint_io, hf
+    from aligner.models.hf_config import hf_architecture, read_hf_config
 
     dtype = _DTYPES[args.dtype]
     if args.command == "import":
@@ -95,7 +96,7 @@ def _run(args: argparse.Namespace) -> None:
         args.tp,
         args.pp,
     ):
-        raise hf.ConversionError(
+        raise ConversionError(
             f"the process is already set up for TP={mpu.get_tensor_model_parallel_world_size()}, "
             f"PP={mpu.get_pipeline_model_parallel_world_size()}, not --tp {args.tp} --pp {args.pp}"
         )
@@ -107,8 +108,8 @@ def _run(args: argparse.Namespace) -> None:
                 cfg,
                 args.out_dir,
                 args.role,
-                hf_architecture=hf.hf_architecture(args.hf_dir),
-                hf_config=hf.read_hf_config(args.hf_dir),
+                hf_architecture=hf_architecture(args.hf_dir),
+                hf_config=read_hf_config(args.hf_dir),
                 dtype=dtype,
                 overwrite=args.overwrite,
             )
@@ -132,8 +133,6 @@ def _run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 conversion error, 2 usage error)."""
-    from aligner.models.hf import ConversionError
-
     args = build_parser().parse_args(argv)
     try:
         _run(args)

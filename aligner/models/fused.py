@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aligner.generation.lean import apply_rope, rope_tables
-from aligner.generation.lean import unsupported_reason as _lean_unsupported_reason
+from aligner.models import local_spec
 from aligner.models.config import FORWARD_MODES
+from aligner.models.rope import apply_rope, rope_tables
 
 __all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forward", "compile_available"]
 
@@ -46,7 +46,7 @@ __all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forwa
 def unsupported_reason(model: nn.Module) -> str | None:
     """None when :class:`FusedForward` computes exactly what ``model``'s forward does (its
     output and every gradient), else why not."""
-    reason = _lean_unsupported_reason(model, heads=("lm", "value", "reward"))
+    reason = local_spec.unsupported_reason(model, heads=("lm", "value", "reward"))
     if reason is not None:
         return reason
     cfg = model.config

@@ -6,7 +6,9 @@
 
 The critic and reward model are Megatron's ``GPTModel`` whose ``output_layer`` is replaced by
 a :class:`ScalarHead` (as NeMo-Aligner does), so the trunk's parameter names, tensor/pipeline
-parallel layout and HF conversion are the same for all three.
+parallel layout and HF conversion are the same for all three. Each built model carries its
+head (``model.aligner_head``: ``"lm"``, ``"value"`` or ``"reward"``) and its
+:class:`ModelConfig` (``model.aligner_config``); :func:`head_of` and :func:`config_of` read them.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from aligner import cpu_compat
-from aligner.models.config import ModelConfig
+from aligner.models.config import ConversionError, ModelConfig
 
 __all__ = [
+    "ROLES",
     "ScalarHead",
     "transformer_config",
     "build_policy",
     "build_critic",
     "build_reward_model",
+    "role_head",
+    "build_model",
+    "config_of",
+    "head_of",
     "position_ids_for",
     "policy_logits",
     "token_values",
@@ -226,6 +233,42 @@ def build_reward_model(
     return _build(
         cfg, "reward", tensor_parallel_size, pipeline_parallel_size, pre_process, post_process, params_dtype
     )
+
+
+#: Our roles -> the head of the Megatron model (``model.aligner_head``).
+ROLES: dict[str, str] = {"policy": "lm", "critic": "value", "reward": "reward"}
+
+
+def role_head(role: str) -> str:
+    """The head of ``role``'s model (:data:`ROLES`); an unknown role is a :class:`ConversionError`."""
+    if role not in ROLES:
+        raise ConversionError(f"role={role!r}: expected one of {sorted(ROLES)}")
+    return ROLES[role]
+
+
+def build_model(cfg: ModelConfig, role: str = "policy", params_dtype: torch.dtype = torch.float32):
+    """Build the Megatron model of ``role`` for ``cfg`` on the current TP/PP layout."""
+    builder = {"policy": build_policy, "critic": build_critic, "reward": build_reward_model}
+    role_head(role)
+    return builder[role](cfg, params_dtype=params_dtype)
+
+
+def config_of(model: nn.Module, cfg: ModelConfig | None = None) -> ModelConfig:
+    """``cfg`` when given, else the config the model was built with (``model.aligner_config``)."""
+    if cfg is not None:
+        return cfg
+    found = getattr(model, "aligner_config", None)
+    if not isinstance(found, ModelConfig):
+        raise ConversionError("no model config given and the model has no aligner_config")
+    return found
+
+
+def head_of(model: nn.Module) -> str:
+    """The model's head, ``"lm"``, ``"value"`` or ``"reward"`` (``model.aligner_head``)."""
+    head = getattr(model, "aligner_head", None)
+    if head not in ("lm", "value", "reward"):
+        raise ConversionError("the model has no aligner_head; build it with aligner.models.gpt")
+    return head
 
 
 def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

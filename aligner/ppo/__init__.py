@@ -1,4 +1,15 @@
-"""The actor's PPO loop: configuration, the trainer recipe and its checkpoints.
+"""The actor's PPO loop: its configuration, the trainer recipe, the pieces the recipe moves
+tensors between, and its checkpoints.
+
+- :mod:`aligner.ppo.config`: the typed config behind ``actor.yaml`` and its checks;
+- :mod:`aligner.ppo.trainer`: :class:`~aligner.ppo.trainer.PPOTrainer`, the loop as the numbered
+  steps of docs/design.md ("Roles and data flow");
+- :mod:`aligner.ppo.prompts`: reading prompt files and the seeded order steps draw them in;
+- :mod:`aligner.ppo.critic_link`: the critic server seen from the actor's ranks;
+- :mod:`aligner.ppo.logprobs`: log-probs and entropies over this rank's vocabulary shard;
+- :mod:`aligner.ppo.optimizer`: the policy's AdamW and learning-rate schedule;
+- :mod:`aligner.ppo.rollout`: the rollout and the step record its metrics come from;
+- :mod:`aligner.ppo.checkpointing`: checkpoints of both roles at one step, and exact resume.
 
 The maths it runs (log-probs, KL estimators, reward shaping, GAE, losses, KL controllers) is
 :mod:`aligner.rl`, shared with the critic server. Nothing is imported here so that importing

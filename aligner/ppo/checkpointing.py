@@ -6,16 +6,24 @@ Layout under the run's checkpoint root (shared with the critic server when both 
         policy/                     the policy as a full model checkpoint (meta.json + model.safetensors,
                                     any TP layout loads it; ``init_from`` and ``aligner-convert export``
                                     read it)
-        optim_tp00.safetensors      AdamW moments of tensor-parallel rank 0 (+ optim_tp00.json)
-        rng_rank0000.safetensors    every RNG state of global rank 0
+        optim_tp00_pp00.safetensors fp32 masters and AdamW moments of model-parallel rank (0, 0)
+                                    (+ optim_tp00_pp00.json), shared by its data-parallel replicas
+        rng_tp00_pp00_dp000.safetensors
+                                    every RNG state of the rank at (tp 0, pp 0, dp 0)
         trainer_state.json          step, KL controller, score normaliser, data position, LR
                                     schedule position, the config it was made with, checks
     <root>/step_00000040/critic/    written by the server (``critic_save``)
     <root>/best -> step_000000NN    the step with the best validation score (``best.json``)
 
-One step is saved in this order: wait for the critic's pending training, ``critic_save(step)``
-(the server writes and answers), then the actor's files into ``<step>/.tmp.actor`` from every
-rank, then rank 0 writes ``trainer_state.json`` and the marker and renames the folder. A kill
+The per-rank files are named by :func:`aligner.checkpoint.shard_file`. The trainer hands the
+checkpointer an :class:`ActorState` (its policy, optimizer and training-state JSON at a step,
+taken after the critic's pending training has finished) and applies what a load returns; the
+checkpointer never reaches into the trainer.
+
+One step is saved in this order: the critic's pending training has finished,
+``critic_save(step)`` (the server writes and answers), then the actor's files into
+``<step>/.tmp.actor`` from every rank, then rank 0 writes ``trainer_state.json`` and the marker
+and renames the folder. A kill
 at any point leaves the previous complete step as the newest step both roles completed, which
 is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
 
@@ -31,6 +39,8 @@ import logging
 import os
 import shutil
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +59,22 @@ from aligner.checkpoint import (
     rng_state_tensors,
     rng_to_restore,
     save_tensors,
+    shard_file,
     step_dir_name,
     write_json,
 )
+from aligner.critic.handle import CriticHandle
+from aligner.critic.protocol import ServerInfo
 from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
 from aligner.models.config import ModelConfig
+from aligner.ppo.config import ActorConfig, PolicyOptimConfig
+from aligner.precision import MixedPrecisionAdamW
+from aligner.tokenizers import Tokenizer
 
 __all__ = [
     "ROLE",
     "FAULT_POINTS",
+    "ActorState",
     "ActorCheckpointer",
     "checkpoint_root",
     "weights_fingerprint",
@@ -72,7 +89,25 @@ FAULT_POINTS = ("before_critic_save", "after_critic_save", "mid_actor_write", "b
 _TMP = ".tmp." + ROLE
 
 
-def checkpoint_root(cfg: Any) -> Path:
+@dataclass
+class ActorState:
+    """What an actor checkpoint holds of the trainer at one step (every rank has its own: its
+    policy shard, its optimizer shard)."""
+
+    step: int
+    """PPO steps completed."""
+    policy: torch.nn.Module
+    """The policy (this rank's tensor-parallel shard), loaded into in place."""
+    optimizer: MixedPrecisionAdamW
+    """Its optimizer: fp32 masters and AdamW moments (this rank's shard), loaded into in place."""
+    precision: str
+    """What the policy computes in ('bf16' or 'fp32')."""
+    training: dict[str, Any]
+    """Everything else the next step depends on, as JSON (KL controller, score normaliser, data
+    position, LR schedule position, the critic's last result): ``PPOTrainer.training_state()``."""
+
+
+def checkpoint_root(cfg: ActorConfig) -> Path:
     """``checkpoint.dir``, or ``<logging.run_dir>/checkpoints``."""
     return Path(cfg.checkpoint.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
 
@@ -105,7 +140,7 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
 
 
 def config_differences(
-    saved: dict[str, Any], cfg: Any, state: ParallelState, tokenizer: Any, precision: str
+    saved: dict[str, Any], cfg: ActorConfig, state: ParallelState, tokenizer: Tokenizer, precision: str
 ) -> list[str]:
     """What differs between a checkpoint's recorded settings and this run in ways that make it
     impossible to continue (the architecture, the tokenizer, the tensor-parallel layout, the set
@@ -144,13 +179,13 @@ class ActorCheckpointer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ActorConfig,
         state: ParallelState,
-        critic: Any,
-        tokenizer: Any,
+        critic: CriticHandle,
+        tokenizer: Tokenizer,
         *,
         reference_fingerprint: str | None = None,
-        print_fn: Any = print,
+        print_fn: Callable[..., None] = print,
     ) -> None:
         self.cfg, self.state, self.critic, self.tokenizer = cfg, state, critic, tokenizer
         self.root = checkpoint_root(cfg)
@@ -239,7 +274,7 @@ class ActorCheckpointer:
         self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
         return str(step_dir)
 
-    def _reset_critic(self, info: Any, server_steps: list[int], why: str) -> None:
+    def _reset_critic(self, info: ServerInfo, server_steps: list[int], why: str) -> None:
         if info.critic_step < 1:
             return
         if 0 not in server_steps:
@@ -253,10 +288,12 @@ class ActorCheckpointer:
 
     # -- save --------------------------------------------------------------------------------------
 
-    def after_step(self, trainer: Any, metrics: dict[str, float], *, last: bool) -> None:
-        """Save when the interval says so, at the end, or (``keep_best``) at a new best validation."""
+    def after_step(
+        self, step: int, metrics: dict[str, float], actor_state: Callable[[], ActorState], *, last: bool
+    ) -> None:
+        """After step ``step``: save when the interval says so, at the end, or (``keep_best``) at a
+        new best validation. ``actor_state`` is called only to save."""
         c = self.cfg.checkpoint
-        step = trainer.step_count
         new_best = (
             c.keep_best
             and "val/scores" in metrics
@@ -266,17 +303,17 @@ class ActorCheckpointer:
         if new_best:
             self.best = {"step": step, "val/scores": float(metrics["val/scores"])}
         if due and self.last_saved != step:
-            self.save(trainer)
+            self.save(actor_state())
         if new_best and self.state.rank == 0:
             self._write_best()
             self._say(
                 f"new best validation score {self.best['val/scores']:.4f} at step {step}: {self.root / 'best'}"
             )
 
-    def save(self, trainer: Any) -> Path:
-        step = trainer.step_count
-        st = self.state
-        trainer.wait_critic()
+    def save(self, state: ActorState) -> Path:
+        """Both roles' checkpoints of ``state.step`` (the critic's by the server). Returns the
+        actor's folder."""
+        step, st = state.step, self.state
         _fault("before_critic_save", step)
         if st.rank == 0:
             self.critic.save(step)
@@ -289,17 +326,17 @@ class ActorCheckpointer:
         barrier()
         from aligner.models.checkpoint_io import save_model_checkpoint
 
-        save_model_checkpoint(trainer.policy, self.cfg.model, tmp / "policy", role="policy")
+        save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
         _fault("mid_actor_write", step)
         if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
-            tensors, meta = trainer.optimizer.state_tensors()
-            save_tensors(tmp / f"optim_tp{st.tp_rank:02d}.safetensors", tensors)
-            write_json(tmp / f"optim_tp{st.tp_rank:02d}.json", meta)
-        save_tensors(tmp / f"rng_rank{st.rank:04d}.safetensors", rng_state_tensors())
+            tensors, meta = state.optimizer.state_tensors()
+            save_tensors(tmp / self._optim_file(), tensors)
+            write_json(tmp / self._optim_file(".json"), meta)
+        save_tensors(tmp / self._rng_file(), rng_state_tensors())
         barrier()
         _fault("before_commit", step)
         if st.rank == 0:
-            write_json(tmp / "trainer_state.json", self._state_json(trainer))
+            write_json(tmp / "trainer_state.json", self._state_json(state))
             commit_directory(tmp, final, {"step": step, "role": ROLE})
         barrier()
         self.last_saved = step
@@ -309,14 +346,23 @@ class ActorCheckpointer:
         self._say(f"saved checkpoint step {step}: {final}")
         return final
 
-    def _state_json(self, trainer: Any) -> dict[str, Any]:
+    def _optim_file(self, suffix: str = ".safetensors") -> str:
+        """This rank's optimizer shard (one per tensor/pipeline-parallel rank)."""
+        return shard_file("optim", tp=self.state.tp_rank, pp=self.state.pp_rank, suffix=suffix)
+
+    def _rng_file(self) -> str:
+        """This rank's random states (one per rank)."""
+        st = self.state
+        return shard_file("rng", tp=st.tp_rank, pp=st.pp_rank, dp=st.dp_rank)
+
+    def _state_json(self, state: ActorState) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         cfg, st = self.cfg, self.state
         return {
             "format_version": FORMAT_VERSION,
             "role": ROLE,
-            "trainer": trainer.training_state(),
+            "trainer": state.training,
             "best": self.best,
             "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
             "model_config": cfg.model.to_dict(),
@@ -327,9 +373,9 @@ class ActorCheckpointer:
             "data_parallel_size": st.dp_size,
             "world_size": st.world_size,
             "trainable_last_n_layers": cfg.optim.trainable_last_n_layers,
-            "precision": trainer.precision,
+            "precision": state.precision,
             "reference_fingerprint": self.reference_fingerprint,
-            "critic_url": getattr(self.critic, "url", None),
+            "critic_url": self.critic.url,
         }
 
     def _write_best(self) -> None:
@@ -353,11 +399,13 @@ class ActorCheckpointer:
 
     # -- load --------------------------------------------------------------------------------------
 
-    def load(self, trainer: Any, step_dir: Path) -> int:
-        """Restore the actor from ``step_dir`` and the server's critic from the same step.
-        Everything is checked before anything changes. Random states come back when the
-        process layout is the checkpoint's; device states that do not fit this process (a
-        GPU's generators on a CPU) are left out with a warning. Returns the step."""
+    def load(self, state: ActorState, step_dir: Path) -> dict[str, Any]:
+        """Restore the policy and optimizer of ``state`` in place from ``step_dir``, and the
+        server's critic from the same step; returns the saved training state for the trainer to
+        apply (``PPOTrainer.load_training_state``). Everything is checked before anything
+        changes. Random states come back when the process layout is the checkpoint's; device
+        states that do not fit this process (a GPU's generators on a CPU) are left out with a
+        warning."""
         st = self.state
         d = Path(step_dir) / ROLE
         saved = read_json(d / "trainer_state.json")
@@ -366,7 +414,7 @@ class ActorCheckpointer:
                 f"{d / 'trainer_state.json'}: format_version={saved.get('format_version')!r}, expected "
                 f"{FORMAT_VERSION}"
             )
-        problems = config_differences(saved, self.cfg, st, self.tokenizer, trainer.precision)
+        problems = config_differences(saved, self.cfg, st, self.tokenizer, state.precision)
         ref = saved.get("reference_fingerprint")
         if ref is not None and self.reference_fingerprint is not None and ref != self.reference_fingerprint:
             problems.append(
@@ -376,9 +424,9 @@ class ActorCheckpointer:
         if problems:
             raise CheckpointError(f"cannot resume from {d}:\n  " + "\n  ".join(problems))
         step = int(saved["trainer"]["step"])
-        optim_t = load_tensors(d / f"optim_tp{st.tp_rank:02d}.safetensors")
-        optim_meta = read_json(d / f"optim_tp{st.tp_rank:02d}.json")
-        rng_file = d / f"rng_rank{st.rank:04d}.safetensors"
+        optim_t = load_tensors(d / self._optim_file())
+        optim_meta = read_json(d / self._optim_file(".json"))
+        rng_file = d / self._rng_file()
         same_layout = saved["world_size"] == st.world_size and saved["data_parallel_size"] == st.dp_size
         rng = load_tensors(rng_file) if same_layout else None
         if rng is not None:  # checked before anything is applied
@@ -389,16 +437,15 @@ class ActorCheckpointer:
             if rng_note:  # device states saved on another kind of device: left out
                 log.warning("%s", rng_note)
 
-        problems = trainer.optimizer.state_problems(optim_t, optim_meta)
+        problems = state.optimizer.state_problems(optim_t, optim_meta)
         if problems:
             raise CheckpointError(f"cannot resume from {d}: optimizer state: " + "; ".join(problems))
 
         from aligner.models.checkpoint_io import load_model_checkpoint
 
-        load_model_checkpoint(trainer.policy, d / "policy")
-        trainer.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
-        self._apply_current_hyperparameters(trainer.optimizer)
-        trainer.load_training_state(saved["trainer"])
+        load_model_checkpoint(state.policy, d / "policy")
+        state.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
+        _apply_current_hyperparameters(state.optimizer, self.cfg.optim)
         if rng is not None:
             restore_rng_state(rng)
         else:
@@ -406,7 +453,6 @@ class ActorCheckpointer:
                 f"the checkpoint was made with {saved['world_size']} rank(s) (DP={saved['data_parallel_size']}), "
                 f"this run has {st.world_size} (DP={st.dp_size}): random states are not restored"
             )
-        trainer.engine.refit(trainer.policy)
         self.best = saved.get("best")
         if st.rank == 0:
             later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
@@ -421,15 +467,15 @@ class ActorCheckpointer:
             self.critic.load(step)
         barrier()
         self.last_saved = step
-        return step
+        return saved["trainer"]
 
-    def _apply_current_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
-        """Loaded param groups carry the old run's settings; this run's config wins (the LR is set
-        from the schedule by the trainer)."""
-        o = self.cfg.optim
-        for g in optimizer.param_groups:
-            g["betas"] = (o.adam_beta1, o.adam_beta2)
-            g["eps"] = o.adam_eps
-            g["weight_decay"] = o.weight_decay
-            g["initial_lr"] = o.lr
-            g["lr"] = o.lr
+
+def _apply_current_hyperparameters(optimizer: torch.optim.Optimizer, o: PolicyOptimConfig) -> None:
+    """Loaded param groups carry the old run's settings; this run's config wins (the LR is set
+    from the schedule when the trainer applies its training state)."""
+    for g in optimizer.param_groups:
+        g["betas"] = (o.adam_beta1, o.adam_beta2)
+        g["eps"] = o.adam_eps
+        g["weight_decay"] = o.weight_decay
+        g["initial_lr"] = o.lr
+        g["lr"] = o.lr

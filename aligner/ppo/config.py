@@ -1,4 +1,4 @@
-"""Typed configuration of the actor (backs ``configs/actor.yaml``).
+"""Typed configuration of the actor (backs ``aligner/configs/actor.yaml``).
 
 One small dataclass per component, each field with a one-line docstring. Cross-field checks
 run once, before any model is built, and report every problem together.
@@ -6,28 +6,28 @@ run once, before any model is built, and report every problem together.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from aligner.config_checks import Problems
 from aligner.distributed import ParallelConfig
-from aligner.generation.engine import DECODE_STEPS
+from aligner.generation.engine import DECODE_STEPS, SamplingParams, sampling_problems
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
+from aligner.optim import OptimConfig
 
 __all__ = [
     "ActorConfig",
     "DataConfig",
     "GenerationConfig",
     "PPOConfig",
-    "OptimConfig",
+    "PolicyOptimConfig",
     "CriticClientConfig",
     "LoggingConfig",
     "CheckpointConfig",
     "ValidationConfig",
     "ConfigError",
     "validate_actor_config",
-    "load_prompts",
 ]
 
 
@@ -45,6 +45,36 @@ class DataConfig:
     """Prompts drawn from a built-in task (an epoch of data)."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (with the run's seed)."""
+
+    def problems(self, max_new_tokens: int, max_seq_len: int, prefix: str = "data") -> Problems:
+        """Where prompts come from, and whether a built-in task's prompt and answer fit in
+        ``max_new_tokens`` and ``max_seq_len``."""
+        e = Problems()
+        if self.prompt_file is not None:
+            e.expect(
+                os.path.isfile(self.prompt_file),
+                f"{prefix}.prompt_file",
+                self.prompt_file,
+                "an existing file",
+            )
+            return e
+        if self.task not in ("copy", "reverse", "sort"):
+            e.append(
+                f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.prompt_file)"
+            )
+            return e
+        prompt = self.num_digits + 1
+        if prompt + max_new_tokens > max_seq_len:
+            e.append(
+                f"prompt ({prompt} tokens) + generation.max_new_tokens ({max_new_tokens}) = "
+                f"{prompt + max_new_tokens} exceeds model.max_seq_len ({max_seq_len})"
+            )
+        if max_new_tokens < prompt:
+            e.append(
+                f"generation.max_new_tokens={max_new_tokens} cannot hold the answer to a "
+                f"{self.num_digits}-digit {self.task} task plus end-of-sequence ({prompt})"
+            )
+        return e
 
 
 @dataclass
@@ -72,10 +102,31 @@ class GenerationConfig:
     ``eager``, ``static``, ``graph`` (CUDA), or ``compiled`` (``torch.compile``, TP=1; on a CPU
     about 1.5x the eager step's tokens/s, after a compile of seconds per batch shape)."""
 
+    def _sampling_fields(self) -> dict[str, Any]:
+        """The fields this config shares with :class:`SamplingParams`, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(SamplingParams) if hasattr(self, f.name)}
+
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """The engine's sampling parameters for these settings, with ``overrides`` (``seed``,
+        ``greedy``) on top."""
+        return SamplingParams(**{**self._sampling_fields(), **overrides})
+
+    def problems(self, prefix: str = "generation") -> Problems:
+        p = sampling_problems(self._sampling_fields(), prefix=f"{prefix}.")
+        n = self.num_threads
+        p.expect(n is None or n >= 1, f"{prefix}.num_threads", n, "an integer >= 1 or null")
+        p.expect(
+            self.decode_step in DECODE_STEPS,
+            f"{prefix}.decode_step",
+            self.decode_step,
+            f"one of {list(DECODE_STEPS)}",
+        )
+        return p
+
 
 @dataclass
-class OptimConfig:
-    """Adam with linear warmup and cosine decay, for the policy."""
+class PolicyOptimConfig(OptimConfig):
+    """The policy's AdamW (the settings both roles share) with linear warmup and cosine decay."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -83,18 +134,28 @@ class OptimConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 5
     """Optimizer steps of linear warmup."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW)."""
-    adam_eps: float = 1e-5
-    """Adam epsilon (1e-5 as in the N+ implementation details, not torch's 1e-8)."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 = off)."""
     trainable_last_n_layers: int | None = None
     """Train only the last N transformer layers (and the final norm and LM head); None = all."""
+
+    def problems(self, prefix: str = "optim", num_layers: int | None = None) -> Problems:
+        """Also checks ``trainable_last_n_layers`` against ``num_layers`` when given."""
+        p = super().problems(prefix)
+        p.expect(
+            0 <= self.min_lr <= self.lr,
+            f"{prefix}.min_lr",
+            self.min_lr,
+            f"a value in [0, {prefix}.lr={self.lr}]",
+        )
+        p.expect(self.warmup_steps >= 0, f"{prefix}.warmup_steps", self.warmup_steps, ">= 0")
+        n = self.trainable_last_n_layers
+        if num_layers is not None:
+            p.expect(
+                n is None or 1 <= n <= num_layers,
+                f"{prefix}.trainable_last_n_layers",
+                n,
+                f"1..model.num_layers ({num_layers}) or null",
+            )
+        return p
 
 
 @dataclass
@@ -154,6 +215,39 @@ class PPOConfig:
     reference_on_cpu: bool = False
     """Keep the frozen reference model on the CPU (saves accelerator memory)."""
 
+    def problems(self, prefix: str = "ppo") -> Problems:
+        """Each value on its own (the batch sizes' divisibility depends on the data-parallel
+        size: :meth:`ActorConfig.problems`)."""
+        e = Problems()
+        e.positive_ints(
+            self,
+            prefix,
+            ("num_steps", "global_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"),
+        )
+        e.expect(0 < self.clip_eps < 1, f"{prefix}.clip_eps", self.clip_eps, "a value in (0, 1)")
+        high, dual, vlam = self.clip_eps_high, self.dual_clip, self.value_lam
+        e.expect(high is None or high > 0, f"{prefix}.clip_eps_high", high, "> 0 or null")
+        e.expect(dual is None or dual > 1, f"{prefix}.dual_clip", dual, "a constant > 1 or null")
+        e.expect(
+            self.loss_agg in ("token_mean", "seq_mean_token_mean"),
+            f"{prefix}.loss_agg",
+            self.loss_agg,
+            "'token_mean' or 'seq_mean_token_mean'",
+        )
+        e.expect(
+            self.kl_estimator in ("k1", "abs", "k3"),
+            f"{prefix}.kl_estimator",
+            self.kl_estimator,
+            "'k1', 'abs' or 'k3'",
+        )
+        e.expect(self.init_kl_coef >= 0, f"{prefix}.init_kl_coef", self.init_kl_coef, ">= 0")
+        for name in ("gamma", "lam"):
+            e.expect(
+                0 <= getattr(self, name) <= 1, f"{prefix}.{name}", getattr(self, name), "a value in [0, 1]"
+            )
+        e.expect(vlam is None or 0 <= vlam <= 1, f"{prefix}.value_lam", vlam, "a value in [0, 1] or null")
+        return e
+
 
 @dataclass
 class CriticClientConfig:
@@ -207,6 +301,17 @@ class CheckpointConfig:
     export_arch: str | None = None
     """HF architecture of the export (default: the one recorded when the policy was imported, else llama)."""
 
+    def problems(self, prefix: str = "checkpoint") -> Problems:
+        e = Problems()
+        e.non_negative_ints(self, prefix, ("save_interval", "keep_last"))
+        e.expect(
+            self.resume in ("auto", "none") or os.path.isdir(self.resume),
+            f"{prefix}.resume",
+            self.resume,
+            f"'auto', 'none' or an existing checkpoint folder (<{prefix}.dir>/step_XXXXXXXX)",
+        )
+        return e
+
 
 @dataclass
 class ValidationConfig:
@@ -226,6 +331,19 @@ class ValidationConfig:
     num_samples: int = 4
     """Prompts and responses shown in the samples table (console, val_samples.jsonl, TensorBoard)."""
 
+    def problems(self, prefix: str = "validation") -> Problems:
+        e = Problems()
+        e.non_negative_ints(self, prefix, ("interval", "num_samples"))
+        e.positive_ints(self, prefix, ("num_prompts",))
+        if self.prompt_file is not None:
+            e.expect(
+                os.path.isfile(self.prompt_file),
+                f"{prefix}.prompt_file",
+                self.prompt_file,
+                "an existing file",
+            )
+        return e
+
 
 @dataclass
 class ActorConfig:
@@ -239,7 +357,7 @@ class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -262,35 +380,55 @@ class ActorConfig:
     seconds to a minute per shape), 'megatron' (the modules' own forward), or 'auto' (fused
     where the architecture allows it, else megatron)."""
 
-
-def _problems_positive(obj: Any, prefix: str, names: tuple[str, ...]) -> list[str]:
-    out = []
-    for n in names:
-        v = getattr(obj, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            out.append(f"{prefix}.{n}={v!r}: expected a positive integer")
-    return out
-
-
-def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int | None = None) -> None:
-    """Check every cross-field constraint; raise one :class:`ConfigError` listing all problems."""
-    e: list[str] = []
-    p, g, o = cfg.ppo, cfg.generation, cfg.optim
-    e += _problems_positive(
-        p, "ppo", ("num_steps", "global_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs")
-    )
-    e += _problems_positive(g, "generation", ("max_new_tokens",))
-    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    if pp != 1:
-        e.append(
-            f"parallel.pipeline_model_parallel_size={pp}: the actor runs tensor and data parallel; "
-            "pipeline parallelism is supported by the models and checkpoints but not yet by the PPO "
-            "loop: use 1"
+    def problems(self, world_size: int = 1, vocab_size: int | None = None) -> Problems:
+        """Every problem of this config for a run of ``world_size`` processes whose tokenizer has
+        ``vocab_size`` ids: each section's own, then what the sections demand of each other."""
+        e = self.ppo.problems("ppo")
+        e += self.parallel_problems(world_size)
+        e += self.generation.problems("generation")
+        e.expect(
+            self.precision in ("auto", "bf16", "fp32"),
+            "precision",
+            self.precision,
+            "'auto', 'bf16' or 'fp32'",
         )
-    if world_size % (tp * pp):
-        e.append(f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp * pp}")
-    dp = max(world_size // (tp * pp), 1)
-    if not e:
+        e.expect(
+            self.model_forward in FORWARD_MODES,
+            "model_forward",
+            self.model_forward,
+            f"one of {list(FORWARD_MODES)}",
+        )
+        e += self.optim.problems("optim", num_layers=self.model.num_layers)
+        if vocab_size is not None and self.model.vocab_size != vocab_size:
+            e.append(
+                f"model.vocab_size={self.model.vocab_size} does not match the tokenizer's vocabulary "
+                f"({vocab_size}); set model.vocab_size={vocab_size}"
+            )
+        e += self.data.problems(self.generation.max_new_tokens, self.model.max_seq_len, "data")
+        e += self.checkpoint.problems("checkpoint")
+        e += self.validation.problems("validation")
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        e += [f"model: {m}" for m in self.model.problems(tp, pp)]
+        return e
+
+    def parallel_problems(self, world_size: int) -> Problems:
+        """The parallel layout for ``world_size`` processes, and the batch sizes' divisibility
+        under it (checked only when the layout and the batch sizes themselves are valid)."""
+        e, p = Problems(), self.ppo
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        if pp != 1:
+            e.append(
+                f"parallel.pipeline_model_parallel_size={pp}: the actor runs tensor and data parallel; "
+                "pipeline parallelism is supported by the models and checkpoints but not yet by the PPO "
+                "loop: use 1"
+            )
+        if world_size % (tp * pp):
+            e.append(f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp * pp}")
+        invalid_sizes = Problems()  # reported by PPOConfig.problems
+        invalid_sizes.positive_ints(p, "ppo", ("global_batch_size", "mini_batch_size", "micro_batch_size"))
+        if e or invalid_sizes:
+            return e
+        dp = max(world_size // (tp * pp), 1)
         if p.global_batch_size % p.mini_batch_size:
             e.append(
                 f"ppo.global_batch_size ({p.global_batch_size}) must be divisible by ppo.mini_batch_size "
@@ -298,8 +436,7 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
             )
         if p.mini_batch_size % dp:
             e.append(
-                f"ppo.mini_batch_size ({p.mini_batch_size}) must be divisible by the data-parallel size "
-                f"({dp})"
+                f"ppo.mini_batch_size ({p.mini_batch_size}) must be divisible by the data-parallel size ({dp})"
             )
         elif (p.mini_batch_size // dp) % p.micro_batch_size:
             e.append(
@@ -311,131 +448,9 @@ def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int
                 f"ppo.global_batch_size ({p.global_batch_size}) must be divisible by the data-parallel "
                 f"size ({dp})"
             )
-    if not 0 < p.clip_eps < 1:
-        e.append(f"ppo.clip_eps={p.clip_eps!r}: expected a value in (0, 1)")
-    if p.clip_eps_high is not None and p.clip_eps_high <= 0:
-        e.append(f"ppo.clip_eps_high={p.clip_eps_high!r}: expected > 0 or null")
-    if p.dual_clip is not None and p.dual_clip <= 1:
-        e.append(f"ppo.dual_clip={p.dual_clip!r}: expected a constant > 1 or null")
-    if p.loss_agg not in ("token_mean", "seq_mean_token_mean"):
-        e.append(f"ppo.loss_agg={p.loss_agg!r}: expected 'token_mean' or 'seq_mean_token_mean'")
-    if p.kl_estimator not in ("k1", "abs", "k3"):
-        e.append(f"ppo.kl_estimator={p.kl_estimator!r}: expected 'k1', 'abs' or 'k3'")
-    if p.init_kl_coef < 0:
-        e.append(f"ppo.init_kl_coef={p.init_kl_coef!r}: expected >= 0")
-    for name in ("gamma", "lam"):
-        v = getattr(p, name)
-        if not 0 <= v <= 1:
-            e.append(f"ppo.{name}={v!r}: expected a value in [0, 1]")
-    if p.value_lam is not None and not 0 <= p.value_lam <= 1:
-        e.append(f"ppo.value_lam={p.value_lam!r}: expected a value in [0, 1] or null")
-    if g.temperature <= 0:
-        e.append(f"generation.temperature={g.temperature!r}: expected > 0")
-    if not 0 < g.top_p <= 1:
-        e.append(f"generation.top_p={g.top_p!r}: expected a value in (0, 1]")
-    if g.num_threads is not None and g.num_threads < 1:
-        e.append(f"generation.num_threads={g.num_threads!r}: expected an integer >= 1 or null")
-    if g.decode_step not in DECODE_STEPS:
-        e.append(f"generation.decode_step={g.decode_step!r}: expected one of {list(DECODE_STEPS)}")
-    if g.top_k < 0:
-        e.append(f"generation.top_k={g.top_k!r}: expected >= 0")
-    if cfg.precision not in ("auto", "bf16", "fp32"):
-        e.append(f"precision={cfg.precision!r}: expected 'auto', 'bf16' or 'fp32'")
-    if cfg.model_forward not in FORWARD_MODES:
-        e.append(f"model_forward={cfg.model_forward!r}: expected one of {list(FORWARD_MODES)}")
-    if o.lr <= 0:
-        e.append(f"optim.lr={o.lr!r}: expected > 0")
-    if o.min_lr < 0 or o.min_lr > o.lr:
-        e.append(f"optim.min_lr={o.min_lr!r}: expected a value in [0, optim.lr={o.lr}]")
-    if o.warmup_steps < 0:
-        e.append(f"optim.warmup_steps={o.warmup_steps!r}: expected >= 0")
-    if o.trainable_last_n_layers is not None and not 1 <= o.trainable_last_n_layers <= cfg.model.num_layers:
-        e.append(
-            f"optim.trainable_last_n_layers={o.trainable_last_n_layers!r}: expected 1..model.num_layers "
-            f"({cfg.model.num_layers}) or null"
-        )
-    if vocab_size is not None and cfg.model.vocab_size != vocab_size:
-        e.append(
-            f"model.vocab_size={cfg.model.vocab_size} does not match the tokenizer's vocabulary "
-            f"({vocab_size}); set model.vocab_size={vocab_size}"
-        )
-    d = cfg.data
-    if d.prompt_file is None:
-        if d.task not in ("copy", "reverse", "sort"):
-            e.append(f"data.task={d.task!r}: expected 'copy', 'reverse' or 'sort' (or set data.prompt_file)")
-        else:
-            need = d.num_digits + 1 + g.max_new_tokens
-            if need > cfg.model.max_seq_len:
-                e.append(
-                    f"prompt ({d.num_digits + 1} tokens) + generation.max_new_tokens ({g.max_new_tokens}) = "
-                    f"{need} exceeds model.max_seq_len ({cfg.model.max_seq_len})"
-                )
-            if g.max_new_tokens < d.num_digits + 1:
-                e.append(
-                    f"generation.max_new_tokens={g.max_new_tokens} cannot hold the answer to a "
-                    f"{d.num_digits}-digit {d.task} task plus end-of-sequence ({d.num_digits + 1})"
-                )
-    elif not os.path.isfile(d.prompt_file):
-        e.append(f"data.prompt_file={d.prompt_file!r}: file does not exist")
-    c, v = cfg.checkpoint, cfg.validation
-    for obj, prefix, names in (
-        (c, "checkpoint", ("save_interval", "keep_last")),
-        (v, "validation", ("interval", "num_samples")),
-    ):
-        for n in names:
-            x = getattr(obj, n)
-            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-                e.append(f"{prefix}.{n}={x!r}: expected an integer >= 0")
-    if not isinstance(v.num_prompts, int) or v.num_prompts < 1:
-        e.append(f"validation.num_prompts={v.num_prompts!r}: expected a positive integer")
-    if c.resume not in ("auto", "none") and not os.path.isdir(c.resume):
-        e.append(
-            f"checkpoint.resume={c.resume!r}: expected 'auto', 'none' or an existing checkpoint folder "
-            "(<checkpoint.dir>/step_XXXXXXXX)"
-        )
-    if v.prompt_file is not None and not os.path.isfile(v.prompt_file):
-        e.append(f"validation.prompt_file={v.prompt_file!r}: file does not exist")
-    e += [f"model: {m}" for m in cfg.model.problems(tp, pp)]
-    if e:
-        raise ConfigError("invalid actor config:\n  " + "\n  ".join(e))
+        return e
 
 
-def load_prompts(path: str, tokenizer: Any, max_prompt_tokens: int) -> list[str]:
-    """Read a JSONL prompt file, checking every line; errors name the line and the problem."""
-    prompts: list[str] = []
-    errors: list[str] = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as ex:
-                errors.append(f"{path}:{i}: not valid JSON ({ex.msg})")
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-                errors.append(
-                    f'{path}:{i}: expected an object with a non-empty string "prompt", got {line.strip()[:80]}'
-                )
-                continue
-            try:
-                n = len(tokenizer.encode(obj["prompt"]))
-            except ValueError as ex:
-                errors.append(f"{path}:{i}: {ex}")
-                continue
-            if n > max_prompt_tokens:
-                errors.append(
-                    f"{path}:{i}: prompt has {n} tokens, more than the {max_prompt_tokens} that fit "
-                    "(model.max_seq_len - generation.max_new_tokens)"
-                )
-                continue
-            prompts.append(obj["prompt"])
-            if len(errors) >= 20:
-                break
-    if errors:
-        raise ConfigError("bad prompt file:\n  " + "\n  ".join(errors))
-    if not prompts:
-        raise ConfigError(
-            f'data.prompt_file={path!r} holds no prompts: expected JSONL lines like {{"prompt": "..."}}'
-        )
-    return prompts
+def validate_actor_config(cfg: ActorConfig, world_size: int = 1, vocab_size: int | None = None) -> None:
+    """Check every value and cross-field constraint; raise one :class:`ConfigError` listing all problems."""
+    cfg.problems(world_size, vocab_size).raise_if_any("actor config", ConfigError)

@@ -1,0 +1,285 @@
+"""The critic's checkpoints: save, prune, read and apply, and the shard exchange with TP peers.
+
+One step's folder, ``<checkpoint.dir>/step_XXXXXXXX/critic/`` (docs/design.md, "Checkpoints"),
+with one file of each kind per TP rank ``r``, named by :func:`aligner.checkpoint.shard_file`::
+
+    meta.json                      role, step, architecture, TP size, optimizer layout, and the
+                                   service's bookkeeping (critic step, kept train results, ...)
+    model_tp{r}_pp00.safetensors   rank r's fp32 (master) weights
+    optim_tp{r}_pp00.safetensors   rank r's optimizer state
+    rng_tp{r}_pp00.safetensors     rank r's random-number states
+    complete.json                  written last: the folder counts only with it
+
+Rank 0 alone writes: peers send their shards point to point (every TP shard of a Megatron layer
+has the same shape, so rank 0 knows what to receive). On load rank 0 reads and checks every
+rank's shards before it sends anything, so a bad checkpoint changes nothing on any rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aligner.checkpoint import (
+    CheckpointError,
+    atomic_directory,
+    complete_steps,
+    load_tensors,
+    prune_checkpoints,
+    read_json,
+    restore_rng_state,
+    rng_state_tensors,
+    rng_to_restore,
+    save_tensors,
+    shard_file,
+    step_dir_name,
+    write_json,
+)
+from aligner.critic import protocol as P
+from aligner.critic.errors import CriticServiceError
+from aligner.critic.peers import PeerLink
+from aligner.distributed import ParallelState, recv_json, send_json
+from aligner.models.config import ModelConfig
+from aligner.models.gpt import tensor_state_dict
+from aligner.precision import load_master_state_dict, master_state_dict
+
+__all__ = ["CriticCheckpoints", "LoadedCheckpoint", "ROLE", "SHARD_KINDS"]
+
+log = logging.getLogger("aligner.critic")
+
+ROLE = "critic"
+"""Sub-directory of each ``step_XXXXXXXX`` checkpoint directory the critic writes."""
+SHARD_KINDS = ("model", "optim", "rng")
+"""The per-rank files of a step, in the order they travel between ranks."""
+
+Shards = dict[str, dict[str, torch.Tensor]]
+"""One rank's tensors by kind (:data:`SHARD_KINDS`) and name."""
+
+
+def _hash_keys(tensors: dict[str, torch.Tensor]) -> int:
+    """A fingerprint of names, shapes and dtypes (what ranks compare before sending tensors)."""
+    blob = ";".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(tensors.items()))
+    return int.from_bytes(hashlib.sha256(blob.encode()).digest()[:7], "big")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checked step, ready to apply.
+
+    Attributes:
+        meta: the step's ``meta.json``.
+        shards: on rank 0 every TP rank's shards (index = TP rank); on a peer its own alone.
+    """
+
+    meta: dict[str, Any]
+    shards: list[Shards]
+
+
+class CriticCheckpoints:
+    """The checkpoints of one critic (this rank's ``critic`` shard and its ``optimizer``).
+
+    Rank 0 calls :meth:`save`, :meth:`read` and :meth:`apply`; after rank 0 broadcast the
+    operation, peers call :meth:`send_shards` (save) or :meth:`receive` then :meth:`apply` (load).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        keep_last: int,
+        critic: torch.nn.Module,
+        optimizer: Any,
+        model_cfg: ModelConfig,
+        state: ParallelState,
+        peers: PeerLink,
+    ) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.critic = critic
+        self.optimizer = optimizer
+        self.model_cfg = model_cfg
+        self.state = state
+        self.peers = peers
+        self.last_saved = -1
+        """The step last saved or loaded; -1 before either."""
+
+    def steps(self) -> list[int]:
+        """Steps with a complete critic checkpoint, ascending."""
+        return complete_steps(self.root, role=ROLE)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def _local_shards(self) -> Shards:
+        optim_tensors, _ = self.optimizer.state_tensors()
+        return {
+            # The fp32 master weights under bf16: the checkpoint holds the truth, not its rounding.
+            "model": master_state_dict(self.critic, self.optimizer),
+            "optim": optim_tensors,
+            # Every RNG state of this rank (dropout draws from torch's and Megatron's tracker).
+            "rng": rng_state_tensors(),
+        }
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        _, optim_meta = self.optimizer.state_tensors()
+        return {
+            "role": ROLE,
+            "step": step,
+            "model_config": self.model_cfg.to_dict(),
+            "tensor_model_parallel_size": self.state.tp_size,
+            "pipeline_model_parallel_size": 1,
+            "optimizer": optim_meta,
+            "saved_at": time.time(),
+        }
+
+    def save(self, step: int, bookkeeping: dict[str, Any]) -> Path:
+        """Write ``step`` with every rank's shards (rank 0; the peers run :meth:`send_shards`),
+        ``bookkeeping`` added to its ``meta.json``; then prune. Returns the folder."""
+        t0 = time.perf_counter()
+        shards = [self._local_shards()]
+        for peer in range(1, self.state.tp_size):
+            shards.append(self._recv_peer_shards(peer, shards[0]))
+        final = self.root / step_dir_name(step) / ROLE
+        meta = {**bookkeeping, **self._meta(step)}
+        with atomic_directory(final, marker={"step": step, "role": ROLE}) as tmp:
+            for r, sh in enumerate(shards):
+                for kind, tensors in sh.items():
+                    save_tensors(tmp / shard_file(kind, tp=r), tensors)
+            write_json(tmp / "meta.json", meta)
+        self.last_saved = step
+        self._prune(step)
+        log.info("saved critic checkpoint %s (%.0f ms)", final, 1000 * (time.perf_counter() - t0))
+        return final
+
+    def _prune(self, saved: int) -> None:
+        """This role's sub-directories beyond the newest keep_last up to ``saved``, and any after
+        it (see :func:`aligner.checkpoint.prune_checkpoints`). Step 0, the initial critic
+        (checkpoint.save_initial), is the reset point of fresh runs: never pruned, and saving it
+        prunes nothing."""
+        if saved > 0:
+            prune_checkpoints(self.root, ROLE, saved, self.keep_last, protect={0})
+
+    def send_shards(self) -> None:
+        """A peer's part of a save: its shards to rank 0, each kind after its fingerprint."""
+        shards = self._local_shards()
+        for kind in sorted(shards):
+            tensors = shards[kind]
+            self.peers.send(torch.tensor([len(tensors), _hash_keys(tensors)], dtype=torch.int64), 0)
+            for k in sorted(tensors):
+                self.peers.send(tensors[k], 0)
+
+    def _recv_peer_shards(self, peer: int, like: Shards) -> Shards:
+        out: Shards = {}
+        for kind in sorted(like):
+            own = like[kind]
+            head = self.peers.recv((2,), torch.int64, peer)
+            if int(head[0]) != len(own) or int(head[1]) != _hash_keys(own):
+                raise CriticServiceError(
+                    f"TP rank {peer} holds different {kind} tensors than rank 0; cannot save"
+                )
+            out[kind] = {}
+            for k in sorted(own):
+                out[kind][k] = self.peers.recv(tuple(own[k].shape), own[k].dtype, peer)
+        return out
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def read(self, step: int) -> LoadedCheckpoint:
+        """Read and check every rank's shards of ``step`` (rank 0); raises before anything is
+        applied.
+
+        Raises:
+            ProtocolError: no complete critic checkpoint of ``step``.
+            CriticServiceError: it is unreadable or does not fit this critic.
+        """
+        d = self.root / step_dir_name(step) / ROLE
+        if step not in self.steps():
+            raise P.ProtocolError(
+                P.LOAD,
+                "step",
+                f"a step with a complete critic checkpoint (have {self.steps()})",
+                f"step={step}",
+            )
+        tp = self.state.tp_size
+        try:
+            meta = read_json(d / "meta.json")
+            if meta.get("tensor_model_parallel_size") != tp:
+                raise CheckpointError(
+                    f"checkpoint {d} was saved at tensor_model_parallel_size="
+                    f"{meta.get('tensor_model_parallel_size')}, this server runs {tp}"
+                )
+            diff = ModelConfig.from_dict(meta["model_config"]).architecture_diff(self.model_cfg)
+            if diff:
+                raise CheckpointError(
+                    f"checkpoint {d} holds a different critic architecture: {'; '.join(diff)}"
+                )
+            own = self._local_shards()
+            shards = []
+            for r in range(tp):
+                sh = {kind: load_tensors(d / shard_file(kind, tp=r)) for kind in own}
+                want, got = tensor_state_dict(self.critic), sh["model"]
+                bad = sorted(set(want) ^ set(got)) + [
+                    k for k in want if k in got and want[k].shape != got[k].shape
+                ]
+                if bad:
+                    raise CheckpointError(
+                        f"checkpoint {d} rank {r}: model tensors do not match the critic: {bad[:8]}"
+                    )
+                problems = self.optimizer.state_problems(sh["optim"], meta["optimizer"])
+                if problems:
+                    raise CheckpointError(
+                        f"checkpoint {d} rank {r}: optimizer state does not match the critic's "
+                        f"parameters: {'; '.join(problems)}"
+                    )
+                sh["rng"], note = rng_to_restore(sh["rng"], own["rng"], f"checkpoint {d} rank {r}")
+                if note:
+                    log.warning("%s", note)
+                shards.append(sh)
+        except CheckpointError as e:
+            raise CriticServiceError(f"cannot load critic step {step}: {e}") from e
+        return LoadedCheckpoint(meta, shards)
+
+    def apply(self, loaded: LoadedCheckpoint) -> dict[str, Any]:
+        """Load the weights, optimizer state and RNG states of ``loaded`` on this rank; rank 0
+        first sends each peer its shards (the peers, in :meth:`receive`). Returns the meta."""
+        meta = loaded.meta
+        if self.state.rank == 0:
+            for peer in range(1, self.state.tp_size):
+                self._send_loaded(peer, meta, loaded.shards[peer])
+        mine = loaded.shards[0]
+        self.optimizer.load_state_tensors(mine["optim"], meta["optimizer"])
+        # The model file holds fp32 weights (the masters) whatever the precision it was saved in.
+        load_master_state_dict(self.critic, self.optimizer, mine["model"], what="critic checkpoint")
+        restore_rng_state(mine["rng"])  # what read()'s rng_to_restore kept
+        self.last_saved = int(meta["step"])
+        return meta
+
+    def _send_loaded(self, peer: int, meta: dict[str, Any], shard: Shards) -> None:
+        send_json(meta, peer)
+        for kind in SHARD_KINDS:
+            tensors = shard[kind]
+            send_json(
+                [[k, list(v.shape), str(v.dtype).replace("torch.", "")] for k, v in sorted(tensors.items())],
+                peer,
+            )
+            for k in sorted(tensors):
+                self.peers.send(tensors[k], peer)
+
+    def receive(self) -> LoadedCheckpoint:
+        """A peer's part of a load: the meta and its own shards, as rank 0's :meth:`apply` sends them."""
+        meta = recv_json(0)
+        shards: Shards = {}
+        for kind in SHARD_KINDS:
+            shards[kind] = {
+                name: self.peers.recv(tuple(shape), getattr(torch, dtype), 0)
+                for name, shape, dtype in recv_json(0)
+            }
+        return LoadedCheckpoint(meta, [shards])

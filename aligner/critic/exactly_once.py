@@ -1,0 +1,69 @@
+"""The exactly-once rules of ``critic_train``: each step id is applied once, in increasing order.
+
+The actor sends ``critic_train`` without waiting for it and retries on a lost connection, so the
+same step may arrive twice. :class:`AppliedSteps` remembers the last applied step and the
+results of the most recent ones: a repeated step id gets the result it got the first time and
+changes nothing; a step older than the last applied one gets its kept result, or is rejected
+when that result is no longer kept. Both travel in the critic's checkpoint, so a resumed server
+answers repeats exactly as the one that saved.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from aligner.critic import protocol as P
+
+__all__ = ["AppliedSteps", "CACHED_RESULTS"]
+
+CACHED_RESULTS = 64
+"""How many recent train results are kept for replies to repeated step ids."""
+
+
+class AppliedSteps:
+    """The last applied train step and the kept results of the latest :data:`CACHED_RESULTS`."""
+
+    def __init__(self) -> None:
+        self.last = -1
+        """The last applied step; -1 before the first."""
+        self.results: OrderedDict[int, P.TrainResult] = OrderedDict()
+        """Results by step id, oldest first."""
+
+    def earlier_result(self, step: int) -> P.TrainResult | None:
+        """The result ``step`` got when it was applied, or None when it is new (``> last``).
+
+        Raises:
+            ProtocolError: ``step`` is not new and its result is no longer kept.
+        """
+        kept = self.results.get(step)
+        if kept is not None:
+            return kept
+        if step <= self.last:
+            raise P.ProtocolError(
+                P.TRAIN,
+                "step",
+                f"a step > {self.last} (the last applied step), or "
+                f"one of the last {CACHED_RESULTS} applied steps (whose results are kept)",
+                f"step={step}",
+            )
+        return None
+
+    def record(self, step: int, result: P.TrainResult) -> None:
+        """``step`` was applied with ``result``: it becomes the last, and the oldest kept result
+        beyond :data:`CACHED_RESULTS` is dropped."""
+        self.results[step] = result
+        while len(self.results) > CACHED_RESULTS:
+            self.results.popitem(last=False)
+        self.last = step
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        """The kept results as JSON (step ids as strings, oldest first)."""
+        return {str(k): v.to_dict() for k, v in self.results.items()}
+
+    def restore(self, last: int, results: dict[str, dict[str, Any]]) -> None:
+        """Take back the state a checkpoint saved (``last`` and :meth:`to_json`'s ``results``)."""
+        self.last = int(last)
+        self.results = OrderedDict(
+            (int(k), P.TrainResult(**v)) for k, v in sorted(results.items(), key=lambda kv: int(kv[0]))
+        )

@@ -1,0 +1,183 @@
+"""The critic's maths on every TP rank: the infer forward (values, reward-model scores) and the
+value update of one ``critic_train`` step, with the infer forward it may reuse.
+
+The update is PPO's clipped value loss (:func:`aligner.rl.value_loss`) over ``optim.epochs``
+passes of ``optim.num_minibatches`` minibatches, each followed by a clipped optimiser step. Its
+first pass is the infer forward: with ``optim.reuse_infer_forward`` the last ``critic_infer``'s
+forward is kept with its graph and taken as that pass when the train is of the same tokens,
+which saves one forward and changes nothing (bit for bit).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from aligner.critic import protocol as P
+from aligner.critic.config import CriticServerConfig
+from aligner.critic.errors import CriticServiceError
+from aligner.distributed import ParallelState
+from aligner.models.gpt import sequence_scores, token_values
+from aligner.rl import explained_variance, loss_start, value_loss
+
+__all__ = ["ValueUpdate"]
+
+log = logging.getLogger("aligner.critic")
+
+
+class ValueUpdate:
+    """Forward and update of ``critic`` (trained by ``optimizer``), scores of ``reward_model``.
+
+    Args:
+        critic: the value model (this rank's TP shard), in eval mode between updates.
+        optimizer: the mixed-precision optimizer of :func:`aligner.precision.make_optimizer`.
+        reward_model: the frozen reward model, or None.
+        cfg: the server's configuration: ``optim`` (epochs, minibatches, value clipping, loss
+            aggregation, gradient clipping) and ``seed`` (with the step id, it seeds each step's
+            minibatch permutation).
+        state: this rank's place (device, TP group).
+    """
+
+    def __init__(
+        self,
+        critic: torch.nn.Module,
+        optimizer: Any,
+        reward_model: torch.nn.Module | None,
+        cfg: CriticServerConfig,
+        state: ParallelState,
+    ) -> None:
+        self.critic = critic
+        self.optimizer = optimizer
+        self.reward_model = reward_model
+        self.optim = optim = cfg.optim
+        self.seed = cfg.seed
+        self.state = state
+        # critic_infer's forward kept (with its graph) as the next matching critic_train's first
+        # pass: exact when the forward ignores train/eval mode (the fused path has no dropout)
+        # and the first minibatch is the whole batch in order.
+        self.reuse_infer_forward = bool(
+            optim.reuse_infer_forward
+            and optim.num_minibatches == 1
+            and getattr(critic, "aligner_fused", None) is not None
+        )
+        self.kept: tuple[np.ndarray, torch.Tensor] | None = None
+        """(tokens ``[b, s]``, their values ``[b, s-1]`` with the graph) of the last infer forward."""
+        self.reused_forwards = 0
+        """How many train steps took the kept forward as their first pass."""
+
+    def forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None).
+
+        With ``reuse_infer_forward`` the values are computed with gradients and kept for
+        :meth:`train_step` (whatever was kept before is dropped)."""
+        self.kept = None
+        dev = self.state.device
+        t = torch.from_numpy(tokens).to(dev)
+        with torch.set_grad_enabled(self.reuse_infer_forward):
+            values = token_values(self.critic, t)  # [b, s-1]
+        if self.reuse_infer_forward:
+            self.kept = (tokens.copy(), values)
+        scores = None
+        if self.reward_model is not None:
+            with torch.no_grad():
+                n = torch.from_numpy(lengths).to(dev)
+                scores = sequence_scores(self.reward_model, t, n).cpu().numpy()  # [b]
+        return values.detach().cpu().numpy().astype(np.float32, copy=False), scores
+
+    def drop_kept(self) -> None:
+        """Forget the kept forward (its weights are being replaced)."""
+        self.kept = None
+
+    def _take_kept(self, tokens: np.ndarray) -> torch.Tensor | None:
+        """The kept infer forward's values (with their graph) if they are of exactly ``tokens``;
+        whatever was kept is dropped either way (the weights are about to change)."""
+        kept, self.kept = self.kept, None
+        if kept is None or kept[0].shape != tokens.shape or not np.array_equal(kept[0], tokens):
+            return None
+        return kept[1]
+
+    def _grad_norm_and_clip(self, max_norm: float | None) -> float:
+        """Global norm of the fp32 (master) gradients over the TP group, clipped to ``max_norm``."""
+        st = self.state
+        return self.optimizer.clip_grad_norm(max_norm, st.tp_group, st.tp_size, st.tp_rank)
+
+    def train_step(self, req: P.TrainRequest) -> P.TrainResult:
+        """Apply ``req`` (validated): every epoch and minibatch, on every TP rank alike.
+
+        A non-finite loss or gradient norm skips that optimiser step; in the first minibatch it
+        fails the step with nothing applied (:class:`CriticServiceError`).
+        """
+        o = self.optim
+        dev = self.state.device
+        tokens = torch.from_numpy(np.ascontiguousarray(req.tokens)).to(dev)  # [b, s]
+        returns = torch.from_numpy(np.ascontiguousarray(req.returns)).to(dev)  # [b, s-1]
+        old_values = torch.from_numpy(np.ascontiguousarray(req.old_values)).to(dev)  # [b, s-1]
+        mask = torch.from_numpy(np.ascontiguousarray(req.mask)).to(dev)  # [b, s-1]
+        b = tokens.shape[0]
+        # Same permutation on every TP rank: the generator depends on (seed, step, epoch) only.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + req.step)
+        kept = self._take_kept(req.tokens) if o.num_minibatches == 1 else None
+        # Values before the first masked position feed no loss: after the first pass the last
+        # layer starts there. The first pass is the infer forward (kept or recomputed the same
+        # way, so that reusing it changes nothing), which covers every position.
+        start = loss_start(mask)
+        if kept is not None:
+            self.reused_forwards += 1
+        first_pass_values = torch.zeros_like(returns)
+        losses, norms, clipfracs = [], [], []
+        self.critic.train()
+        for epoch in range(o.epochs):
+            perm = torch.randperm(b, generator=gen) if o.num_minibatches > 1 else torch.arange(b)
+            for idx in torch.tensor_split(perm, o.num_minibatches):
+                if idx.numel() == 0:
+                    continue
+                if epoch == 0 and kept is not None:  # one minibatch: idx is every row, in order
+                    values = kept
+                else:
+                    values = token_values(self.critic, tokens[idx], start if epoch else 0)  # [mb, s-1]
+                loss, stats = value_loss(
+                    values,
+                    old_values[idx],
+                    returns[idx],
+                    mask[idx],
+                    clip_eps=o.value_clip_eps,
+                    agg=o.loss_agg,
+                )
+                if epoch == 0:
+                    first_pass_values[idx] = values.detach()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                norm = self._grad_norm_and_clip(o.grad_clip or None)
+                if not (math.isfinite(norm) and math.isfinite(loss.item())):
+                    # Every TP rank sees the same (all-reduced) norm and loss, so all skip together.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if not losses:
+                        self.critic.eval()
+                        raise CriticServiceError(
+                            f"train step {req.step}: non-finite loss {loss.item()} or gradient norm {norm}; "
+                            "nothing was applied"
+                        )
+                    log.warning(
+                        "train step %d: non-finite loss or gradient norm in a later minibatch; that "
+                        "update was skipped (earlier ones of this step stay applied)",
+                        req.step,
+                    )
+                    continue
+                self.optimizer.step()
+                losses.append(loss.item())
+                norms.append(norm)
+                clipfracs.append(float(stats["value_clipfrac"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.critic.eval()
+        ev = float(explained_variance(first_pass_values, returns, mask))
+        return P.TrainResult(
+            loss=float(np.mean(losses)),
+            grad_norm=float(np.mean(norms)),
+            applied_step=req.step,
+            explained_variance=ev,
+            value_clipfrac=float(np.mean(clipfracs)),
+        )

@@ -1,0 +1,67 @@
+"""The policy's optimizer: which weights train, AdamW with fp32 masters under bf16, and the
+learning-rate schedule (linear warmup, then cosine decay), including where a resumed run puts
+the schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from aligner import precision as mp
+from aligner.models import gpt
+from aligner.ppo.config import ActorConfig
+
+__all__ = ["freeze_all_but_last_layers", "lr_lambda", "make_optimizer", "set_schedule_position"]
+
+Schedule = torch.optim.lr_scheduler.LambdaLR
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` optimizer steps."""
+
+    def f(i: int) -> float:
+        if warmup > 0 and i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_optimizer(
+    model: torch.nn.Module, cfg: ActorConfig, precision: str = "fp32"
+) -> tuple[mp.MixedPrecisionAdamW, Schedule]:
+    """AdamW (fp32 master weights when ``precision`` is bf16: the model is cast to bf16 in
+    place and its fp32 values become the masters) and the warmup + cosine LR schedule."""
+    o, p = cfg.optim, cfg.ppo
+    # Given the module, an fp32 model is cast to bf16 in place (frozen weights too) and the
+    # trained weights' fp32 values become the masters, unrounded.
+    opt = mp.make_optimizer(model, **o.adamw(), precision=precision)
+    total = p.num_steps * p.ppo_epochs * (p.global_batch_size // p.mini_batch_size)
+    sched = Schedule(opt, lr_lambda(o.warmup_steps, total, o.min_lr / o.lr))
+    return opt, sched
+
+
+def set_schedule_position(scheduler: Schedule, optimizer: torch.optim.Optimizer, last: int) -> None:
+    """Continue ``scheduler`` after ``last`` optimizer steps, under its own (this run's) settings:
+    the learning rate is the schedule's at that position, not the one a checkpoint saved."""
+    scheduler.last_epoch = last
+    scheduler._step_count = last + 1
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(last)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None) -> None:
+    """Train only the last ``n`` transformer layers plus the final norm and LM head (all when None)."""
+    if n is None:
+        return
+    m = gpt.unwrap(model)
+    num_layers = len(m.decoder.layers)
+    for name, param in m.named_parameters():
+        keep = name.startswith("decoder.final_layernorm") or name.startswith("output_layer")
+        if name.startswith("decoder.layers."):
+            keep = int(name.split(".")[2]) >= num_layers - n
+        param.requires_grad_(keep)

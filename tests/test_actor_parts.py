@@ -1,0 +1,331 @@
+"""The actor's pieces on their own, on one process without a server: the critic handle the
+client satisfies, the link that sends to it, the prompt order, log-probs over the action
+space, the LR schedule's resume position, a step's metrics and timers, and the config checks
+both roles share."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from aligner.config_checks import Problems
+from aligner.critic.client import RemoteCriticClient
+from aligner.critic.config import CriticOptimConfig, build_config
+from aligner.critic.handle import CriticHandle
+from aligner.distributed import ParallelState
+from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.metrics import Timers
+from aligner.models.config import ConfigError
+from aligner.optim import OptimConfig
+from aligner.ppo.config import ActorConfig, GenerationConfig, PolicyOptimConfig, validate_actor_config
+from aligner.ppo.critic_link import CriticLink
+from aligner.ppo.logprobs import PolicyLogprobs
+from aligner.ppo.optimizer import lr_lambda, set_schedule_position
+from aligner.ppo.prompts import PromptSampler
+from aligner.ppo.rollout import StepRecord
+from aligner.tokenizers import CharTokenizer
+
+ONE_RANK = ParallelState(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu"), None, None, None)
+
+# -- the critic handle ---------------------------------------------------------------------------
+
+
+def _protocol_methods() -> list[str]:
+    return [n for n, v in vars(CriticHandle).items() if inspect.isfunction(v) and not n.startswith("_")]
+
+
+def test_the_client_has_every_call_of_the_handle_with_its_signature():
+    names = _protocol_methods()
+    assert {"infer", "train", "save", "load", "server_info", "check_compatible", "close"} <= set(names)
+    for name in names:
+        want = inspect.signature(getattr(CriticHandle, name))
+        got = inspect.signature(getattr(RemoteCriticClient, name))
+        assert [(p.name, p.kind) for p in got.parameters.values()] == [
+            (p.name, p.kind) for p in want.parameters.values()
+        ], name
+
+
+class FakeCritic:
+    """Answers at once: values t / 10 at position t, reward = the row's length."""
+
+    url = "fake://critic"
+
+    def __init__(self) -> None:
+        self.trained: list[int] = []
+
+    def server_info(self):
+        raise NotImplementedError
+
+    def check_compatible(self, vocab_size, max_seq_len, tokenizer_fingerprint):
+        return None
+
+    def infer(self, tokens, lengths, prompt_lengths):
+        b, s = tokens.shape
+        f: Future = Future()
+        f.set_result((torch.arange(s - 1).float().repeat(b, 1).numpy() / 10, lengths.float().numpy()))
+        return f
+
+    def train(self, tokens, lengths, returns, old_values, mask, step):
+        self.trained.append(step)
+        f: Future = Future()
+        f.set_result({"loss": 0.5, "grad_norm": 1.5, "applied_step": step})
+        return f
+
+    def save(self, step):
+        return None
+
+    def load(self, step):
+        return None
+
+    def close(self):
+        return None
+
+
+class InferOnly:
+    url = "fake://critic"
+
+    def infer(self, tokens, lengths, prompt_lengths):
+        raise NotImplementedError
+
+
+def test_a_client_is_a_critic_handle_and_an_incomplete_object_is_not():
+    client = object.__new__(RemoteCriticClient)  # no server needed: the structure is what counts
+    client.url = "grpc://127.0.0.1:1"
+    assert isinstance(client, CriticHandle)
+    assert isinstance(FakeCritic(), CriticHandle)
+    assert not isinstance(InferOnly(), CriticHandle)
+
+
+def test_the_link_sends_keeps_the_update_in_flight_and_reports_its_result_once():
+    critic = FakeCritic()
+    link = CriticLink(critic, ONE_RANK, pad_id=13)
+    tokens, lengths = torch.zeros(2, 5, dtype=torch.long), torch.tensor([5, 4])
+    values, scores = link.result(link.infer(tokens, lengths, torch.tensor([2, 2])), tokens.shape)
+    assert values.shape == (2, 4) and values.dtype == torch.float32
+    assert values[1].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3]) and scores.tolist() == [5.0, 4.0]
+    per_token = torch.zeros(2, 4)
+    assert link.train(tokens, lengths, per_token, per_token, per_token, 7) is link.pending is not None
+    with pytest.raises(RuntimeError, match="in flight"):
+        link.train(tokens, lengths, per_token, per_token, per_token, 8)
+    link.wait()
+    assert link.pending is None and critic.trained == [7]
+    assert link.take_completed() == {"loss": 0.5, "grad_norm": 1.5, "applied_step": 7}
+    assert link.take_completed() is None
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+def test_prompt_shares_cover_the_global_batch_and_resume_where_they_stopped():
+    prompts = [f"p{i}" for i in range(10)]
+    ranks = [PromptSampler(prompts, 4, r, 2, seed=3) for r in range(2)]
+    first = [s.next_batch() for s in ranks]
+    assert all(len(x) == 2 for x in first) and not set(first[0]) & set(first[1])
+    for _ in range(2):  # into the second epoch: 2 full batches per epoch, then a reshuffle
+        for s in ranks:
+            s.next_batch()
+    assert ranks[0].epoch == 1
+    resumed = PromptSampler(prompts, 4, 0, 2, seed=3)
+    resumed.load_state_dict(ranks[0].state_dict())
+    assert [resumed.next_batch() for _ in range(4)] == [ranks[0].next_batch() for _ in range(4)]
+    with pytest.raises(ValueError, match="fewer than ppo.global_batch_size"):
+        PromptSampler(prompts[:3], 4, 0, 1, seed=0)
+
+
+# -- log-probs over the action space ---------------------------------------------------------
+
+
+def test_logprobs_leave_out_the_columns_no_action_lives_in():
+    """The char tokenizer's pad id and the vocabulary padding are no actions: the training
+    softmax runs over the sampled ids only, and a padding target reads 0."""
+    cfg = ActorConfig()
+    tok = CharTokenizer()
+    lp = PolicyLogprobs.for_actor(cfg, ONE_RANK, tok)
+    assert lp.actions == tok.sample_vocab_size and lp.pad_from == tok.sample_vocab_size
+    v = cfg.model.padded_vocab_size(1)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, v)
+    tokens = torch.randint(0, lp.actions, (2, 5))
+    tokens[1, 4] = tok.pad_id
+    got = lp.sequence_logprobs(lp.masked(logits), tokens)
+    want = torch.log_softmax(logits[:, :-1, : lp.actions] / cfg.generation.temperature, -1)
+    want = want.gather(-1, tokens[:, 1:].clamp(max=lp.actions - 1).unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1, :3], want[1, :3], atol=1e-6)
+    assert got[1, 3] == 0.0
+
+
+# -- the learning-rate schedule ---------------------------------------------------------------
+
+
+def test_a_schedule_set_to_a_position_continues_as_one_that_stepped_there():
+    def schedule():
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=1e-2)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(3, 20, 0.1))
+
+    opt_a, stepped = schedule()
+    for _ in range(7):
+        opt_a.step()
+        stepped.step()
+    opt_b, placed = schedule()
+    set_schedule_position(placed, opt_b, 7)
+    assert placed.get_last_lr() == stepped.get_last_lr()
+    opt_a.step(), stepped.step(), opt_b.step(), placed.step()
+    assert placed.get_last_lr() == pytest.approx(stepped.get_last_lr())
+    assert lr_lambda(3, 20, 0.1)(20) == pytest.approx(0.1)  # the end of the cosine: min_lr / lr
+
+
+# -- a step's metrics and timers -------------------------------------------------------------
+
+
+def test_timers_add_up_under_their_metric_names():
+    timed = Timers()
+    with timed("generate"):
+        time.sleep(0.01)
+    with timed("critic_wait"):
+        pass
+    with timed("generate"):
+        time.sleep(0.01)
+    assert list(timed.seconds) == ["timers/generate", "timers/critic_wait"]
+    assert timed.seconds["timers/generate"] >= 0.02
+    with pytest.raises(KeyError), timed("train"):
+        raise KeyError("the part failed")
+    assert "timers/train" in timed.seconds  # counted even when the part raised
+
+
+def test_step_record_metrics_by_hand():
+    """Two samples of prompt length 2: lengths 4 and 3 -> responses of 2 and 1 tokens."""
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    gen = GenerationOutput(
+        tokens=torch.zeros(2, 4, dtype=torch.long),
+        lengths=torch.tensor([4, 3]),
+        prompt_lengths=torch.tensor([2, 2]),
+        logprobs=torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]]),
+        ended=torch.tensor([True, False]),
+    )
+    rec = StepRecord(
+        gen=gen,
+        mask=mask,
+        scores=torch.tensor([1.0, 3.0]),
+        kl=torch.tensor([[0.0, 0.1, 0.3], [0.0, 0.2, 0.0]]),
+        non_score=torch.tensor([[0.0, -0.01, -0.03], [0.0, -0.02, 0.0]]),
+        entropy=torch.tensor([[9.0, 1.0, 2.0], [9.0, 3.0, 9.0]]),
+        old_logprobs=torch.tensor([[0.0, -1.25, -2.0], [0.0, -0.5, 0.0]]),
+        values=torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 0.0]]),
+        returns=torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 0.0]]),
+        kl_coef=0.05,
+        lr=1e-3,
+        policy_stats={"loss/policy": 0.25, "policy/clipfrac": 0.5},
+        critic_stats={"loss": 0.75, "grad_norm": 2.0, "applied_step": 3},
+        timers={"timers/generate": 0.5, "timers/step": 1.0},
+    )
+    m = rec.metrics()
+    assert m["objective/scores"] == pytest.approx(2.0)  # (1 + 3) / 2
+    assert m["objective/kl"] == pytest.approx(0.3)  # (0.4 + 0.2) / 2 samples
+    assert m["objective/non_score_reward"] == pytest.approx(-0.03)
+    assert m["objective/entropy"] == pytest.approx(2.0)  # (1 + 2 + 3) / 3 response tokens
+    assert m["rollout/response_length"] == pytest.approx(1.5)
+    assert m["rollout/ended_fraction"] == pytest.approx(0.5)
+    assert m["rollout/logprob_mismatch_max"] == pytest.approx(0.25)
+    assert m["rollout/logprob_mismatch_mean"] == pytest.approx(0.25 / 3)
+    assert m["critic/explained_variance"] == pytest.approx(1.0)
+    assert m["throughput/tokens_per_s"] == pytest.approx(3 / 0.5)
+    assert (m["loss/value"], m["critic/grad_norm"], m["objective/kl_coef"], m["lr"]) == (
+        0.75,
+        2.0,
+        0.05,
+        1e-3,
+    )
+    assert {"loss/policy", "policy/clipfrac", "timers/generate", "timers/step"} <= m.keys()
+    rec.critic_stats = None  # the first step: no critic update has finished yet
+    assert "loss/value" not in rec.metrics()
+
+
+# -- configs -----------------------------------------------------------------------------------
+
+
+def test_problems_name_key_value_and_expectation_and_are_raised_together():
+    class Section:
+        a, b, c = 0, True, 3
+
+    p = Problems()
+    p.positive_ints(Section, "s", ("a", "b", "c"))
+    p.expect(False, "s.d", "x", "one of ['y']")
+    assert p == [
+        "s.a=0: expected a positive integer",
+        "s.b=True: expected a positive integer",
+        "s.d='x': expected one of ['y']",
+    ]
+    with pytest.raises(ConfigError) as e:
+        p.raise_if_any("thing", ConfigError)
+    assert str(e.value).startswith("invalid thing (3 problem(s)):\n  s.a=0")
+    Problems().raise_if_any("thing")  # nothing to report
+
+
+def test_both_roles_optim_sections_are_the_one_optim_config():
+    for cls in (PolicyOptimConfig, CriticOptimConfig):
+        assert issubclass(cls, OptimConfig)
+        assert {f for f in OptimConfig.__dataclass_fields__} <= set(cls.__dataclass_fields__)
+    assert PolicyOptimConfig().lr == 1e-3 and CriticOptimConfig().lr == 1e-5  # each role's default
+    bad = {"adam_beta1": 1.0, "grad_clip": -1.0, "weight_decay": -0.1}
+    want = ["optim.adam_beta1=1.0", "optim.grad_clip=-1.0", "optim.weight_decay=-0.1"]
+    for cls in (PolicyOptimConfig, CriticOptimConfig):
+        msgs = cls(**bad).problems()
+        assert all(any(m.startswith(w) for m in msgs) for w in want), msgs
+        for off in (None, 0.0):  # null and 0 both turn clipping off, in both roles
+            assert cls(grad_clip=off).problems() == []
+    assert OptimConfig(lr=2e-3, adam_beta1=0.8).adamw() == {
+        "lr": 2e-3,
+        "betas": (0.8, 0.999),
+        "eps": 1e-5,
+        "weight_decay": 0.0,
+    }
+
+
+def test_actor_and_critic_configs_report_their_optim_problems_the_same_way():
+    cfg = ActorConfig()
+    cfg.optim.adam_eps = 0.0
+    cfg.generation.top_p = 2.0
+    with pytest.raises(ConfigError) as actor:
+        validate_actor_config(cfg, vocab_size=14)
+    with pytest.raises(ConfigError) as critic:
+        build_config({"optim": {"adam_eps": 0.0}})
+    for e in (actor, critic):
+        assert "optim.adam_eps=0.0: expected > 0" in str(e.value)
+    assert "generation.top_p=2.0: expected a number in (0, 1]" in str(actor.value)
+
+
+def test_actor_config_reports_bad_values_and_batch_divisibility_together():
+    cfg = ActorConfig()
+    assert cfg.problems(world_size=1, vocab_size=14) == []
+    cfg.ppo.kl_estimator, cfg.ppo.global_batch_size, cfg.ppo.mini_batch_size = "k9", 100, 64
+    assert cfg.problems(world_size=1, vocab_size=14) == [
+        "ppo.kl_estimator='k9': expected 'k1', 'abs' or 'k3'",
+        "ppo.global_batch_size (100) must be divisible by ppo.mini_batch_size (64)",
+    ]
+    cfg.ppo.mini_batch_size = 0  # an invalid size is reported as such, not divided by
+    assert cfg.problems(world_size=1, vocab_size=14) == [
+        "ppo.mini_batch_size=0: expected a positive integer",
+        "ppo.kl_estimator='k9': expected 'k1', 'abs' or 'k3'",
+    ]
+
+
+def test_generation_config_builds_the_engines_sampling_params():
+    g = GenerationConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, stop_strings=["9"])
+    sp = g.sampling(seed=11)
+    assert sp == SamplingParams(
+        max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, stop_strings=("9",), seed=11
+    )
+    assert g.sampling(greedy=True, seed=0).greedy
+    # Every setting the two share by name is carried over, and nothing else is shared by accident.
+    shared = set(GenerationConfig.__dataclass_fields__) & set(SamplingParams.__dataclass_fields__)
+    assert shared == {"max_new_tokens", "temperature", "top_k", "top_p", "stop_strings"}
+    assert GenerationConfig(temperature=math.nan, num_threads=0).problems() == [
+        "generation.temperature=nan: expected a finite number > 0",
+        "generation.num_threads=0: expected an integer >= 1 or null",
+    ]

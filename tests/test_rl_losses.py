@@ -1,0 +1,203 @@
+"""Tests of aligner.rl.losses (the clipped policy and value losses, their aggregation, explained variance) against the naive references of _rl_naive.py and
+hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _rl_naive import (
+    SEEDS,
+    SHAPES,
+    close,
+    finite,
+    naive_aggregate,
+    naive_policy_loss,
+    naive_value_loss,
+    naive_var,
+    ragged_batch,
+    rand,
+    with_garbage,
+)
+
+from aligner.rl import (
+    aggregate,
+    explained_variance,
+    policy_loss,
+    value_loss,
+)
+
+# ---------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,s", SHAPES)
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_aggregate_matches_naive(seed, b, s, agg):
+    mask, nmask = ragged_batch(seed, b, s)
+    x = with_garbage(rand(seed, b, s - 1), mask)
+    close(aggregate(x, mask, agg), naive_aggregate(x.tolist(), nmask, agg))
+
+
+def test_aggregate_hand_worked_and_errors():
+    # row 0 tokens {1, 3}, row 1 token {8}, row 2 none
+    # token_mean = (1 + 3 + 8) / 3 = 4; seq_mean_token_mean = (2 + 8) / 2 = 5
+    x = torch.tensor([[1.0, 3.0, 7.0], [8.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    close(aggregate(x, mask, "token_mean"), 4.0)
+    close(aggregate(x, mask, "seq_mean_token_mean"), 5.0)
+    assert aggregate(x, torch.zeros(3, 3), "seq_mean_token_mean").item() == 0.0
+    with pytest.raises(ValueError, match="'token_sum'"):
+        aggregate(x, mask, "token_sum")
+    with pytest.raises(ValueError, match="'bogus'"):
+        policy_loss(x, x, x, mask, agg="bogus")
+    with pytest.raises(ValueError, match="'bogus'"):
+        value_loss(x, x, x, mask, agg="bogus")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,s", SHAPES)
+@pytest.mark.parametrize(
+    "lo,hi,dual,agg",
+    [
+        (0.2, None, None, "token_mean"),
+        (0.2, 0.28, None, "seq_mean_token_mean"),
+        (0.1, 0.3, 3.0, "token_mean"),
+        (0.2, None, 1.5, "seq_mean_token_mean"),
+    ],
+)
+def test_policy_loss_matches_naive(seed, b, s, lo, hi, dual, agg):
+    mask, nmask = ragged_batch(seed, b, s)
+    old = rand(seed, b, s - 1) - 2.0
+    logp = old + rand(seed + 1, b, s - 1, scale=0.5)
+    adv = rand(seed + 2, b, s - 1, scale=1.5)
+    loss, stats = policy_loss(logp, old, adv, mask, lo, hi, dual, agg)
+    n_loss, n_stats = naive_policy_loss(
+        logp.tolist(), old.tolist(), adv.tolist(), nmask, lo, lo if hi is None else hi, dual, agg
+    )
+    close(loss, n_loss)
+    assert set(stats) == set(n_stats)
+    for key, val in n_stats.items():
+        assert stats[key].dim() == 0 and not stats[key].requires_grad
+        close(stats[key], val, atol=1e-5)
+
+
+def test_policy_loss_hand_worked():
+    # eps 0.2, three tokens:
+    #   a: ratio 1.5, A=+1: -1.5 vs clipped -1.2 -> max = -1.2 (clipped term active)
+    #   b: ratio 0.5, A=+2: -1.0 vs clipped -1.6 -> max = -1.0 (unclipped)
+    #   c: ratio 1.0, A=-1:  1.0 vs clipped  1.0 ->  1.0
+    # loss = (-1.2 - 1.0 + 1.0) / 3 = -0.4; clipfrac = 1/3
+    # approxkl = 0.5 * (log(1.5)^2 + log(0.5)^2 + 0) / 3
+    #          = 0.5 * (0.164402 + 0.480453) / 3 = 0.107476
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))
+    adv = torch.tensor([[1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_eps_low=0.2)
+    close(loss, -0.4)
+    close(stats["clipfrac"], 1 / 3)
+    close(stats["approxkl"], 0.1074759)
+    close(stats["ratio_mean"], 1.0)
+    close(stats["ratio_var"], 1 / 6)  # population var of {1.5, 0.5, 1.0}: (0.25+0.25+0)/3
+    assert "dual_clipfrac" not in stats
+    # clip-higher: ratio 1.25 with A=+1 is clipped at 1.2 when symmetric, not at 1 + 0.28
+    lp2 = torch.log(torch.tensor([[1.25]]))
+    sym, _ = policy_loss(lp2, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2)
+    asym, _ = policy_loss(lp2, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28)
+    close(sym, -1.2)
+    close(asym, -1.25)
+    # dual clip, c = 3: ratio 5 with A=-1: max(5, 1.2) = 5, bounded by -c*A = 3
+    lp3 = torch.log(torch.tensor([[5.0, 5.0]]))
+    adv3 = torch.tensor([[-1.0, 1.0]])  # the positive-advantage token is untouched: max(-5, -1.2) = -1.2
+    loss3, stats3 = policy_loss(lp3, torch.zeros(1, 2), adv3, torch.ones(1, 2), 0.2, dual_clip=3.0)
+    close(loss3, (3.0 - 1.2) / 2)
+    close(stats3["dual_clipfrac"], 0.5)
+    close(stats3["clipfrac"], 0.5)  # only the A>0 token has its clipped term larger
+
+
+def test_policy_loss_gradient_and_masking():
+    # gradient flows only through unclipped, unmasked tokens: d/dlogp (-A * ratio) = -A * ratio
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.1, 1.5, 0.9, 1.0]])).requires_grad_()
+    adv = torch.tensor([[2.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, _ = policy_loss(logp, old, adv, mask, 0.2)
+    loss.backward()
+    # token 0 unclipped: -2 * 1.1 / 3; token 1 clipped: 0; token 2 unclipped: 1 * 0.9 / 3; 3 masked
+    close(logp.grad, [[-2.2 / 3, 0.0, 0.3, 0.0]])
+
+
+def test_policy_loss_extreme_and_empty():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[300.0, -300.0, 0.0], [float("nan"), 0.0, 0.0]], requires_grad=True)
+    adv = torch.tensor([[-1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    loss, stats = policy_loss(logp, old, adv, mask, 0.2, dual_clip=3.0)
+    finite(loss, *stats.values())
+    loss.backward()
+    finite(logp.grad)
+    empty_loss, empty_stats = policy_loss(logp.detach(), old, adv, torch.zeros(2, 3))
+    assert empty_loss.item() == 0.0
+    assert all(v.item() == 0.0 for v in empty_stats.values())
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(old, old, adv, mask, dual_clip=1.0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,s", SHAPES)
+@pytest.mark.parametrize("eps,agg", [(0.2, "token_mean"), (None, "token_mean"), (0.1, "seq_mean_token_mean")])
+def test_value_loss_matches_naive(seed, b, s, eps, agg):
+    mask, nmask = ragged_batch(seed, b, s)
+    old = rand(seed, b, s - 1)
+    values = old + rand(seed + 1, b, s - 1, scale=0.3)
+    returns = rand(seed + 2, b, s - 1)
+    loss, stats = value_loss(values, old, returns, mask, eps, agg)
+    n_loss, n_clip = naive_value_loss(values.tolist(), old.tolist(), returns.tolist(), nmask, eps, agg)
+    close(loss, n_loss)
+    close(stats["value_clipfrac"], n_clip)
+
+
+def test_value_loss_hand_worked():
+    # token 0: v=1.5, old=1.0, R=2.0, eps 0.2: unclipped (1.5-2)^2 = 0.25,
+    #          clipped v = 1.2 -> (1.2-2)^2 = 0.64 -> 0.5 * 0.64 = 0.32 (clipped active)
+    # token 1: v=0.9, old=1.0, R=0.0: within the clip range -> 0.5 * 0.81 = 0.405
+    # token_mean = (0.32 + 0.405) / 2 = 0.3625, clipfrac 1/2; unclipped: (0.125 + 0.405) / 2 = 0.265
+    v = torch.tensor([[1.5, 0.9, 42.0]], requires_grad=True)
+    old = torch.tensor([[1.0, 1.0, 0.0]])
+    ret = torch.tensor([[2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = value_loss(v, old, ret, mask, clip_eps=0.2)
+    close(loss, 0.3625)
+    close(stats["value_clipfrac"], 0.5)
+    loss.backward()
+    # clipped token gets no gradient; token 1: d/dv 0.5 (v-R)^2 / 2 = 0.9 / 2
+    close(v.grad, [[0.0, 0.45, 0.0]])
+    loss_u, stats_u = value_loss(v, old, ret, mask, clip_eps=None)
+    close(loss_u, 0.265)
+    assert stats_u["value_clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_explained_variance(seed):
+    b, s = 4, 8
+    mask, nmask = ragged_batch(seed + 10, b, s)
+    returns = with_garbage(rand(seed, b, s - 1), mask)
+    values = with_garbage(returns + rand(seed + 1, b, s - 1, scale=0.5), mask)
+    rl, vl = returns.tolist(), values.tolist()
+    diff = [[r - v for r, v in zip(rr, vr)] for rr, vr in zip(rl, vl)]
+    var_r = naive_var(rl, nmask, unbiased=False)
+    expected = 1.0 - naive_var(diff, nmask, unbiased=False) / var_r if var_r > 0 else 0.0
+    close(explained_variance(values, returns, mask), expected, atol=1e-4)
+    # hand-worked: perfect critic -> 1; constant critic at the mean -> 0;
+    # returns [1, 3], values [0, 0]: var(R)=1, var(R-V)=1 -> 0; values [2, 2] -> also 0
+    m = torch.ones(1, 2)
+    r = torch.tensor([[1.0, 3.0]])
+    close(explained_variance(r, r, m), 1.0)
+    close(explained_variance(torch.full((1, 2), 2.0), r, m), 0.0)
+    # values [3, 1]: R - V = [-2, 2], var 4 -> 1 - 4/1 = -3
+    close(explained_variance(torch.tensor([[3.0, 1.0]]), r, m), -3.0)
+    # var(R) == 0 (constant, single token, or empty) -> 0 by convention, never NaN
+    close(explained_variance(torch.zeros(1, 2), torch.ones(1, 2), m), 0.0)
+    close(explained_variance(r, r, torch.zeros(1, 2)), 0.0)

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast faults lint bench clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,11 @@ test: $(STAMP)
 FAST_MARKERS := not slow and not server and not multiprocess and not subprocess
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "$(FAST_MARKERS)"
+
+# The fault suite alone: servers and actors killed at named points, a hung server, a full disk, 8
+# clients flooding a server (ALIGNER_FAULTS_LOAD_S seconds, 60 by default); also part of `make test`.
+faults: $(STAMP)
+	$(PY) -m pytest -q tests -m faults
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check aligner servers examples tests benchmarks

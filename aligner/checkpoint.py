@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "save_tensors",
     "load_tensors",
     "write_json",
+    "writing",
     "read_json",
     "optimizer_to_safe",
     "optimizer_from_safe",
@@ -210,14 +212,25 @@ def rng_to_restore(
     )
 
 
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a failed write (a full disk, a file-size limit, a read-only folder) into a
+    :class:`CheckpointError` that names ``path``: the OS's own message often names no file."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot write {path}: {e}") from e
+
+
 def save_tensors(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
     """Write tensors (made contiguous, on CPU, not sharing storage) to a safetensors file."""
     clean = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    save_file(clean, str(path), metadata=metadata)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    with writing(path):
+        save_file(clean, str(path), metadata=metadata)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -231,7 +244,7 @@ def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    with open(path, "w") as f:
+    with writing(path), open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

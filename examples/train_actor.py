@@ -32,6 +32,7 @@ def run(cfg: ActorConfig) -> dict:
 
     from aligner import distributed
     from aligner.critic.client import RemoteCriticClient, resolve_critic_url
+    from aligner.critic.protocol import resolve_run_token
     from aligner.generation.native import NativeEngine
     from aligner.metrics import MetricsLogger, format_console, read_metrics
     from aligner.models import gpt
@@ -48,6 +49,7 @@ def run(cfg: ActorConfig) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_actor_config(cfg, world_size=world, vocab_size=tokenizer.vocab_size)
     url = resolve_critic_url(cfg.critic.url)
+    run_token = resolve_run_token(cfg.critic.run_token_file, "critic.run_token_file")
     if cfg.data.prompt_file:
         prompts = load_prompts(
             cfg.data.prompt_file, tokenizer, cfg.model.max_seq_len - cfg.generation.max_new_tokens
@@ -77,9 +79,18 @@ def run(cfg: ActorConfig) -> dict:
             url,
             timeout_s=cfg.critic.timeout_s,
             ready_timeout_s=cfg.critic.ready_timeout_s,
+            wait_timeout_s=cfg.critic.wait_timeout_s,
             retries=cfg.critic.retries,
+            run_token=run_token,
+            # Rank 0 alone trains, saves and loads the critic: its requests are the fenced ones.
+            watch_restarts=state.rank == 0,
         )
         critic.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
+        if run_token is None and critic.server_info().run_token_required:
+            raise ConfigError(
+                f"the critic server at {url} requires its run token for training, saving and loading the "
+                "critic: set critic.run_token_file (or $ALIGNER_RUN_TOKEN) to the server's token"
+            )
 
         policy = gpt.build_policy(cfg.model)
         if cfg.init_from:
@@ -96,9 +107,7 @@ def run(cfg: ActorConfig) -> dict:
             dtype = precision_dtype(resolve_precision(cfg.precision, state.device))
             reference = gpt.build_policy(cfg.model, params_dtype=dtype)
             gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
-            reference.eval().requires_grad_(False)
-            if cfg.ppo.reference_on_cpu:
-                reference.cpu()
+            reference.eval().requires_grad_(False)  # ppo.reference_on_cpu: the trainer offloads it
         # The initial weights' digest: a resumed run must have the same frozen reference.
         checkpointer = ActorCheckpointer(
             cfg,
@@ -146,6 +155,19 @@ def run(cfg: ActorConfig) -> dict:
                 file=sys.stdout,
             )
 
+        def on_rollback(step: int) -> None:
+            """After a restarted server: the metrics and the bar continue from ``step`` (the
+            redone steps' rows replace the abandoned ones, as on a resume)."""
+            nonlocal logger
+            logger.close()
+            logger = MetricsLogger(
+                cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log, resume_step=step
+            )
+            trainer.logger = logger
+            if bar is not None:
+                bar.n = step
+                bar.refresh()
+
         def on_step(step: int, m: dict) -> None:
             if not log:
                 return
@@ -172,6 +194,7 @@ def run(cfg: ActorConfig) -> dict:
             on_step,
             checkpointer=checkpointer,
             val_prompts=val_prompts[state.dp_rank :: state.dp_size],
+            on_rollback=on_rollback,
         )
         if resume_dir is not None:
             # The checkpointer restores the policy and optimizer in place; the trainer takes back

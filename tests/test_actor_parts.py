@@ -64,7 +64,7 @@ class FakeCritic:
     def check_compatible(self, vocab_size, max_seq_len, tokenizer_fingerprint):
         return None
 
-    def infer(self, tokens, lengths, prompt_lengths):
+    def infer(self, tokens, lengths, prompt_lengths, step=None):
         b, s = tokens.shape
         f: Future = Future()
         f.set_result((torch.arange(s - 1).float().repeat(b, 1).numpy() / 10, lengths.float().numpy()))
@@ -105,7 +105,7 @@ def test_the_link_sends_keeps_the_update_in_flight_and_reports_its_result_once()
     critic = FakeCritic()
     link = CriticLink(critic, ONE_RANK, pad_id=13)
     tokens, lengths = torch.zeros(2, 5, dtype=torch.long), torch.tensor([5, 4])
-    values, scores = link.result(link.infer(tokens, lengths, torch.tensor([2, 2])), tokens.shape)
+    values, scores = link.result(link.infer(tokens, lengths, torch.tensor([2, 2]), 7), tokens.shape)
     assert values.shape == (2, 4) and values.dtype == torch.float32
     assert values[1].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3]) and scores.tolist() == [5.0, 4.0]
     per_token = torch.zeros(2, 4)
@@ -116,6 +116,69 @@ def test_the_link_sends_keeps_the_update_in_flight_and_reports_its_result_once()
     assert link.pending is None and critic.trained == [7]
     assert link.take_completed() == {"loss": 0.5, "grad_norm": 1.5, "applied_step": 7}
     assert link.take_completed() is None
+
+
+def test_a_restart_known_when_sending_is_raised_where_the_link_waits():
+    """A request the client refuses at once (a restart it found earlier) fails where the
+    step waits for it, as one that failed on the server does; the link then holds nothing."""
+    from aligner.critic.errors import CriticRestartedError
+
+    class Restarted(FakeCritic):
+        def infer(self, *args):
+            raise CriticRestartedError(self.url, None, 3, call="critic_infer", reason="found earlier")
+
+        train = infer
+
+    link = CriticLink(Restarted(), ONE_RANK, pad_id=13)
+    tokens, lengths, per_token = torch.zeros(2, 5, dtype=torch.long), torch.tensor([5, 4]), torch.zeros(2, 4)
+    future = link.infer(tokens, lengths, torch.tensor([2, 2]), 4)
+    with pytest.raises(CriticRestartedError, match="found earlier"):
+        link.result(future, tokens.shape)
+    link.completed = {"loss": 1.0}
+    link.train(tokens, lengths, per_token, per_token, per_token, 4)
+    with pytest.raises(CriticRestartedError, match="expected critic step 3"):
+        link.wait()
+    assert link.pending is None and link.completed == {"loss": 1.0}
+    link.drop()
+    assert link.take_completed() is None
+
+
+def test_a_critic_future_times_out_naming_call_step_and_address_and_keeps_the_requests_own_error():
+    from aligner.critic.errors import CriticTimeoutError
+    from aligner.critic.transport import CriticFuture, run_into
+
+    f = CriticFuture("critic_train", "grpc://10.0.0.1:8001", 0.05, step=7)
+    t0 = time.monotonic()
+    with pytest.raises(CriticTimeoutError) as e:
+        f.result()
+    assert 0.05 <= time.monotonic() - t0 < 2
+    assert str(e.value).startswith("critic_train of step 7 to the critic server at grpc://10.0.0.1:8001: ")
+    own = CriticTimeoutError("critic_train", "grpc://10.0.0.1:8001", 600.0, step=7, what="the request's")
+    run_into(f, lambda: (_ for _ in ()).throw(own))
+    with pytest.raises(CriticTimeoutError) as e:
+        f.result()
+    assert e.value is own
+    done = CriticFuture("critic_infer", "grpc://10.0.0.1:8001", 0.05)
+    run_into(done, lambda x: x + 1, 1)
+    assert done.result() == 2
+
+
+def test_a_restarted_error_crosses_to_other_ranks_as_json():
+    from aligner.critic.errors import CriticRestartedError
+    from aligner.critic.protocol import ServerInfo
+
+    info = ServerInfo(2, 14, 32, "char", "fp", 3, 64, 64, checkpoint_steps=[0, 2], instance_id="ab12")
+    e = CriticRestartedError("grpc://h:1", info, 5, call="critic_train", reason="fenced")
+    back = CriticRestartedError.from_json(e.to_json())
+    assert (back.critic_step, back.expected_step, back.checkpoint_steps, back.instance_id) == (
+        3,
+        5,
+        [0, 2],
+        "ab12",
+    )
+    assert str(back) == str(e)
+    assert "it holds critic step 3" in str(e) and "the actor expected critic step 5" in str(e)
+    assert CriticRestartedError("u", None, None, call="c", reason="r").critic_step is None
 
 
 # -- prompts -----------------------------------------------------------------------------------
@@ -313,6 +376,22 @@ def test_actor_config_reports_bad_values_and_batch_divisibility_together():
         "ppo.mini_batch_size=0: expected a positive integer",
         "ppo.kl_estimator='k9': expected 'k1', 'abs' or 'k3'",
     ]
+
+
+def test_critic_section_reports_bad_waits_restart_policy_and_token_file(tmp_path):
+    cfg = ActorConfig()
+    cfg.critic.wait_timeout_s, cfg.critic.on_restart, cfg.critic.max_restarts = 0.0, "retry", -1
+    cfg.critic.run_token_file = str(tmp_path / "absent")
+    problems = cfg.problems(world_size=1, vocab_size=14)
+    assert problems == [
+        "critic.wait_timeout_s=0.0: expected a finite number of seconds > 0",
+        "critic.max_restarts=-1: expected an integer >= 0",
+        "critic.on_restart='retry': expected one of ['resume', 'fail']",
+        f"critic.run_token_file='{tmp_path / 'absent'}': expected an existing file (or null: "
+        "$ALIGNER_RUN_TOKEN, else no token)",
+    ]
+    defaults = ActorConfig().critic
+    assert (defaults.on_restart, defaults.max_restarts, defaults.wait_timeout_s) == ("resume", 3, 600.0)
 
 
 def test_generation_config_builds_the_engines_sampling_params():

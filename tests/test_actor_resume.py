@@ -3,7 +3,7 @@
 One server for the module: every run starts by resetting its critic to the step-0 checkpoint
 (``checkpoint.save_initial``), so runs are independent. The reference is one continuous run;
 every other run is stopped (SIGKILL from outside, or the process killing itself at a named point
-of a save), resumed with ``checkpoint.resume=auto``, and must end with the same policy weights
+of a save or of a step), resumed with ``checkpoint.resume=auto``, and must end with the same policy weights
 and the same metrics at every step as the continuous run.
 """
 
@@ -166,14 +166,25 @@ def test_continuous_run_saves_validates_and_keeps_the_best(continuous):
     assert len(samples) == 4 * 4  # 4 validations x num_samples
 
 
+@pytest.mark.faults  # the actor's kill points belong to the fault suite (make faults)
 @pytest.mark.parametrize(
     "fault",
-    ["before_critic_save@4", "after_critic_save@4", "mid_actor_write@4", "before_commit@4", "after_commit@4"],
+    [
+        "mid_step@3",
+        "before_critic_save@4",
+        "after_critic_save@4",
+        "mid_actor_write@4",
+        "before_commit@4",
+        "after_commit@4",
+    ],
 )
-def test_killed_during_a_save_resumes_exactly(server, continuous, tmp_path, fault):
+def test_killed_at_a_fault_point_resumes_exactly(server, continuous, tmp_path, fault):
+    """Killed mid-step (generated, its critic update not sent) or at a point of a save."""
     run_dir = tmp_path / "run"
     out = _run(server, run_dir, env=_env(ALIGNER_FAULT_AT=fault), ok=False)
     assert out.returncode == -signal.SIGKILL, out.stdout[-2000:] + out.stderr[-2000:]
+    if fault.startswith("mid_step"):  # step 2 was logged, step 3 was not
+        assert [r["step"] for r in read_metrics(str(run_dir / "metrics.jsonl"))] == [0, 1, 2]
     expect = 4 if fault.startswith("after_commit") else 2
     assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == expect
     out = _run(server, run_dir)

@@ -100,3 +100,12 @@ def test_shard_file_names_every_rank_file_one_way():
         ck.shard_file("optim", tp=-1)
     with pytest.raises(ValueError, match="kind="):
         ck.shard_file("my_optim")
+
+
+def test_a_failed_write_names_its_file(tmp_path):
+    # a folder where the file should be: the OS refuses the write, and the error says which path
+    (tmp_path / "optim_tp00_pp00.safetensors").mkdir()
+    with pytest.raises(ck.CheckpointError, match="optim_tp00_pp00.safetensors"):
+        ck.save_tensors(tmp_path / "optim_tp00_pp00.safetensors", {"a": torch.zeros(2)})
+    with pytest.raises(ck.CheckpointError, match="missing/meta.json"):
+        ck.write_json(tmp_path / "missing" / "meta.json", {"a": 1})

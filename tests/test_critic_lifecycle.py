@@ -1,5 +1,5 @@
 """The critic server process: its entry points (also from an installed package), start-up errors,
-SIGKILL + restart with a recovering client, SIGTERM."""
+a crash at a fault point and a restart that resumes its checkpoint and fences stale steps, SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,13 +12,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
+from tritonclient.utils import InferenceServerException
 
 from aligner.checkpoint import complete_steps, read_json
-from aligner.critic.client import RemoteCriticClient
+from aligner.critic import protocol as P
+from aligner.critic.faults import FAULT_ENV
 from aligner.critic.launch import SERVER_MODULE, ServerStartError, start_server
-from aligner.critic.testing import digit_batch, tiny_overrides, train_arrays
+from aligner.critic.testing import (
+    digit_batch,
+    raw_error,
+    raw_info,
+    raw_save,
+    raw_train,
+    tiny_overrides,
+    train_arrays,
+)
 from aligner.distributed import free_port
 from aligner.tokenizers import build_tokenizer
 
@@ -172,48 +181,73 @@ def test_a_taken_port_fails_fast_naming_it(tmp_path):
             )
 
 
-def test_kill_restart_recovery_and_clean_sigterm(tmp_path):
+def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_stops_cleanly(tmp_path):
+    """A server that dies mid-step (the ``train@3`` fault point: SIGKILL after the backward)
+    restarts on the same ports with ``checkpoint.resume=auto`` at its newest checkpoint (step 1),
+    as another process; a caller that still expects step 2 is refused, naming both steps; the
+    steps redone from there give the results they gave before; SIGTERM saves and exits 0."""
     ws = Path(tempfile.mkdtemp(prefix="critic-ws-"))  # short: PyTriton's Unix sockets live there
     ports = {"server.http_port": free_port(), "server.grpc_port": free_port(), "server.workspace_root": ws}
-    overrides = tiny_overrides(tmp_path, **ports)
+    # Beyond loopback, as in a pod; the first server has no run token, the second has one.
+    overrides = tiny_overrides(tmp_path, **ports, **{"server.host": "0.0.0.0", "checkpoint.resume": "auto"})
     tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=1)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=1)
+    token = "lifecycle-run-token"
 
-    first = start_server(overrides, log_path=tmp_path / "first.log")
+    def train(url, step, expected, run_token=None):
+        req = P.TrainRequest(tokens, lengths, returns, old_values, mask, step, expected)
+        return P.TrainResult.from_wire(raw_train(url, req, run_token))
+
+    first = start_server(overrides, log_path=tmp_path / "first.log", env={FAULT_ENV: "train@3"})
     try:
-        client = RemoteCriticClient(first.url, timeout_s=20, ready_timeout_s=120, retries=6, backoff_s=0.2)
-        fresh, _ = client.infer(tokens, lengths, pl).result()
-        client.train(tokens, lengths, returns, old_values, mask, 0).result()
-        first_pid = first.pid
-        first.kill()  # SIGKILL: no clean-up at all
+        info1 = raw_info(first.url)
+        assert (info1.critic_step, info1.checkpoint_steps, info1.run_token_required) == (-1, [0], False)
+        r1 = train(first.url, 1, -1)
+        raw_save(first.url, 1, 1)
+        r2 = train(first.url, 2, 1)
+        with pytest.raises(InferenceServerException):  # the server dies under the request
+            train(first.url, 3, 2)
+        first.proc.wait(30)
         assert first.returncode == -9
-        pending = client.infer(tokens, lengths, pl)  # sent into the void: retried until the server is back
-        second = start_server(overrides, log_path=tmp_path / "second.log")
+        first_pid = first.pid
     except BaseException:
         first.kill()
         raise
+    assert "without a run token" in (tmp_path / "first.log").read_text()
+    second = start_server(overrides, log_path=tmp_path / "second.log", env={P.RUN_TOKEN_ENV: token})
     try:
-        assert second.url == first.url  # same ports
-        values, _ = pending.result(timeout=180)
-        # A fresh server with the same seed starts from the same weights (no checkpoint to resume).
-        np.testing.assert_allclose(values, fresh, rtol=0, atol=1e-6)
+        assert second.url == first.url  # same ports: nothing of the killed server holds them
         assert not any(p.name.startswith(f"critic-{first_pid}-") for p in ws.iterdir())
-        # Training continues on the restarted server, then SIGTERM saves it and exits 0.
-        result = client.train(tokens, lengths, returns, old_values, mask, 1).result(timeout=60)
-        assert result["applied_step"] == 1
-        client.close()
+        info = raw_info(second.url)
+        assert info.instance_id != info1.instance_id and info.run_token_required
+        assert (info.critic_step, info.checkpoint_steps) == (1, [0, 1])
+        # The caller that saw step 2 applied retries step 3: refused, nothing applied.
+        text = raw_error(
+            second.url,
+            P.TRAIN,
+            P.TrainRequest(tokens, lengths, returns, old_values, mask, 3, 2).to_wire(token),
+        )
+        assert (
+            "[critic-fenced] critic_train step 3: the request expects the server at critic step 2, but it "
+            "holds critic step 1 (restarted or rolled back?); nothing applied"
+        ) in text
+        assert raw_info(second.url).critic_step == 1
+        # Redone from the checkpoint, step 2 gives what it gave (weights, optimizer and RNG came
+        # back), and the run goes on.
+        assert train(second.url, 2, 1, token) == r2 and train(second.url, 1, 0, token) == r1
+        assert train(second.url, 3, 2, token).applied_step == 3
         code = second.stop(timeout=60)
     finally:
         second.kill()
     assert code == 0, second.output_tail()
-    # Step 0 is the initial critic (checkpoint.save_initial); step 1 was saved on SIGTERM.
-    assert complete_steps(tmp_path / "ckpt", role="critic") == [0, 1]
-    meta = read_json(tmp_path / "ckpt" / "step_00000001" / "critic" / "meta.json")
-    assert meta["critic_step"] == 1
+    assert "without a run token" not in (tmp_path / "second.log").read_text()
+    # Step 0 is the initial critic (checkpoint.save_initial); step 3 was saved on SIGTERM.
+    assert complete_steps(tmp_path / "ckpt", role="critic") == [0, 1, 3]
+    assert read_json(tmp_path / "ckpt" / "step_00000003" / "critic" / "meta.json")["critic_step"] == 3
     assert not list(ws.iterdir())  # the clean stop removed its workspace
     shutil.rmtree(ws, ignore_errors=True)
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "loss/value" in r]
-    assert [r["step"] for r in trained] == [0, 1]
+    assert [r["step"] for r in trained][-2:] == [2, 3]
     assert {"critic/grad_norm", "critic/explained_variance", "critic/value_clipfrac"} <= set(trained[-1])
-    assert any("server/critic_infer/requests" in r for r in records)
+    assert any("server/critic_infer/requests" in r or "server/server_info/requests" in r for r in records)

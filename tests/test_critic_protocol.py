@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -32,8 +34,19 @@ def test_good_requests_pass_and_are_typed():
     tokens, lengths, pl = _good()
     req = P.validate_infer(tokens, lengths.reshape(-1, 1), pl, LIM)
     assert req.lengths.shape == (2,) and req.to_wire()["lengths"].shape == (2, 1)
-    t = P.validate_train(*_train(), np.array([[3]], np.int64), LIM)
-    assert t.step == 3 and t.to_wire()["step"].shape == (1, 1)
+    t = P.validate_train(*_train(), np.array([[3]], np.int64), np.array([[2]], np.int64), LIM)
+    assert (t.step, t.expected_step) == (3, 2)
+    wire = t.to_wire("tok")
+    assert wire["step"].shape == wire["expected_step"].shape == (1, 1) and wire["expected_step"][0, 0] == 2
+    assert wire["run_token"].shape == (1,) and P.validate_run_token(P.TRAIN, wire["run_token"]) == "tok"
+    assert P.validate_run_token(P.TRAIN, t.to_wire()["run_token"]) == ""  # no token: sent empty
+    # In-process callers of the service may leave expected_step out; the wire may not.
+    assert P.validate_train(*_train(), 3, None, LIM).expected_step is None
+    with pytest.raises(ValueError, match="expected_step"):
+        P.validate_train(*_train(), 3, None, LIM).to_wire()
+    assert set(P.save_inputs(4, 4, "tok")) == {t.name for t in P.MODELS[P.SAVE].inputs}
+    assert set(P.load_inputs(4)) == {t.name for t in P.MODELS[P.LOAD].inputs}
+    assert P.critic_step_after_load(0) == 0 and P.critic_step_after_load(7) == 7
 
 
 @pytest.mark.parametrize(
@@ -74,24 +87,96 @@ def _with(i, value):
 
 
 @pytest.mark.parametrize(
-    "args, step, field, words",
+    "args, step, expected_step, field, words",
     [
-        (_with(2, np.full((2, 5), np.nan, np.float32)), 1, "returns", "finite"),
-        (_with(3, np.full((2, 5), np.inf, np.float32)), 1, "old_values", "finite"),
-        (_with(2, np.zeros((2, 5), np.float64)), 1, "returns", "dtype float32"),
-        (_with(2, np.zeros((2, 6), np.float32)), 1, "returns", "shape [2, 5]"),
-        (_with(4, np.full((2, 5), 0.5, np.float32)), 1, "mask", "{0, 1}"),
-        (_with(4, np.zeros((2, 5), np.float32)), 1, "mask", "at least one response token"),
-        (_with(4, np.ones((2, 5), np.float32)), 1, "mask", "t >= length-1"),
-        (list(_train()), -1, "step", "step >= 0"),
-        (list(_train()), np.array([[1, 2]], np.int64), "step", "shape [1, 1]"),
-        (list(_train()), np.array([[1]], np.int32), "step", "dtype int64"),
+        (_with(2, np.full((2, 5), np.nan, np.float32)), 1, 0, "returns", "finite"),
+        (_with(3, np.full((2, 5), np.inf, np.float32)), 1, 0, "old_values", "finite"),
+        (_with(2, np.zeros((2, 5), np.float64)), 1, 0, "returns", "dtype float32"),
+        (_with(2, np.zeros((2, 6), np.float32)), 1, 0, "returns", "shape [2, 5]"),
+        (_with(4, np.full((2, 5), 0.5, np.float32)), 1, 0, "mask", "{0, 1}"),
+        (_with(4, np.zeros((2, 5), np.float32)), 1, 0, "mask", "at least one response token"),
+        (_with(4, np.ones((2, 5), np.float32)), 1, 0, "mask", "t >= length-1"),
+        (list(_train()), -1, 0, "step", "step >= 0"),
+        (list(_train()), np.array([[1, 2]], np.int64), 0, "step", "shape [1, 1]"),
+        (list(_train()), np.array([[1]], np.int32), 0, "step", "dtype int64"),
+        (list(_train()), 1, -2, "expected_step", "expected_step >= -1"),
+        (list(_train()), 1, np.array([[0]], np.int32), "expected_step", "dtype int64"),
+        (list(_train()), 1, np.array([0], np.int64), "expected_step", "shape [1, 1]"),
     ],
 )
-def test_bad_train_requests_name_the_field(args, step, field, words):
+def test_bad_train_requests_name_the_field(args, step, expected_step, field, words):
     with pytest.raises(P.ProtocolError) as e:
-        P.validate_train(*args, step, LIM)
+        P.validate_train(*args, step, expected_step, LIM)
     assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_fenced_and_unauthorized_errors_are_marked_and_come_back_from_triton_text():
+    fenced = P.FencedError(P.TRAIN, 13, 12, 3)
+    assert str(fenced) == (
+        "[critic-fenced] critic_train step 13: the request expects the server at critic step 12, but it "
+        "holds critic step 3 (restarted or rolled back?); nothing applied"
+    )
+    assert isinstance(fenced, P.ProtocolError) and fenced.field == "expected_step"
+    for err in (fenced, P.FencedError(P.SAVE, 4, 4, -1)):
+        # Triton wraps the message in a traceback with escaped newlines.
+        text = (
+            f"[StatusCode.INTERNAL] Traceback (most recent call last):\\n  ...\\nFencedError: {err}\\n\\nAt:"
+        )
+        back = P.extract_fenced(text)
+        assert (back.model, back.step, back.expected_step, back.critic_step) == (
+            err.model,
+            err.step,
+            err.expected_step,
+            err.critic_step,
+        )
+        assert P.extract_error(text) == str(err)
+    for missing, how in ((True, "missing"), (False, "wrong"), (None, "missing or wrong")):
+        err = P.UnauthorizedError(P.LOAD, missing)
+        assert str(err).startswith(f"{P.UNAUTHORIZED_MARK}critic_load: the run token is {how}")
+        back = P.extract_unauthorized(f'... "UnauthorizedError: {err}"')
+        assert (back.model, back.missing) == (P.LOAD, missing) and P.extract_error(str(err)) == str(err)
+    plain = str(P.ProtocolError(P.TRAIN, "mask", "x", "y"))
+    assert P.extract_fenced(plain) is None and P.extract_unauthorized(plain) is None
+    assert P.extract_error("no mark at all") is None
+
+
+def test_run_token_is_read_checked_and_never_shown(tmp_path):
+    secret = "s3cret-Token-42"
+    env = {P.RUN_TOKEN_ENV: f"  {secret}\n"}
+    assert P.resolve_run_token(None, "server.run_token_file", env) == secret
+    assert P.resolve_run_token(None, "server.run_token_file", {P.RUN_TOKEN_ENV: " "}) is None
+    assert P.resolve_run_token(None, "server.run_token_file", {}) is None
+    f = tmp_path / "token"
+    f.write_text("from-the-file\n")  # the file wins over the variable; a trailing newline does not count
+    assert P.resolve_run_token(f, "server.run_token_file", env) == "from-the-file"
+    f.write_text(" \n")
+    with pytest.raises(ValueError, match=r"server.run_token_file=.*token' is empty"):
+        P.resolve_run_token(f, "server.run_token_file", env)
+    with pytest.raises(ValueError, match=r"critic.run_token_file='/no/such/file' cannot be read"):
+        P.resolve_run_token("/no/such/file", "critic.run_token_file", env)
+
+    P.check_run_token(P.TRAIN, None, "")  # no token configured: anyone may write
+    P.check_run_token(P.TRAIN, secret, secret)
+    for given, missing in (("", True), ("s3cret-Token-4", False), (secret + "x", False)):
+        with pytest.raises(P.UnauthorizedError) as e:
+            P.check_run_token(P.SAVE, secret, given)
+        assert (
+            e.value.missing is missing
+            and secret not in str(e.value)
+            and (not given or given not in str(e.value))
+        )
+    wire = P.run_token_array(secret)
+    assert P.validate_run_token(P.LOAD, wire) == secret
+    assert (
+        P.validate_run_token(P.LOAD, np.array([secret.encode()], np.bytes_)) == secret
+    )  # as Triton gives it
+    for bad, words in (
+        (np.array([1], np.int64), "BYTES of shape [1]"),
+        (np.array([b"a", b"b"], np.object_), "BYTES of shape [1]"),
+        (np.array([b"\xff\xfe"], np.object_), "UTF-8"),
+    ):
+        with pytest.raises(P.ProtocolError, match=r"field 'run_token'.*" + re.escape(words)):
+            P.validate_run_token(P.LOAD, bad)
 
 
 def test_validation_accepts_torch_tensors():
@@ -102,16 +187,33 @@ def test_validation_accepts_torch_tensors():
 
 
 def test_server_info_round_trip_ignores_unknown_fields():
-    info = P.ServerInfo(P.PROTOCOL_VERSION, 14, 32, "char", "char:abc", -1, 8, 16, extra={"pid": 1})
+    info = P.ServerInfo(
+        P.PROTOCOL_VERSION, 14, 32, "char", "char:abc", -1, 8, 16, instance_id="ab12", run_token_required=True
+    )
     blob = info.to_json().replace(b"{", b'{"future_field": 1, ', 1)
     back = P.ServerInfo.from_json(blob)
     assert back == info and back.limits == P.Limits(14, 32, 8, 16)
 
 
 def test_every_model_spec_is_consistent():
+    assert P.PROTOCOL_VERSION == 2
     assert set(P.MODELS) == set(P.MODEL_NAMES)
     assert [m for m, s in P.MODELS.items() if s.batched] == [P.INFER]
     assert P.MODELS[P.TRAIN].input("step").shape == (1, 1)
+    # Who may write, and against which critic step.
+    for model, spec in P.MODELS.items():
+        names = {t.name for t in spec.inputs}
+        assert ("run_token" in names) == (model in P.MUTATING_MODELS), model
+        assert ("expected_step" in names) == (model in (P.TRAIN, P.SAVE)), model
+    assert P.MODELS[P.TRAIN].input("expected_step").shape == (1, 1)
+    assert P.MODELS[P.LOAD].input("run_token").shape == (1,)
+    # critic_infer answers each merged request on its own: an error output beside the values.
+    assert [t.name for t in P.MODELS[P.INFER].outputs] == ["values", "rewards", "error"]
+    ok = P.InferResponse(np.zeros((2, 3), np.float32), np.zeros(2, np.float32)).to_wire()
+    assert ok["error"].shape == (2, 1) and set(ok["error"].ravel()) == {b""}
+    failed = P.infer_error_wire("reward function 'f' failed on sample 1 of the request: boom", 3)
+    assert set(failed) == {"error"} and failed["error"].shape == (3, 1)
+    assert failed["error"][1, 0].decode().startswith("reward function 'f' failed on sample 1")
 
 
 def test_resolve_critic_url(monkeypatch):
@@ -158,6 +260,32 @@ def test_config_collects_every_problem(tmp_path):
         "tensor_model_parallel_size=3",
     ):
         assert needle in msg, (needle, msg)
+
+
+def test_config_resume_modes_and_run_token_file(tmp_path):
+    def resume(value):
+        return build_config(tiny_config(tmp_path, checkpoint={"resume": value})).checkpoint.resume
+
+    assert [resume(v) for v in ("auto", "none", True, False, "true", "False")] == [
+        "auto",
+        "none",
+        "auto",
+        "none",
+        "auto",
+        "none",
+    ]
+    assert build_config(tiny_config(tmp_path)).checkpoint.resume == "none"
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    assert build_config(tiny_config(tmp_path, server={"run_token_file": str(token)})).server.run_token_file
+    token.write_text("")
+    with pytest.raises(ConfigError) as e:
+        build_config(
+            tiny_config(tmp_path, server={"run_token_file": str(token)}, checkpoint={"resume": "once"})
+        )
+    msg = str(e.value)
+    assert "server.run_token_file=" in msg and "is empty" in msg
+    assert "checkpoint.resume='once': expected one of ['none', 'auto']" in msg
 
 
 def test_config_reward_and_init_sources(tmp_path):

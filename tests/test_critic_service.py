@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,8 @@ from aligner.models.checkpoint_io import save_model_checkpoint
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import build_reward_model, sequence_scores, tensor_state_dict, token_values
 from aligner.tasks.digits import sort_reward
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +294,6 @@ def test_rng_states_are_checked_before_a_load_applies_anything(pstate, tmp_path,
     svc = _service(pstate, tmp_path)
     tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
     path = svc.save(0)
-    at_save = svc.critic_step
     file = path / "rng_tp00_pp00.safetensors"
     rng = load_tensors(file)
     svc.train(tokens, lengths, returns, old_values, mask, 1)
@@ -310,6 +312,204 @@ def test_rng_states_are_checked_before_a_load_applies_anything(pstate, tmp_path,
     expected = torch.rand(3, generator=saved)
     with caplog.at_level("WARNING", logger="aligner.critic"):
         svc.load(0)
-    assert svc.critic_step == at_save and torch.equal(torch.rand(3), expected)
+    assert svc.critic_step == P.critic_step_after_load(0) and torch.equal(torch.rand(3), expected)
     cpu_state = rng["torch_cpu"].numel()  # this CPU server's tracker states are CPU generator states
     assert f"tracker.model-parallel-rng [16] here [{cpu_state}]" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------
+# Who may write, and against which critic step (docs/design.md, "Wire protocol")
+# ------------------------------------------------------------------------------------------------
+
+
+def _state(svc, tokens, lengths, pl):
+    """What a refused request must leave alone: the critic step, the values, the optimizer."""
+    moments = [v.clone() for st in svc.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    return svc.critic_step, svc.infer(tokens, lengths, pl).values, moments
+
+
+def _same_state(a, b) -> None:
+    assert a[0] == b[0]
+    np.testing.assert_array_equal(a[1], b[1])
+    assert len(a[2]) == len(b[2]) and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+def test_a_stale_expected_step_is_fenced_and_applies_nothing(pstate, tmp_path):
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    r1 = svc.train(tokens, lengths, returns, old_values, mask, 1, -1)  # a fresh server holds -1
+    svc.train(tokens, lengths, returns, old_values, mask, 2, 1)
+    before = _state(svc, tokens, lengths, pl)
+    # The server "restarted" (or was rolled back) under a caller that believes it holds step 5.
+    with pytest.raises(P.FencedError) as e:
+        svc.train(tokens, lengths, returns, old_values, mask, 6, 5)
+    assert str(e.value).startswith(
+        "[critic-fenced] critic_train step 6: the request expects the server at critic step 5, "
+        "but it holds critic step 2"
+    )
+    assert (e.value.expected_step, e.value.critic_step) == (5, 2)
+    _same_state(before, _state(svc, tokens, lengths, pl))
+    # Exactly once comes first: a retry of an applied step gets its kept result, whatever it expects.
+    assert svc.train(tokens, lengths, returns * 3, old_values, mask, 1, 5) == r1
+    # Fencing comes before the in-order rule: an old step against another critic step reads as
+    # fenced; against the right one, as out of order.
+    with pytest.raises(P.FencedError):
+        svc.train(tokens, lengths, returns, old_values, mask, 0, 1)
+    with pytest.raises(P.ProtocolError, match="field 'step'.*a step > 2"):
+        svc.train(tokens, lengths, returns, old_values, mask, 0, 2)
+    # Saving a step needs the server at the step it expects; nothing is written otherwise.
+    with pytest.raises(
+        P.FencedError, match=r"critic_save step 5: .* critic step 5, but it holds critic step 2"
+    ):
+        svc.save(5, 5)
+    assert complete_steps(tmp_path / "ckpt", role="critic") == []
+    svc.save(2, 2)
+    _same_state(before, _state(svc, tokens, lengths, pl))
+    assert complete_steps(tmp_path / "ckpt", role="critic") == [2]
+    assert svc.train(tokens, lengths, returns, old_values, mask, 3, 2).applied_step == 3
+
+
+def test_the_run_token_guards_every_mutating_call_and_is_never_shown(pstate, tmp_path):
+    secret = "run-token-for-this-test"
+    (tmp_path / "token").write_text(secret + "\n")
+    svc = _service(pstate, tmp_path, server={"run_token_file": str(tmp_path / "token")})
+    assert svc.info().run_token_required and svc.run_token == secret
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    svc.save(0, -1, run_token=secret)
+    r0 = svc.train(tokens, lengths, returns, old_values, mask, 0, -1, run_token=P.run_token_array(secret))
+    before = _state(svc, tokens, lengths, pl)  # infer and info need no token
+    calls = {
+        P.TRAIN: lambda tok: svc.train(tokens, lengths, returns, old_values, mask, 1, 0, run_token=tok),
+        P.SAVE: lambda tok: svc.save(0, 0, run_token=tok),
+        P.LOAD: lambda tok: svc.load(0, run_token=tok),
+    }
+    for model, call in calls.items():
+        for tok, how in (("", "missing"), (P.run_token_array(""), "missing"), ("guess-123", "wrong")):
+            with pytest.raises(P.UnauthorizedError) as e:
+                call(tok)
+            msg = str(e.value)
+            assert msg.startswith(f"[critic-unauthorized] {model}: the run token is {how};"), msg
+            assert secret not in msg and "guess" not in msg
+    # The token is checked after the contract and before exactly-once: a repeat of step 0
+    # without it is refused too, and a malformed request is a contract error whatever its token.
+    with pytest.raises(P.UnauthorizedError):
+        svc.train(tokens, lengths, returns, old_values, mask, 0, -1, run_token="")
+    with pytest.raises(P.ProtocolError, match="field 'mask'"):
+        svc.train(tokens, lengths, returns, old_values, mask * 2, 1, 0, run_token="")
+    _same_state(before, _state(svc, tokens, lengths, pl))
+    meta = json.loads((tmp_path / "ckpt" / "step_00000000" / "critic" / "meta.json").read_text())
+    assert meta["critic_step"] == -1  # the refused save wrote nothing over it
+    assert svc.train(tokens, lengths, returns, old_values, mask, 0, 7, run_token=secret) == r0
+
+
+def test_a_load_leaves_the_server_at_the_loaded_step(pstate, tmp_path):
+    """The critic saved as step N is the critic after step N: loading it (the initial critic,
+    saved as step 0 before any train, too) leaves the server at critic step N."""
+    svc = _service(pstate, tmp_path)
+    tokens, lengths, pl, returns, old_values, mask, *_ = _batch(svc)
+    assert svc.critic_step == -1
+    svc.save(0)  # what checkpoint.save_initial writes at start-up
+    svc.train(tokens, lengths, returns, old_values, mask, 1, -1)
+    svc.load(0)
+    assert svc.critic_step == P.critic_step_after_load(0) == 0
+    with pytest.raises(P.FencedError, match="holds critic step 0"):
+        svc.train(tokens, lengths, returns, old_values, mask, 1, -1)
+    assert svc.train(tokens, lengths, returns, old_values, mask, 1, 0).applied_step == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# One request's bad samples fail that request alone
+# ------------------------------------------------------------------------------------------------
+
+
+def test_one_requests_bad_samples_fail_only_that_request(pstate, tmp_path):
+    """Merged requests (as Triton's batcher merges them) whose reward function fails on one
+    request's samples: that request gets an error naming the function and the sample, the others
+    what they would get alone. Through the server's callable, the failing request's response is
+    its error output; alone, it is an error."""
+    from aligner.critic.rewards import RewardFunctionError
+    from aligner.critic.server import CriticTritonServer
+    from aligner.critic.testing import encode_samples
+
+    fn = "aligner.critic.testing:picky_reward"
+    svc = _service(pstate, tmp_path, precision="fp32", reward={"fn": fn})
+    good = [(["12:", "3:"], ["12", "3"]), (["45:", "789:"], ["45", "798"])]
+    bad = {  # what goes wrong -> (prompts, responses), the failing sample, the words
+        "raises": ((["1:", "2", "3:"], ["1", "2", "3"]), 1, "ValueError: prompt '2' has no ':'"),
+        "nan": ((["1:", "2:"], ["1", ","]), 1, "its score is nan"),
+        "inf": ((["1:"], [",,"]), 0, "its score is inf"),
+        "count": ((["12:", "1:", "2:"], ["12", ",,,", "2"]), 1, "it returned 2 scores for 3 samples"),
+    }
+
+    def request(prompts, responses):
+        return P.InferRequest(*encode_samples(svc.tokenizer, prompts, responses, pad_to=8))
+
+    alone = [svc.infer(*request(*g).to_wire().values()) for g in good]
+    for what, (samples, sample, words) in bad.items():
+        reqs = [request(*good[0]), request(*samples), request(*good[1])]
+        out = svc.infer_many(reqs)
+        err = out[1]
+        assert isinstance(err, RewardFunctionError), what
+        assert str(err) == f"reward function {fn!r} failed on sample {sample} of the request: " + err.detail
+        assert words in str(err), (what, str(err))
+        for got, want in zip((out[0], out[2]), alone):
+            np.testing.assert_array_equal(got.values, want.values)
+            np.testing.assert_array_equal(got.rewards, want.rewards)
+        with pytest.raises(RewardFunctionError, match=f"failed on sample {sample} of the request"):
+            svc.infer(*reqs[1].to_wire().values())
+        # The server's callable, as PyTriton calls it with a merged execution.
+        server = CriticTritonServer(svc, svc.cfg, tmp_path)
+        wire = server.infer_fn([r.to_wire() for r in reqs])
+        assert set(wire[1]) == {"error"} and wire[1]["error"].shape == (len(samples[0]), 1)
+        assert {e.decode() for e in wire[1]["error"].ravel()} == {str(err)}
+        for got, want in zip((wire[0], wire[2]), alone):
+            np.testing.assert_array_equal(got["values"], want.values)
+            assert set(got["error"].ravel()) == {b""}
+        with pytest.raises(RewardFunctionError):
+            server.infer_fn([reqs[1].to_wire()])  # alone in its execution: its own error
+
+
+# ------------------------------------------------------------------------------------------------
+# Fault points (ALIGNER_SERVER_FAULT_AT): the server kills itself where the tests say
+# ------------------------------------------------------------------------------------------------
+
+_FAULT_SCRIPT = """
+import sys
+from aligner.critic.config import build_config
+from aligner.critic.service import CriticService
+from aligner.critic.testing import digit_batch, tiny_config, train_arrays
+from aligner.distributed import ParallelConfig, initialize
+
+svc = CriticService(build_config(tiny_config(sys.argv[1])), initialize(ParallelConfig(), seed=1))
+tokens, lengths, pl, *_ = digit_batch(svc.tokenizer, 2)
+returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1])
+for step in (1, 2, 3):
+    svc.infer(tokens, lengths, pl)
+    svc.train(tokens, lengths, returns, old_values, mask, step)
+    svc.save(step)
+    print("done", step, flush=True)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("fault, last_done", [("infer@2", 2), ("train@2", 1), ("save@2", 1)])
+def test_fault_points_kill_the_server_where_they_say(tmp_path, fault, last_done):
+    import subprocess
+    import sys
+
+    from aligner.critic.faults import FAULT_ENV
+
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", FAULT_ENV: fault, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULT_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert out.stdout.split() == [w for s in range(1, last_done + 1) for w in ("done", str(s))]
+    assert complete_steps(tmp_path / "ckpt", role="critic") == list(range(1, last_done + 1))
+    if fault.startswith("save"):  # its shards were written, the folder never committed
+        (tmp,) = (tmp_path / "ckpt" / "step_00000002").glob(".tmp.critic.*")
+        assert (tmp / "model_tp00_pp00.safetensors").is_file() and not (tmp / "complete.json").exists()

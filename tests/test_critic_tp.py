@@ -6,11 +6,21 @@ import numpy as np
 import pytest
 
 from aligner.checkpoint import complete_steps
+from aligner.critic import protocol as P
 from aligner.critic.client import RemoteCriticClient
 from aligner.critic.config import build_config
 from aligner.critic.launch import start_server
 from aligner.critic.service import CriticService
-from aligner.critic.testing import TINY_MODEL, digit_batch, tiny_config, tiny_overrides, train_arrays
+from aligner.critic.testing import (
+    TINY_MODEL,
+    digit_batch,
+    raw_load,
+    raw_save,
+    raw_train,
+    tiny_config,
+    tiny_overrides,
+    train_arrays,
+)
 from aligner.distributed import ParallelConfig, destroy, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
 from aligner.models.config import ModelConfig
@@ -55,20 +65,29 @@ def test_tp2_server_matches_tp1(tmp_path):
                 ref = reference.infer(tokens, lengths, pl)
                 np.testing.assert_allclose(values, ref.values, rtol=0, atol=1e-5)
                 np.testing.assert_allclose(rewards, ref.rewards, rtol=0, atol=1e-5)
+
                 # One update on each: same loss, same (TP-reduced) gradient norm, same new values.
-                got = client.train(tokens, lengths, returns, old_values, mask, 0).result()
+                def train(step, expected):
+                    req = P.TrainRequest(tokens, lengths, returns, old_values, mask, step, expected)
+                    return P.TrainResult.from_wire(raw_train(server.url, req))
+
+                got = train(0, -1)
                 want = reference.train(tokens, lengths, returns, old_values, mask, 0)
-                assert got["loss"] == pytest.approx(want.loss, abs=1e-5)
-                assert got["grad_norm"] == pytest.approx(want.grad_norm, rel=1e-4)
+                assert got.loss == pytest.approx(want.loss, abs=1e-5)
+                assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
                 after, _ = client.infer(tokens, lengths, pl).result()
                 np.testing.assert_allclose(
                     after, reference.infer(tokens, lengths, pl).values, rtol=0, atol=1e-4
                 )
-                # Save (rank 0 gathers both shards), train on, load: back to the saved values.
-                client.save(0)
-                client.train(tokens, lengths, returns, old_values, mask, 1).result()
-                client.load(0)
+                # Save (rank 0 gathers both shards), train on, load: back to the saved values, at
+                # the saved step on every rank (a stale step is fenced, the next one applies).
+                raw_save(server.url, 0, 0)
+                train(1, 0)
+                raw_load(server.url, 0)
                 np.testing.assert_array_equal(client.infer(tokens, lengths, pl).result()[0], after)
+                with pytest.raises(Exception, match=r"\[critic-fenced\] critic_train step 2"):
+                    train(2, 1)
+                assert train(1, 0).applied_step == 1
             assert complete_steps(tmp_path / "tp2" / "ckpt", role="critic") == [0]
             assert (
                 tmp_path / "tp2" / "ckpt" / "step_00000000" / "critic" / "model_tp01_pp00.safetensors"

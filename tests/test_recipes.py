@@ -33,6 +33,7 @@ from hydra.errors import ConfigCompositionException
 
 from aligner.critic import client as critic_client
 from aligner.critic import launch
+from aligner.critic import protocol as P
 from aligner.critic import wait as wait_cli
 from aligner.models.config import ConfigError
 
@@ -84,7 +85,17 @@ def container(pod_spec: dict, name: str, init: bool = False) -> dict:
 
 
 def env_of(c: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in c.get("env", [])}
+    """A container's plain environment variables (those with a value)."""
+    return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+
+def secret_env_of(c: dict) -> dict[str, tuple[str, str]]:
+    """A container's variables taken from Secrets: name -> (Secret, key)."""
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
 
 
 def expand_k8s(arg: str, env: dict[str, str]) -> str:
@@ -246,7 +257,7 @@ def test_every_manifest_is_valid_for_the_kubernetes_api(nodes):
     docs = rendered(f"actor_nodes={nodes}")
     kinds = [d["kind"] for d in docs]
     actor_kind = "Job" if nodes == 1 else "PyTorchJob"
-    assert kinds == ["PersistentVolumeClaim", "Service", "Deployment", actor_kind]
+    assert kinds == ["Secret", "PersistentVolumeClaim", "Service", "Deployment", "NetworkPolicy", actor_kind]
     for d in docs:
         validate(d)
         assert d["metadata"]["namespace"] == "default"
@@ -332,7 +343,7 @@ def test_critic_gpus_parallelism_and_graceful_stop(schemas):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
     # SIGTERM saves the critic; torchrun waits --shutdown-timeout for it, inside the grace period.
-    assert cfg.checkpoint.save_on_sigterm and cfg.checkpoint.resume
+    assert cfg.checkpoint.save_on_sigterm and cfg.checkpoint.resume == "auto"
     assert tr.shutdown_timeout is not None
     assert pod["terminationGracePeriodSeconds"] > tr.shutdown_timeout >= 60
     assert_dev_shm_in_memory(pod, c)
@@ -357,6 +368,10 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
     for cont in (wait, c):
         env = env_of(cont)
         assert set(env) == {critic_client.ENV_URL}, f"{cont['name']}: env {sorted(env)}"
+        # The actor writes with the run token of the critic's Secret; waiting needs none.
+        critic_token = secret_env_of(container(one(docs, "Deployment")["spec"]["template"]["spec"], "critic"))
+        want = critic_token if cont is c else {}
+        assert secret_env_of(cont) == want and set(want) == ({P.RUN_TOKEN_ENV} if want else set())
         url = env[critic_client.ENV_URL]
         scheme, hostport = launch.parse_url(url)
         host, port = hostport.rsplit(":", 1)
@@ -441,6 +456,51 @@ def test_actor_pytorchjob_on_several_nodes(schemas):
         )
 
 
+def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
+    """Writes need the run token: one Secret, read by the critic and by every actor pod (Job and
+    PyTorchJob) as $ALIGNER_RUN_TOKEN; and only the actor's pods reach the critic's ports."""
+    for nodes in (1, 3):
+        docs = rendered(f"actor_nodes={nodes}")
+        secret = one(docs, "Secret")
+        token = secret["stringData"]["token"]
+        assert len(token) >= render.MIN_TOKEN_CHARS and secret["immutable"] is True
+        ref = (secret["metadata"]["name"], "token")
+        dep, svc, critic_pod, c, tr, cfg = critic_parts(docs)
+        assert secret_env_of(c) == {P.RUN_TOKEN_ENV: ref}
+        # The server reads that variable when its config names no token file.
+        assert cfg.server.run_token_file is None
+        assert P.resolve_run_token(None, "server.run_token_file", {P.RUN_TOKEN_ENV: token}) == token
+        actor = one(docs, "Job" if nodes == 1 else "PyTorchJob")
+        pods = (
+            [actor["spec"]["template"]]
+            if nodes == 1
+            else [r["template"] for r in actor["spec"]["pytorchReplicaSpecs"].values()]
+        )
+        for pod in pods:
+            (main,) = pod["spec"]["containers"]
+            assert secret_env_of(main) == {P.RUN_TOKEN_ENV: ref}
+
+        policy = one(docs, "NetworkPolicy")
+        critic_labels = dep["spec"]["template"]["metadata"]["labels"]
+        spec = policy["spec"]
+        assert spec["podSelector"]["matchLabels"].items() <= critic_labels.items()
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}, "actor pods by label, nothing else"
+        admitted = peer["podSelector"]["matchLabels"]
+        for pod in pods:
+            assert admitted.items() <= pod["metadata"]["labels"].items()
+        assert not admitted.items() <= critic_labels.items()
+        ports = {resolve_port(c, p["port"]) for p in rule["ports"]}
+        svc_ports = {p["name"]: resolve_port(c, p["targetPort"]) for p in svc["spec"]["ports"]}
+        assert ports == {svc_ports["grpc"], svc_ports["http"]} == {cfg.server.grpc_port, cfg.server.http_port}
+    # A fresh token per render, unless the values give one.
+    assert one(rendered(), "Secret")["stringData"] != one(rendered(), "Secret")["stringData"]
+    given = "a-run-token-of-my-own-0123"
+    assert one(rendered(f"run_token={given}"), "Secret")["stringData"]["token"] == given
+
+
 def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):
     docs = rendered(
         "critic_overrides=[optim.lr=3e-4, model.num_layers=4]", "actor_overrides=[ppo.num_steps=7]"
@@ -471,7 +531,7 @@ def test_environment_names_in_the_manifests_are_ones_the_code_reads():
 
     for nodes in (1, 2):
         collect(rendered(f"actor_nodes={nodes}"))
-    assert names == {critic_client.ENV_URL}
+    assert names == {critic_client.ENV_URL, P.RUN_TOKEN_ENV}
     for name in names:
         assert f'"{name}"' in source, f"no code reads ${name}"
 
@@ -508,6 +568,7 @@ def test_render_rules_and_errors(tmp_path):
         ("storage_class=", "storage_class"),
         ('image=a"b', "image"),
         ("actor_overrides=[lonely]", "actor_overrides"),
+        ("run_token=short", "run_token"),
     ):
         with pytest.raises(render.RenderError, match=pattern):
             render.load_values([], [setting])
@@ -515,13 +576,13 @@ def test_render_rules_and_errors(tmp_path):
 
 def test_render_cli_prints_what_you_apply(tmp_path):
     mine = tmp_path / "mine.yaml"
-    mine.write_text("run_name: cli\n")
+    mine.write_text("run_name: cli\nrun_token: cli-token-0123456789abcdef\n")
     cmd = [sys.executable, str(K8S / "render.py"), "-f", str(mine), "--set", "actor_nodes=2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == render.render(render.load_values([mine], ["actor_nodes=2"]))
     only = subprocess.run(cmd + ["--only", "critic"], capture_output=True, text=True, timeout=60)
-    assert [d["kind"] for d in yaml.safe_load_all(only.stdout)] == ["Service", "Deployment"]
+    assert [d["kind"] for d in yaml.safe_load_all(only.stdout)] == ["Service", "Deployment", "NetworkPolicy"]
     bad = subprocess.run(cmd + ["--set", "gpus=1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "gpus" in bad.stderr
 
@@ -740,7 +801,7 @@ def test_dockerfile_builds_the_project_on_a_cuda_base_chosen_at_build_time(schem
     )
     # Relative script paths in the manifests run from the image's working directory.
     for d in rendered():
-        for c in d["spec"].get("template", {}).get("spec", {}).get("containers", []):
+        for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             assert "workingDir" not in c, f"{c['name']}: keep the image's WORKDIR {workdir}"
 
 

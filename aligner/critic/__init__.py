@@ -8,6 +8,8 @@ The contracts, which the actor imports (and nothing else of this package):
 The client side:
 
 - :mod:`aligner.critic.client`: :class:`~aligner.critic.client.RemoteCriticClient`, what the actor uses;
+  :mod:`aligner.critic.transport`: its connections and bounded futures; :mod:`aligner.critic.errors`:
+  the errors it raises (beside the service's own);
 - :mod:`aligner.critic.launch`: start a server process and wait until it is ready;
 - :mod:`aligner.critic.wait`: ``python -m aligner.critic.wait``, the readiness check the recipes run.
 
@@ -26,7 +28,7 @@ The server:
 - :mod:`aligner.critic.checkpointing`: the critic's checkpoints and the shard exchange between ranks;
 - :mod:`aligner.critic.rewards`: reward functions and reward models, and where the critic's weights
   come from; :mod:`aligner.critic.errors`: the service's errors; :mod:`aligner.critic.metrics`:
-  its metrics and request statistics.
+  its metrics and request statistics; :mod:`aligner.critic.faults`: the crash points tests set.
 
 :mod:`aligner.critic.testing` holds the helpers the tests and benchmarks share. Importing the
 protocol or the client does not import torch.

@@ -43,6 +43,7 @@ from aligner.checkpoint import (
 )
 from aligner.critic import protocol as P
 from aligner.critic.errors import CriticServiceError
+from aligner.critic.faults import fault_point
 from aligner.critic.peers import PeerLink
 from aligner.distributed import ParallelState, recv_json, send_json
 from aligner.models.config import ModelConfig
@@ -154,6 +155,7 @@ class CriticCheckpoints:
                 for kind, tensors in sh.items():
                     save_tensors(tmp / shard_file(kind, tp=r), tensors)
             write_json(tmp / "meta.json", meta)
+            fault_point("save", step)  # tests only: a crash before the commit (aligner.critic.faults)
         self.last_saved = step
         self._prune(step)
         log.info("saved critic checkpoint %s (%.0f ms)", final, 1000 * (time.perf_counter() - t0))

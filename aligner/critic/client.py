@@ -1,6 +1,6 @@
 """RemoteCriticClient: the actor's handle on the critic/reward server.
 
-- ``infer`` and ``train`` return ``concurrent.futures.Future`` so the actor overlaps them with
+- ``infer`` and ``train`` return futures (:class:`CriticFuture`) so the actor overlaps them with
   its own work (docs/design.md, "Roles and data flow", steps 3-4 and 6-7); ``save``/``load``/``info``
   block.
 - Ordering: trains run one at a time in submission order, and an ``infer`` submitted after a
@@ -10,8 +10,19 @@
   advertises in ``server_info``) before anything is sent.
 - Retries with exponential backoff on connection errors, timeouts, "unavailable" and models
   that are (re)loading; before retrying after a connection error the client waits (up to
-  ``ready_timeout_s``) for the server to be ready again, so a restarted server is picked up.
-  Retrying ``train`` is safe because the server applies each step id exactly once.
+  ``ready_timeout_s``) for the server to be ready again. Retrying ``train`` is safe because the
+  server applies each step id exactly once.
+- Bounded waits: every wait on the server ends within ``wait_timeout_s`` (a future's
+  ``result()``, ``save``, ``load``, one request's retries all together) or raises
+  :class:`~aligner.critic.errors.CriticTimeoutError` naming the call, the step and the address.
+- Fencing (docs/design.md, "Wire protocol"): the client keeps the critic step it believes the
+  server holds (:attr:`RemoteCriticClient.expected_step`): the server's at connection, then the
+  step the actor had it load, then each applied train's step; never taken from ``server_info``
+  later. ``critic_train`` and ``critic_save`` carry it as ``expected_step``, with the run token.
+  A server that no longer holds it refuses them (``FencedError``), and a reconnect that finds
+  another server process (``instance_id``) is caught too: both raise
+  :class:`~aligner.critic.errors.CriticRestartedError`, and every later ``infer``, ``train`` and
+  ``save`` raises it again until the actor has the server ``load`` a step.
 - Thread-safe: every thread (pool workers and callers) gets its own tritonclient client.
 """
 
@@ -23,23 +34,28 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 
 from aligner.critic import protocol as P
+from aligner.critic.errors import (
+    CriticError,
+    CriticIncompatibleError,
+    CriticRequestError,
+    CriticRestartedError,
+    CriticServerError,
+    CriticTimeoutError,
+    CriticUnavailableError,
+)
 from aligner.critic.launch import parse_url, wait_ready
+from aligner.critic.transport import Connection, CriticFuture, run_into
 
 __all__ = [
     "RemoteCriticClient",
     "resolve_critic_url",
-    "CriticError",
-    "CriticRequestError",
-    "CriticServerError",
-    "CriticUnavailableError",
-    "CriticIncompatibleError",
     "ENV_URL",
     "DEFAULT_URL",
 ]
@@ -50,26 +66,6 @@ ENV_URL = "ALIGNER_CRITIC_URL"
 DEFAULT_URL = "grpc://127.0.0.1:8001"
 
 
-class CriticError(RuntimeError):
-    """Base of the client's errors."""
-
-
-class CriticRequestError(CriticError, ValueError):
-    """The server rejected the request as breaking the contract (not retried); names the field."""
-
-
-class CriticServerError(CriticError):
-    """The server failed to run a valid request (e.g. the reward function raised); not retried."""
-
-
-class CriticUnavailableError(CriticError, ConnectionError):
-    """The server could not be reached (or stayed unavailable) through every retry."""
-
-
-class CriticIncompatibleError(CriticError):
-    """The server's vocabulary, sequence length, tokenizer or protocol differ from the actor's."""
-
-
 def resolve_critic_url(configured: str | None) -> str:
     """The critic server's URL: ``configured`` if set, else ``$ALIGNER_CRITIC_URL``, else
     ``grpc://127.0.0.1:8001``. Checked to be ``grpc://host:port`` or ``http://host:port``."""
@@ -78,10 +74,20 @@ def resolve_critic_url(configured: str | None) -> str:
     return url
 
 
+# ----------------------------------------------------------------------------------------------
+# Errors on the wire
+# ----------------------------------------------------------------------------------------------
+
+
 def _classify(exc: BaseException) -> str:
-    """'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry after
-    readiness), or 'server' (a real server-side failure)."""
+    """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
+    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
+    after readiness), or 'server' (a real server-side failure)."""
     text = str(exc)
+    if P.FENCED_MARK.strip() in text:
+        return "fenced"
+    if P.UNAUTHORIZED_MARK.strip() in text:
+        return "unauthorized"
     if P.BATCH_PEER_MARK.strip() in text:
         return "peer"
     if P.ERROR_MARK.strip() in text:
@@ -130,6 +136,12 @@ def _classify(exc: BaseException) -> str:
     return "server"
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed attempt ran out of time (rather than finding no server)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "deadline" in text or "timed out" in text
+
+
 _EXC_LINE = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.+?)(?:\\n|\n|$)")
 
 
@@ -149,45 +161,9 @@ def _detail(exc: BaseException) -> str:
     return (text.strip().splitlines() or [repr(exc)])[-1][:500]
 
 
-class _Conn:
-    """One tritonclient client (gRPC or HTTP) owned by one thread."""
-
-    def __init__(self, scheme: str, hostport: str, timeout_s: float) -> None:
-        self.scheme = scheme
-        self.timeout_s = timeout_s
-        if scheme == "grpc":
-            import tritonclient.grpc as mod
-
-            self.client = mod.InferenceServerClient(hostport)
-        else:
-            import tritonclient.http as mod
-
-            self.client = mod.InferenceServerClient(
-                hostport, connection_timeout=timeout_s, network_timeout=timeout_s
-            )
-        self.mod = mod
-
-    def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        mod = self.mod
-        binary = {} if self.scheme == "grpc" else {"binary_data": True}
-        ins = []
-        for name, a in inputs.items():
-            dtype = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}[a.dtype]
-            i = mod.InferInput(name, list(a.shape), dtype)
-            i.set_data_from_numpy(np.ascontiguousarray(a), **binary)
-            ins.append(i)
-        outs = [mod.InferRequestedOutput(n, **binary) for n in outputs]
-        if self.scheme == "grpc":
-            r = self.client.infer(model, ins, outputs=outs, client_timeout=self.timeout_s)
-        else:
-            r = self.client.infer(model, ins, outputs=outs)
-        return {n: r.as_numpy(n) for n in outputs}
-
-    def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:
-            pass
+# ----------------------------------------------------------------------------------------------
+# The client
+# ----------------------------------------------------------------------------------------------
 
 
 class RemoteCriticClient:
@@ -195,12 +171,23 @@ class RemoteCriticClient:
 
     Args:
         url: the server's URL (see :func:`resolve_critic_url`).
-        timeout_s: per-request timeout.
+        timeout_s: per-request timeout (one attempt).
         ready_timeout_s: how long to wait for the server to be ready, at start and after a
             connection loss.
+        wait_timeout_s: bounds every wait on a server result: a future's ``result()``,
+            ``save``, ``load``, and one request's attempts and retries together.
         retries: retries of a request after a retryable failure.
         backoff_s: first backoff; doubles with each retry (capped at 8 s).
         max_workers: threads that send ``infer`` requests concurrently.
+        run_token: the run's shared secret, sent with ``critic_train``, ``critic_save`` and
+            ``critic_load`` (``aligner.critic.protocol.resolve_run_token``); None sends none.
+        watch_restarts: after a reconnect, check that the same server process answers
+            (CriticRestartedError otherwise). Off for clients that only send ``critic_infer``
+            beside one that trains (the actor's other ranks): the fencing of the trainer's
+            requests catches a restart for all of them.
+
+    Raises (at construction): CriticTimeoutError when the server is not ready within
+    ``ready_timeout_s``; CriticIncompatibleError when it speaks another protocol version.
     """
 
     def __init__(
@@ -209,29 +196,42 @@ class RemoteCriticClient:
         *,
         timeout_s: float = 60.0,
         ready_timeout_s: float = 120.0,
+        wait_timeout_s: float = 600.0,
         retries: int = 5,
         backoff_s: float = 0.5,
         max_workers: int = 4,
+        run_token: str | None = None,
+        watch_restarts: bool = True,
     ) -> None:
         self.url = url
         self.scheme, self.hostport = parse_url(url)
         self.timeout_s = timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.wait_timeout_s = wait_timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self._run_token = run_token
+        self.watch_restarts = watch_restarts
         self._local = threading.local()
-        self._conns: list[_Conn] = []
+        self._conns: list[Connection] = []
         self._conns_lock = threading.Lock()
         self._order_lock = threading.Lock()
-        self._pending_train: Future | None = None
+        self._state_lock = threading.Lock()
+        self._pending_train: CriticFuture | None = None
         self._closed = False
-        wait_ready(url, timeout_s=ready_timeout_s, models=P.MODEL_NAMES)
+        self._restarted: CriticRestartedError | None = None
+        self.instance_id: str | None = None
+        """The server process this client trains with (``server_info``'s ``instance_id``)."""
+        self._expected_step = -1
+        self._wait_ready("connecting", time.monotonic() + ready_timeout_s, ready_timeout_s)
         self._info = self.server_info()
         if self._info.protocol_version != P.PROTOCOL_VERSION:
             raise CriticIncompatibleError(
                 f"critic server at {url} speaks protocol version "
                 f"{self._info.protocol_version}, this client {P.PROTOCOL_VERSION}"
             )
+        self.instance_id = self._info.instance_id
+        self._expected_step = self._info.critic_step
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="critic-infer")
         self._train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
 
@@ -243,10 +243,17 @@ class RemoteCriticClient:
     def limits(self) -> P.Limits:
         return self._info.limits
 
-    def _conn(self) -> _Conn:
+    @property
+    def expected_step(self) -> int:
+        """The critic step this client believes the server holds: the server's when the client
+        connected, then the step the actor had it load, then each applied train's step."""
+        with self._state_lock:
+            return self._expected_step
+
+    def _conn(self) -> Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = _Conn(self.scheme, self.hostport, self.timeout_s)
+            conn = Connection(self.scheme, self.hostport, self.timeout_s)
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)
@@ -261,24 +268,86 @@ class RemoteCriticClient:
                 if conn in self._conns:
                     self._conns.remove(conn)
 
-    def _call(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        """One request with retries; raises a :class:`CriticError` subclass."""
+    def _wait_ready(self, call: str, deadline: float, limit: float, step: int | None = None) -> None:
+        """Wait for readiness until ``deadline`` (at most ``ready_timeout_s``); CriticTimeoutError
+        naming ``call`` when the server does not get ready in time."""
+        budget = min(self.ready_timeout_s, deadline - time.monotonic())
+        try:
+            if budget <= 0:
+                raise TimeoutError("no time left")
+            wait_ready(self.url, timeout_s=budget, models=P.MODEL_NAMES)
+        except TimeoutError as e:
+            raise CriticTimeoutError(
+                call, self.url, limit, step=step, what=f"waiting for the server to be ready: {e}"
+            ) from None
+
+    def _read_info(self, timeout_s: float) -> P.ServerInfo | None:
+        """One ``server_info`` attempt, no retries (None when it fails)."""
+        try:
+            out = self._conn().infer(P.INFO, {}, ["info"], timeout_s=timeout_s)
+            return P.ServerInfo.from_json(out["info"].reshape(-1)[0])
+        except Exception:
+            return None
+
+    def _restart(self, call: str, reason: str, info: P.ServerInfo | None) -> CriticRestartedError:
+        """Record that the server is not the one trained with: every later infer, train and save
+        raises until :meth:`load`. Returns the error to raise."""
+        with self._state_lock:
+            err = CriticRestartedError(self.url, info, self._expected_step, call=call, reason=reason)
+            self._restarted = err
+            if info is not None:
+                self.instance_id = info.instance_id
+        log.warning("%s", err)
+        return err
+
+    def _check_restarted(self, call: str) -> None:
+        with self._state_lock:
+            err = self._restarted
+        if err is not None:
+            raise CriticRestartedError(
+                self.url,
+                err.info,
+                err.expected_step,
+                call=call,
+                reason=f"{err.call} found it restarted earlier, and the actor has not had it load a step since",
+            )
+
+    def _call(
+        self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], *, step: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """One request with retries, all within ``wait_timeout_s``; raises a
+        :class:`~aligner.critic.errors.CriticError` subclass (or ``UnauthorizedError``)."""
+        deadline = time.monotonic() + self.wait_timeout_s
         attempt = 0
         while True:
             if self._closed:
                 raise CriticError(f"client for {self.url} is closed")
+            left = deadline - time.monotonic()
             try:
-                return self._conn().infer(model, inputs, outputs)
+                if left <= 0:
+                    raise TimeoutError(f"{model}: no time left")
+                return self._conn().infer(model, inputs, outputs, timeout_s=left)
             except Exception as e:
                 kind = _classify(e)
+                detail = _detail(e)
+                if kind == "fenced":
+                    info = self._read_info(min(self.timeout_s, max(deadline - time.monotonic(), 1.0)))
+                    fenced = P.extract_fenced(str(e))
+                    raise self._restart(model, str(fenced) if fenced else detail, info) from None
+                if kind == "unauthorized":  # not retried: the same token would be refused again
+                    raise (P.extract_unauthorized(str(e)) or P.UnauthorizedError(model)) from None
                 if kind == "request":
                     raise CriticRequestError(P.extract_error(str(e)) or str(e)) from None
-                if kind == "server" or attempt >= self.retries:
-                    detail = _detail(e)
-                    if kind == "server":
-                        raise CriticServerError(
-                            f"{model} failed on the critic server at {self.url}: {detail}"
-                        ) from e
+                if kind == "server":
+                    raise CriticServerError(
+                        f"{model} failed on the critic server at {self.url}: {detail}"
+                    ) from e
+                ran_out = time.monotonic() >= deadline
+                if ran_out or (attempt >= self.retries and _timed_out(e)):  # a hung server, not a lost one
+                    limit = self.wait_timeout_s if ran_out else self.timeout_s
+                    what = f"{attempt + 1} attempt(s), the last: {detail}"
+                    raise CriticTimeoutError(model, self.url, limit, step=step, what=what) from None
+                if attempt >= self.retries:
                     raise CriticUnavailableError(
                         f"{model} to the critic server at {self.url} failed after "
                         f"{attempt + 1} attempt(s): {detail}"
@@ -286,34 +355,58 @@ class RemoteCriticClient:
                 # A batch-peer error is no sign of trouble: resend at once.
                 delay = 0.0 if kind == "peer" else min(self.backoff_s * 2**attempt, 8.0)
                 attempt += 1
+                last = str(e).strip().splitlines()[-1][:200] if str(e) else ""
                 log.warning(
                     "%s to %s failed (%s: %s); retry %d/%d in %.1f s",
                     model,
                     self.url,
                     type(e).__name__,
-                    str(e).strip().splitlines()[-1][:200] if str(e) else "",
+                    last,
                     attempt,
                     self.retries,
                     delay,
                 )
-                if kind == "unavailable":
-                    self._drop_conn()
-                time.sleep(delay)
-                if kind == "unavailable":
-                    try:
-                        wait_ready(self.url, timeout_s=self.ready_timeout_s, models=P.MODEL_NAMES)
-                    except TimeoutError as te:
-                        raise CriticUnavailableError(str(te)) from e
+                if kind != "unavailable":
+                    time.sleep(delay)
+                    continue
+                self._drop_conn()
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+                self._wait_ready(model, deadline, self.wait_timeout_s, step)
+                self._check_instance(model, deadline)
 
-    def _check_not_closed(self) -> None:
-        if self._closed:
-            raise CriticError(f"client for {self.url} is closed")
+    def _check_instance(self, call: str, deadline: float) -> None:
+        """After a reconnect: CriticRestartedError when another server process answers (a
+        failed read is left to the next attempt)."""
+        if not self.watch_restarts or self.instance_id is None:
+            return
+        info = self._read_info(min(self.timeout_s, max(deadline - time.monotonic(), 0.001)))
+        if info is not None and info.instance_id != self.instance_id:
+            raise self._restart(
+                call, f"reconnected to server instance {info.instance_id}, not {self.instance_id}", info
+            )
 
-    def _wait_pending_train(self) -> None:
+    def _wait_pending_train(self, call: str, step: int, *, reraise: bool) -> None:
+        """Wait (at most ``wait_timeout_s``) for the train in flight; ``reraise``: its error, if it failed."""
         with self._order_lock:
             pending = self._pending_train
-        if pending is not None:
-            wait_futures([pending])
+        if pending is None:
+            return
+        done, _ = wait_futures([pending], timeout=self.wait_timeout_s)
+        if not done:
+            raise CriticTimeoutError(
+                call,
+                self.url,
+                self.wait_timeout_s,
+                step=step,
+                what=f"waiting for the critic_train of step {pending.step} submitted before it",
+            )
+        if reraise and pending.exception() is not None:
+            raise pending.exception()
+
+    def _submit(self, pool: ThreadPoolExecutor, call: str, step: int | None, fn, *args: Any) -> CriticFuture:
+        future = CriticFuture(call, self.url, self.wait_timeout_s, step)
+        pool.submit(run_into, future, fn, *args)
+        return future
 
     # ------------------------------------------------------------------------------------------
     # API
@@ -363,16 +456,23 @@ class RemoteCriticClient:
             a = a.astype(np.int64)
         return a
 
-    def infer(self, tokens: Any, lengths: Any, prompt_lengths: Any) -> Future:
-        """Values and rewards of a batch, as a Future of ``(values [b, s-1] float32, rewards [b] float32)``.
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise CriticError(f"client for {self.url} is closed")
+
+    def infer(self, tokens: Any, lengths: Any, prompt_lengths: Any, step: int | None = None) -> CriticFuture:
+        """Values and rewards of a batch, as a future of ``(values [b, s-1] float32, rewards [b] float32)``.
 
         Args:
             tokens: ``[b, s]`` integer ids (NumPy or torch); lengths, prompt_lengths: ``[b]``.
+            step: the caller's step these samples belong to (named in errors and timeouts).
 
-        Raises (immediately): ProtocolError if the batch breaks the contract. Batches larger than
-        the server's ``max_batch_size`` are split into several requests.
+        Raises (immediately): ProtocolError if the batch breaks the contract;
+        CriticRestartedError while a restart the actor has not handled is known. Batches larger
+        than the server's ``max_batch_size`` are split into several requests.
         """
         self._check_not_closed()
+        self._check_restarted(P.INFER)
         tokens = self._ints(tokens)
         lengths = self._ints(lengths)
         prompt_lengths = self._ints(prompt_lengths)
@@ -384,11 +484,22 @@ class RemoteCriticClient:
         req = P.validate_infer(tokens, lengths, prompt_lengths, whole)
         with self._order_lock:
             after = self._pending_train
-        return self._pool.submit(self._infer_task, req, after)
+        return self._submit(self._pool, P.INFER, step, self._infer_task, req, after, step)
 
-    def _infer_task(self, req: P.InferRequest, after: Future | None) -> tuple[np.ndarray, np.ndarray]:
+    def _infer_task(
+        self, req: P.InferRequest, after: CriticFuture | None, step: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         if after is not None:
-            wait_futures([after])
+            done, _ = wait_futures([after], timeout=self.wait_timeout_s)
+            if not done:
+                raise CriticTimeoutError(
+                    P.INFER,
+                    self.url,
+                    self.wait_timeout_s,
+                    step=step,
+                    what=f"waiting for the critic_train of step {after.step} submitted before it",
+                )
+        self._check_restarted(P.INFER)
         n = self.limits.max_batch
         values, rewards = [], []
         for start in range(0, req.tokens.shape[0], n):
@@ -397,63 +508,81 @@ class RemoteCriticClient:
                 req.lengths[start : start + n],
                 req.prompt_lengths[start : start + n],
             )
-            out = self._call(P.INFER, chunk.to_wire(), ["values", "rewards"])
+            out = self._call(P.INFER, chunk.to_wire(), ["values", "rewards", "error"], step=step)
+            failed = [m for m in np.asarray(out["error"]).reshape(-1) if m]
+            if failed:  # this request's samples failed on their own (in a merged execution)
+                text = (
+                    failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
+                )
+                raise CriticServerError(f"{P.INFER} failed on the critic server at {self.url}: {text}")
             values.append(out["values"].astype(np.float32, copy=False))
             rewards.append(out["rewards"].reshape(-1).astype(np.float32, copy=False))
         return np.concatenate(values), np.concatenate(rewards)
 
-    def train(self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: int) -> Future:
-        """One critic update for ``step``; a Future of ``{"loss", "grad_norm", "applied_step",
+    def train(
+        self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: int
+    ) -> CriticFuture:
+        """One critic update for ``step``; a future of ``{"loss", "grad_norm", "applied_step",
         "explained_variance", "value_clipfrac"}``.
 
         Shapes: tokens ``[b, s]``; lengths ``[b]``; returns, old_values, mask ``[b, s-1]`` (float32;
-        other float dtypes are cast). Trains run one at a time in the order they were submitted.
+        other float dtypes are cast). Trains run one at a time in the order they were submitted;
+        each carries the critic step the previous one left (``expected_step``).
         """
 
         self._check_not_closed()
+        self._check_restarted(P.TRAIN)
 
         def f32(x: Any) -> np.ndarray:
             a = P.as_numpy(x)
             return a.astype(np.float32) if a.dtype.kind == "f" and a.dtype != np.float32 else a
 
-        req = P.validate_train(
-            self._ints(tokens),
-            self._ints(lengths),
-            f32(returns),
-            f32(old_values),
-            f32(mask),
-            int(step),
-            self.limits,
-        )
+        arrays = (self._ints(tokens), self._ints(lengths), f32(returns), f32(old_values), f32(mask))
+        # Checked here with the belief of now; sent with the belief the previous train leaves.
+        P.validate_train(*arrays, int(step), self.expected_step, self.limits)
         with self._order_lock:
-            fut = self._train_pool.submit(self._train_task, req)
+            fut = self._submit(self._train_pool, P.TRAIN, int(step), self._train_task, arrays, int(step))
             self._pending_train = fut
         return fut
 
-    def _train_task(self, req: P.TrainRequest) -> dict[str, float | int]:
+    def _train_task(self, arrays: tuple[np.ndarray, ...], step: int) -> dict[str, float | int]:
+        self._check_restarted(P.TRAIN)
+        req = P.validate_train(*arrays, step, self.expected_step, self.limits)
         names = [t.name for t in P.MODELS[P.TRAIN].outputs]
-        out = self._call(P.TRAIN, req.to_wire(), names)
-        return P.TrainResult.from_wire(out).to_dict()
+        result = P.TrainResult.from_wire(self._call(P.TRAIN, req.to_wire(self._run_token), names, step=step))
+        with self._state_lock:
+            self._expected_step = result.applied_step
+        return result.to_dict()
 
     def save(self, step: int) -> None:
         """Ask the server to save the critic at ``step`` (under its own checkpoint dir); blocks until
-        written, after every train submitted before it."""
+        written, after every train submitted before it. The server must hold critic step
+        ``step`` (fenced otherwise: CriticRestartedError)."""
         step = P.validate_step(P.SAVE, int(step))
-        self._wait_pending_train()
-        out = self._call(P.SAVE, {"step": np.array([[step]], dtype=np.int64)}, ["ok"])
+        self._check_not_closed()
+        self._check_restarted(P.SAVE)
+        self._wait_pending_train(P.SAVE, step, reraise=True)
+        # The server must hold critic step `step` to save it as step `step`.
+        out = self._call(P.SAVE, P.save_inputs(step, step, self._run_token), ["ok"], step=step)
         if int(out["ok"].reshape(-1)[0]) != 1:
             raise CriticServerError(f"critic_save of step {step} at {self.url} did not report ok")
 
     def load(self, step: int) -> None:
-        """Restore the critic and its optimiser saved at ``step`` (blocks)."""
+        """Restore the critic and its optimiser saved at ``step`` (blocks). The client then
+        expects the server at that step, and a restart it had found counts as handled."""
         step = P.validate_step(P.LOAD, int(step))
-        self._wait_pending_train()
-        out = self._call(P.LOAD, {"step": np.array([[step]], dtype=np.int64)}, ["ok"])
+        self._check_not_closed()
+        self._wait_pending_train(P.LOAD, step, reraise=False)
+        out = self._call(P.LOAD, P.load_inputs(step, self._run_token), ["ok"], step=step)
         if int(out["ok"].reshape(-1)[0]) != 1:
             raise CriticServerError(f"critic_load of step {step} at {self.url} did not report ok")
+        with self._state_lock:
+            self._expected_step = P.critic_step_after_load(step)
+            self._restarted = None
 
     def close(self) -> None:
-        """Wait for submitted requests, then release threads and connections."""
+        """Wait for submitted requests (each ends within ``wait_timeout_s``), then release
+        threads and connections."""
         if self._closed:
             return
         self._train_pool.shutdown(wait=True)

@@ -29,11 +29,13 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "INIT_SOURCES",
     "PRECISION_CHOICES",
+    "RESUME_MODES",
 ]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 INIT_SOURCES = ("auto", "reward", "policy", "fresh")
 PRECISION_CHOICES = ("auto", "bf16", "fp32")
+RESUME_MODES = ("none", "auto")
 
 
 @dataclass
@@ -60,6 +62,11 @@ class ServerConfig:
     """How long Triton waits for open connections/in-flight requests when stopping."""
     workspace_root: str | None = None
     """Where PyTriton's workspace (~22 MB of Triton binaries per start) goes; null: .cache/pytriton."""
+    run_token_file: str | None = None
+    """A file that holds the run token (its text, surrounding whitespace stripped); null: the
+    token is ``$ALIGNER_RUN_TOKEN``, or there is none. With a token, critic_train, critic_save and
+    critic_load are refused without it; without one, the server accepts them from anyone who
+    reaches it (it warns once when it binds beyond loopback)."""
 
 
 @dataclass
@@ -154,12 +161,19 @@ class CheckpointConfig:
     """Critic checkpoints kept (older critic sub-directories are removed); 0 keeps all."""
     save_on_sigterm: bool = True
     """On SIGTERM/SIGINT, save the last applied step (if not saved yet) before exiting."""
-    resume: bool = False
-    """At start-up, load the newest complete critic checkpoint under dir, if there is one."""
+    resume: str = "none"
+    """'auto': at start-up, load the newest complete critic checkpoint under dir, if there is
+    one (a restarted server comes back with its last saved critic); 'none': start from init.
+    true and false are read as auto and none."""
     save_initial: bool = True
     """When starting fresh, save the initial critic as step 0 (never pruned): an actor that starts
     a fresh run (or resumes one that has no common checkpoint yet) resets the critic to it instead
     of needing a new server."""
+
+    def __post_init__(self) -> None:
+        # The boolean of earlier versions; from the command line it may come as text.
+        if isinstance(self.resume, bool) or str(self.resume).lower() in ("true", "false"):
+            self.resume = "auto" if str(self.resume).lower() == "true" else "none"
 
 
 @dataclass
@@ -229,6 +243,13 @@ class CriticServerConfig:
             )
         if s.exit_timeout_s < 0:
             e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
+        if s.run_token_file:
+            from aligner.critic.protocol import resolve_run_token
+
+            try:
+                resolve_run_token(s.run_token_file, "server.run_token_file")
+            except ValueError as exc:  # names the key and the file, never the token
+                e.append(str(exc))
 
         p = self.parallel
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -301,6 +322,8 @@ class CriticServerConfig:
             e.append(f"checkpoint.keep_last={c.keep_last}: expected >= 0 (0 keeps all)")
         if not c.dir:
             e.append("checkpoint.dir is empty: expected a directory")
+        if c.resume not in RESUME_MODES:
+            e.append(f"checkpoint.resume={c.resume!r}: expected one of {list(RESUME_MODES)} (or true/false)")
 
         if self.log.stats_interval_s <= 0:
             e.append(f"log.stats_interval_s={self.log.stats_interval_s}: expected > 0")

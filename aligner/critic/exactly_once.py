@@ -3,9 +3,11 @@
 The actor sends ``critic_train`` without waiting for it and retries on a lost connection, so the
 same step may arrive twice. :class:`AppliedSteps` remembers the last applied step and the
 results of the most recent ones: a repeated step id gets the result it got the first time and
-changes nothing; a step older than the last applied one gets its kept result, or is rejected
-when that result is no longer kept. Both travel in the critic's checkpoint, so a resumed server
-answers repeats exactly as the one that saved.
+changes nothing (:meth:`AppliedSteps.kept`); a step older than the last applied one gets its
+kept result, or is rejected when that result is no longer kept (:meth:`AppliedSteps.check_new`).
+The service checks fencing between the two (docs/design.md, "Wire protocol"). The last step and
+the kept results travel in the critic's checkpoint, so a resumed server answers repeats exactly
+as the one that saved.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ class AppliedSteps:
         self.results: OrderedDict[int, P.TrainResult] = OrderedDict()
         """Results by step id, oldest first."""
 
-    def earlier_result(self, step: int) -> P.TrainResult | None:
-        """The result ``step`` got when it was applied, or None when it is new (``> last``).
+    def kept(self, step: int) -> P.TrainResult | None:
+        """The result ``step`` got when it was applied, if it is still kept (a repeat), else None."""
+        return self.results.get(step)
+
+    def check_new(self, step: int) -> None:
+        """The in-order rule: a step that is not kept must be new (``> last``).
 
         Raises:
             ProtocolError: ``step`` is not new and its result is no longer kept.
         """
-        kept = self.results.get(step)
-        if kept is not None:
-            return kept
         if step <= self.last:
             raise P.ProtocolError(
                 P.TRAIN,
@@ -47,7 +50,6 @@ class AppliedSteps:
                 f"one of the last {CACHED_RESULTS} applied steps (whose results are kept)",
                 f"step={step}",
             )
-        return None
 
     def record(self, step: int, result: P.TrainResult) -> None:
         """``step`` was applied with ``result``: it becomes the last, and the oldest kept result

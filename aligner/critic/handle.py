@@ -9,6 +9,13 @@ The requests map to the server's models (docs/design.md, "Wire protocol"): ``inf
 ``critic_infer`` (step 3 of "Roles and data flow"), ``train`` to ``critic_train`` (step 6),
 ``save`` and ``load`` to ``critic_save`` and ``critic_load`` (checkpoints of both roles at the
 same step), ``server_info`` to ``server_info``. Shapes: ``b`` batch, ``s`` padded length.
+
+What the calls raise is part of the contract, so the errors the actor acts on are named here
+too (defined in :mod:`aligner.critic.errors`): :class:`CriticRestartedError` (the server is not
+the one the actor trained with: the actor rolls both roles back, or stops, per
+``critic.on_restart``), :class:`CriticTimeoutError` (a wait on the server ran out of time) and
+their base :class:`CriticError`; a wrong or missing run token is the protocol's
+``UnauthorizedError``.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from aligner.critic.errors import CriticError, CriticRestartedError, CriticTimeoutError
 from aligner.critic.protocol import ServerInfo
 
-__all__ = ["CriticHandle"]
+__all__ = ["CriticHandle", "CriticError", "CriticRestartedError", "CriticTimeoutError"]
 
 
 @runtime_checkable
@@ -39,9 +47,13 @@ class CriticHandle(Protocol):
         differ from the server's."""
         ...
 
-    def infer(self, tokens: Any, lengths: Any, prompt_lengths: Any) -> Future[tuple[np.ndarray, np.ndarray]]:
+    def infer(
+        self, tokens: Any, lengths: Any, prompt_lengths: Any, step: int | None = None
+    ) -> Future[tuple[np.ndarray, np.ndarray]]:
         """Values ``[b, s-1]`` and rewards ``[b]`` (float32) of ``tokens [b, s]`` with ``lengths``
-        and ``prompt_lengths [b]``, without waiting; it sees every ``train`` submitted before it."""
+        and ``prompt_lengths [b]``, without waiting; it sees every ``train`` submitted before it.
+        ``step``: the actor's step the samples belong to, named in errors and timeouts.
+        The future's ``result()`` is bounded in time (CriticTimeoutError)."""
         ...
 
     def train(
@@ -49,16 +61,19 @@ class CriticHandle(Protocol):
     ) -> Future[dict[str, float | int]]:
         """One critic update for ``step`` (applied once, in order) from ``tokens [b, s]``,
         ``lengths [b]``, ``returns``, ``old_values`` and ``mask [b, s-1]``, without waiting; the
-        result holds ``loss``, ``grad_norm`` and ``applied_step``."""
+        result holds ``loss``, ``grad_norm`` and ``applied_step``. Fenced: the server must still
+        hold the critic step the previous update left (else CriticRestartedError)."""
         ...
 
     def save(self, step: int) -> None:
         """The server saves the critic at ``step`` under its own checkpoint folder, after every
-        ``train`` submitted before; blocks until written."""
+        ``train`` submitted before; blocks until written (CriticTimeoutError past the bound).
+        Fenced: the server must hold critic step ``step`` (else CriticRestartedError)."""
         ...
 
     def load(self, step: int) -> None:
-        """The server restores the critic and its optimizer saved at ``step``; blocks."""
+        """The server restores the critic and its optimizer saved at ``step``; blocks. Afterwards
+        the server is expected at that step, and a restart found before counts as handled."""
         ...
 
     def close(self) -> None:

@@ -120,7 +120,9 @@ def wait_ready(
     deadline = time.monotonic() + timeout_s
     last = "no attempt"
     while True:
-        last = _ready_once(scheme, hostport, models, timeout_s=min(5.0, max(0.5, timeout_s))) or ""
+        # Each probe within what is left of the wait (a hung server answers no probe at all).
+        probe_s = min(5.0, max(0.2, deadline - time.monotonic()))
+        last = _ready_once(scheme, hostport, models, timeout_s=probe_s) or ""
         if not last:
             return
         reason = abort() if abort is not None else None

@@ -1,7 +1,8 @@
 """Reward sources of the critic server, and where its weights come from.
 
 - a reward *function* named by import path (``aligner.tasks.digits:sort_reward``), trlx-style:
-  ``fn(prompts, responses, prompt_ids=..., response_ids=...) -> list[float]``;
+  ``fn(prompts, responses, prompt_ids=..., response_ids=...) -> list[float]``; a failure on one
+  request's samples is that request's alone (:func:`score_requests`);
 - a reward *model*: a Megatron GPT with a scalar head, read at each sample's last token, from
   this project's model checkpoint folder (``meta.json`` + ``model.safetensors``, see
   :mod:`aligner.models.checkpoint_io`; ``aligner-convert import`` writes one from HF) or from a
@@ -18,13 +19,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from aligner.critic.errors import CriticServiceError
 
 __all__ = [
     "load_reward_fn",
     "reward_fn_problem",
     "split_samples",
+    "RewardFunctionError",
     "call_reward_fn",
+    "score_requests",
     "checkpoint_folder_problem",
     "load_reward_model",
     "load_policy_trunk",
@@ -89,18 +95,100 @@ def split_samples(tokens, lengths, prompt_lengths, eos_id: int) -> tuple[list[li
     return prompts, responses
 
 
+class RewardFunctionError(CriticServiceError):
+    """The reward function failed on one request's samples: it raised, or answered the wrong
+    number of scores or one that is not a finite number. The message names the function and,
+    when one sample is to blame, its index in the request (``sample``)."""
+
+    def __init__(self, fn_name: str, detail: str, sample: int | None = None) -> None:
+        self.fn_name, self.detail, self.sample = fn_name, detail, sample
+        where = "on the request's samples" if sample is None else f"on sample {sample} of the request"
+        super().__init__(f"reward function {fn_name!r} failed {where}: {detail}")
+
+
 def call_reward_fn(
-    fn: Callable[..., Sequence[float]], tokenizer, tokens, lengths, prompt_lengths
-) -> list[float]:
-    """Decode the samples and score them with ``fn``; checks the answer's length and type."""
+    fn: Callable[..., Sequence[float]], name: str, tokenizer, tokens, lengths, prompt_lengths
+) -> np.ndarray:
+    """Decode the samples and score them with ``fn`` (named ``name`` in messages).
+
+    Args:
+        tokens: ``[b, s]`` ints; lengths, prompt_lengths: ``[b]``.
+
+    Returns:
+        ``[b]`` float64 scores, every one finite.
+
+    Raises:
+        RewardFunctionError: ``fn`` raised, or answered other than ``b`` finite numbers (with the
+            sample's index when one is to blame).
+    """
     prompt_ids, response_ids = split_samples(tokens, lengths, prompt_lengths, tokenizer.eos_id)
     prompts = [tokenizer.decode(ids) for ids in prompt_ids]
     responses = [tokenizer.decode(ids) for ids in response_ids]
-    scores = fn(prompts, responses, prompt_ids=prompt_ids, response_ids=response_ids)
-    scores = [float(x) for x in scores]
-    if len(scores) != len(prompts):
-        raise RuntimeError(f"reward function returned {len(scores)} scores for {len(prompts)} samples")
+    try:
+        answer = list(fn(prompts, responses, prompt_ids=prompt_ids, response_ids=response_ids))
+    except Exception as e:  # the function's own error, whatever it is, is the message
+        raise RewardFunctionError(name, f"{type(e).__name__}: {e}") from e
+    if len(answer) != len(prompts):
+        raise RewardFunctionError(name, f"it returned {len(answer)} scores for {len(prompts)} samples")
+    scores = np.zeros(len(answer), dtype=np.float64)
+    for i, x in enumerate(answer):
+        try:
+            scores[i] = float(x)
+        except (TypeError, ValueError):
+            raise RewardFunctionError(name, f"its score {x!r} is not a number", sample=i) from None
+        if not np.isfinite(scores[i]):
+            raise RewardFunctionError(name, f"its score is {scores[i]}, not a finite number", sample=i)
     return scores
+
+
+def score_requests(
+    fn: Callable[..., Sequence[float]], name: str, tokenizer, requests: list[tuple[Any, Any, Any]]
+) -> list[np.ndarray | RewardFunctionError]:
+    """Score the samples of several requests (merged into one execution) so that one request's
+    failure never touches another's scores.
+
+    One call scores them all; when it fails, each request is scored alone, and in a request that
+    fails alone each sample, to name the one to blame. Every request thus gets what an unmerged
+    call would give it: its ``[b_i]`` float64 scores, or its :class:`RewardFunctionError`.
+
+    Args:
+        requests: ``(tokens [b_i, s], lengths [b_i], prompt_lengths [b_i])`` per request, all of
+            the same ``s``.
+    """
+    if len(requests) > 1:
+        try:
+            merged = call_reward_fn(fn, name, tokenizer, *(np.concatenate(a) for a in zip(*requests)))
+        except RewardFunctionError:
+            pass
+        else:
+            ends = np.cumsum([len(r[1]) for r in requests])
+            return list(np.split(merged, ends[:-1]))
+    out: list[np.ndarray | RewardFunctionError] = []
+    for tokens, lengths, prompt_lengths in requests:
+        try:
+            out.append(call_reward_fn(fn, name, tokenizer, tokens, lengths, prompt_lengths))
+        except RewardFunctionError as e:
+            out.append(
+                e
+                if e.sample is not None
+                else _blame_one(fn, name, tokenizer, tokens, lengths, prompt_lengths, e)
+            )
+    return out
+
+
+def _blame_one(fn, name: str, tokenizer, tokens, lengths, prompt_lengths, err: RewardFunctionError):
+    """``err`` (what the request's call answered) with the index of the first sample that fails
+    alone; ``err`` itself when none does."""
+    if len(lengths) == 1:
+        return RewardFunctionError(name, err.detail, sample=0)
+    for i in range(len(lengths)):
+        try:
+            call_reward_fn(
+                fn, name, tokenizer, tokens[i : i + 1], lengths[i : i + 1], prompt_lengths[i : i + 1]
+            )
+        except RewardFunctionError:
+            return RewardFunctionError(name, err.detail, sample=i)
+    return err
 
 
 def checkpoint_folder_problem(path: str, hf: bool = False) -> str | None:

@@ -22,12 +22,17 @@ critic_infer request with good ones, PyTriton cannot fail just one of them; noth
 and every request of that execution gets one error that names the bad request's field and
 carries :data:`~aligner.critic.protocol.BATCH_PEER_MARK`, which tells
 :class:`~aligner.critic.client.RemoteCriticClient` (whose requests were validated before
-sending) to retry. Training, save and load are never batched, so their errors are their own.
+sending) to retry. A request the reward function fails on is no such case: the others run as
+they would alone, and the failing one gets its message in its ``error`` output (alone in its
+execution, as its error). Training, save and load are never batched, so their errors are their
+own; their run token and fencing are the service's checks.
 
-Lifecycle. :func:`run_server` prepares the environment PyTriton needs (``LD_LIBRARY_PATH`` to
-the interpreter's libdir, a project-local cache), starts Triton on the configured (or free)
-ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout once every model is
-loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
+Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.critic.faults`),
+builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, warns
+when it serves beyond loopback without a run token, prepares the environment PyTriton needs
+(``LD_LIBRARY_PATH`` to the interpreter's libdir, a project-local cache), starts Triton on the
+configured (or free) ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout
+once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
 Shutdown finishes the in-flight operation, saves the last applied step if
 ``checkpoint.save_on_sigterm``, stops Triton and returns 0.
 """
@@ -55,6 +60,8 @@ from aligner.configs import CONFIG_PATH
 from aligner.critic import protocol as P
 from aligner.critic.config import ConfigError, CriticServerConfig, build_config
 from aligner.critic.errors import CriticServiceError
+from aligner.critic.faults import FAULT_ENV, parse_fault
+from aligner.critic.rewards import RewardFunctionError
 from aligner.critic.service import CriticService
 
 __all__ = [
@@ -237,14 +244,31 @@ class CriticTritonServer:
                 f"{errors[0][1].got}; {P.BATCH_PEER_MARK}{len(errors)} of {len(requests)} requests merged into "
                 f"this dynamic batch were invalid ({detail}); nothing was run and the valid ones may be retried",
             )
-        return [r.to_wire() for r in self.service.infer_many(parsed)]
+        results = self.service.infer_many(parsed)
+        if len(results) == 1 and isinstance(results[0], RewardFunctionError):
+            raise results[0]  # alone in its execution: its own Triton error
+        # Merged: a request the reward function failed on gets its message in its `error` output
+        # (PyTriton can fail only a whole execution), the others their values and rewards.
+        return [
+            P.infer_error_wire(str(r), p.tokens.shape[0])
+            if isinstance(r, RewardFunctionError)
+            else r.to_wire()
+            for r, p in zip(results, parsed)
+        ]
 
     def train_fn(self, requests) -> list[dict[str, np.ndarray]]:
         def run(reqs):
             out = []
             for r in reqs:
                 res = self.service.train(
-                    r["tokens"], r["lengths"], r["returns"], r["old_values"], r["mask"], r["step"]
+                    r["tokens"],
+                    r["lengths"],
+                    r["returns"],
+                    r["old_values"],
+                    r["mask"],
+                    r["step"],
+                    r["expected_step"],
+                    run_token=r["run_token"],
                 )
                 out.append(res.to_wire())
             return out
@@ -255,7 +279,7 @@ class CriticTritonServer:
         def run(reqs):
             out = []
             for r in reqs:
-                self.service.save(r["step"])
+                self.service.save(r["step"], r["expected_step"], run_token=r["run_token"])
                 out.append({"ok": np.ones((1, 1), dtype=np.int64)})
             return out
 
@@ -265,7 +289,7 @@ class CriticTritonServer:
         def run(reqs):
             out = []
             for r in reqs:
-                self.service.load(r["step"])
+                self.service.load(r["step"], run_token=r["run_token"])
                 out.append({"ok": np.ones((1, 1), dtype=np.int64)})
             return out
 
@@ -413,6 +437,28 @@ def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
+def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
+    """Where the critic starts (rank 0; peers follow the load): with ``checkpoint.resume=auto``
+    the newest complete critic checkpoint, so a restarted server comes back with its last saved
+    critic; then, with nothing applied yet, the initial critic is saved as step 0
+    (``checkpoint.save_initial``)."""
+    if cfg.checkpoint.resume == "auto":
+        latest = service.latest_checkpoint()
+        if latest is not None:
+            service.load(latest)
+        else:
+            log.info(
+                "checkpoint.resume=auto: no complete critic checkpoint under %s; starting fresh",
+                cfg.checkpoint.dir,
+            )
+    if cfg.checkpoint.save_initial and service.critic_step < 0:
+        service.save(0)
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def run_server(cfg: CriticServerConfig) -> int:
     """Run the critic server until SIGTERM/SIGINT; returns the process exit code.
 
@@ -435,6 +481,11 @@ def run_server(cfg: CriticServerConfig) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     _setup_logging(cfg, rank)
+    try:
+        parse_fault(os.environ.get(FAULT_ENV))
+    except ValueError as e:
+        print(f"critic server: {e}", file=sys.stderr, flush=True)
+        return 2
 
     p = cfg.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -467,21 +518,19 @@ def run_server(cfg: CriticServerConfig) -> int:
 
             metrics = MetricsWriter(cfg.log.dir, tensorboard=cfg.log.tensorboard)
         service = CriticService(cfg, state, metrics=metrics)
-        if cfg.checkpoint.resume and state.rank == 0:
-            latest = service.latest_checkpoint()
-            if latest is not None:
-                service.load(latest)
-            else:
-                log.info(
-                    "checkpoint.resume: no complete critic checkpoint under %s; starting fresh",
-                    cfg.checkpoint.dir,
-                )
-        if cfg.checkpoint.save_initial and state.rank == 0 and service.critic_step < 0:
-            service.save(0)
+        if state.rank == 0:
+            _start_state(service, cfg)
         if state.rank != 0:
             service.serve_peers()
             return 0
 
+        if service.run_token is None and not _is_loopback(cfg.server.host):
+            log.warning(
+                "serving on %s without a run token: anyone who reaches this server may train, save "
+                "and load its critic; set $%s or server.run_token_file (and the same on the actor)",
+                cfg.server.host,
+                P.RUN_TOKEN_ENV,
+            )
         workspace_root = prepare_environment(cfg.server.workspace_root)
         server = CriticTritonServer(service, cfg, workspace_root)
         try:

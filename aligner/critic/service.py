@@ -2,7 +2,10 @@
 the protocol (validation, exactly-once training, save/load), independent of PyTriton.
 
 One lock serialises every operation, so inference and training never race and every infer
-that starts after a train has returned sees the update. :class:`CriticService` builds the
+that starts after a train has returned sees the update. Who may change the state is checked
+before the lock is taken (the run token), and against which state under it (fencing: a train or
+save that expects another critic step than the one held is refused), in the order of
+docs/design.md, "Wire protocol"; a refused request changes nothing. :class:`CriticService` builds the
 models and composes one collaborator per concern:
 
 - :class:`~aligner.critic.exactly_once.AppliedSteps`: each step id applied once and in order,
@@ -25,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +39,16 @@ from aligner.critic.checkpointing import CriticCheckpoints, LoadedCheckpoint
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError, ServiceClosedError
 from aligner.critic.exactly_once import AppliedSteps
+from aligner.critic.faults import fault_point
 from aligner.critic.metrics import MetricsWriter, RequestStats
 from aligner.critic.peers import Op, PeerLink
-from aligner.critic.rewards import call_reward_fn, load_policy_trunk, load_reward_fn, load_reward_model
+from aligner.critic.rewards import (
+    RewardFunctionError,
+    load_policy_trunk,
+    load_reward_fn,
+    load_reward_model,
+    score_requests,
+)
 from aligner.critic.value_update import ValueUpdate
 from aligner.distributed import ParallelState
 from aligner.models.config import ModelConfig
@@ -74,6 +85,10 @@ class CriticService:
         self._closed = False
         self.applied = AppliedSteps()
         self.started_at = time.time()
+        self.instance_id = uuid.uuid4().hex
+        """Made once per process start: a client that finds another one talks to another server."""
+        # Checked at start-up by the config (a bad file is a config error naming the key).
+        self.run_token = P.resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
 
         self.reward_fn = load_reward_fn(cfg.reward.fn) if cfg.reward.fn else None
         # Every loader below is collective under TP (each rank takes its shard of full tensors).
@@ -189,7 +204,7 @@ class CriticService:
 
     @property
     def critic_step(self) -> int:
-        """The last applied train step; -1 before the first."""
+        """The critic step held: the last applied train step, or the step last loaded; -1 before either."""
         return self.applied.last
 
     @property
@@ -240,6 +255,8 @@ class CriticService:
             parallel={"tensor_model_parallel_size": self.tp_size, "pipeline_model_parallel_size": 1},
             last_saved_step=self.last_saved_step,
             checkpoint_steps=self.checkpoints.steps(),
+            instance_id=self.instance_id,
+            run_token_required=self.run_token is not None,
             extra={
                 "init_source": self.init_source,
                 "pid": os.getpid(),
@@ -261,13 +278,24 @@ class CriticService:
 
         Returns:
             values ``[b, s-1]`` float32 and rewards ``[b]`` float32.
-        """
-        return self.infer_many([P.validate_infer(tokens, lengths, prompt_lengths, self.limits)])[0]
 
-    def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse]:
+        Raises:
+            RewardFunctionError: the reward function failed on these samples.
+        """
+        out = self.infer_many([P.validate_infer(tokens, lengths, prompt_lengths, self.limits)])[0]
+        if isinstance(out, RewardFunctionError):
+            raise out
+        return out
+
+    def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse | RewardFunctionError]:
         """Score several *validated* requests (e.g. merged by Triton's batcher) in as few forwards
-        as possible: requests of the same padded length share one forward."""
-        out: list[P.InferResponse | None] = [None] * len(requests)
+        as possible: requests of the same padded length share one forward.
+
+        A request whose samples the reward function fails on gets its
+        :class:`~aligner.critic.rewards.RewardFunctionError` in its place; the others get their
+        values and rewards as an unmerged call would (:func:`~aligner.critic.rewards.score_requests`).
+        """
+        out: list[P.InferResponse | RewardFunctionError | None] = [None] * len(requests)
         by_len: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             by_len.setdefault(r.tokens.shape[1], []).append(i)
@@ -277,39 +305,66 @@ class CriticService:
             for idx in by_len.values():
                 tokens = np.concatenate([requests[i].tokens for i in idx])  # [b, s]
                 lengths = np.concatenate([requests[i].lengths for i in idx])  # [b]
-                prompt_lengths = np.concatenate([requests[i].prompt_lengths for i in idx])  # [b]
                 self.peers.broadcast(Op.INFER, tokens, lengths)
                 values, scores = self.update.forward(tokens, lengths)
-                computed.append((idx, tokens, lengths, prompt_lengths, values, scores))
+                computed.append((idx, values, scores))
+            fault_point("infer", self.critic_step)
             self.peers.touch()
         # The reward function needs no model: run it outside the lock, so a slow one does not
         # hold up training.
-        for idx, tokens, lengths, prompt_lengths, values, scores in computed:
-            rewards = self._combine_rewards(tokens, lengths, prompt_lengths, scores)
+        for idx, values, scores in computed:
+            parts = [(requests[i].tokens, requests[i].lengths, requests[i].prompt_lengths) for i in idx]
+            fn_scores: list = [None] * len(idx)
+            if self.reward_fn is not None:
+                fn_scores = score_requests(self.reward_fn, self.cfg.reward.fn, self.tokenizer, parts)
             start = 0
-            for i in idx:
+            for i, fn_score in zip(idx, fn_scores):
                 n = requests[i].tokens.shape[0]
-                out[i] = P.InferResponse(values[start : start + n], rewards[start : start + n])
+                if isinstance(fn_score, RewardFunctionError):
+                    log.warning("critic_infer: %s", fn_score)
+                    out[i] = fn_score
+                else:
+                    rm = None if scores is None else scores[start : start + n]
+                    out[i] = P.InferResponse(
+                        values[start : start + n], self._combine_rewards(fn_score, rm, n)
+                    )
                 start += n
         return out  # type: ignore[return-value]
 
     def train(
-        self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: Any
+        self,
+        tokens: Any,
+        lengths: Any,
+        returns: Any,
+        old_values: Any,
+        mask: Any,
+        step: Any,
+        expected_step: Any = None,
+        *,
+        run_token: Any = None,
     ) -> P.TrainResult:
         """Apply one critic update for ``step``, exactly once (:mod:`aligner.critic.exactly_once`).
 
-        A repeated step id returns the result it got the first time and changes nothing; a step
-        older than the last applied one returns its kept result, or is rejected if that result is
-        no longer kept. Shapes: tokens ``[b, s]``; lengths ``[b]``; returns, old_values, mask
-        ``[b, s-1]``.
+        Checked in order (docs/design.md, "Wire protocol"): the contract; the run token; a
+        repeated step id whose result is kept gets that result and changes nothing, whatever
+        ``expected_step`` says; fencing: ``expected_step`` must be the critic step held (None:
+        an in-process caller, not fenced); the in-order rule: a step older than the last applied
+        one whose result is no longer kept is rejected. Shapes: tokens ``[b, s]``; lengths
+        ``[b]``; returns, old_values, mask ``[b, s-1]``.
+
+        Raises:
+            ProtocolError, UnauthorizedError, FencedError: with nothing applied.
         """
-        req = P.validate_train(tokens, lengths, returns, old_values, mask, step, self.limits)
+        req = P.validate_train(tokens, lengths, returns, old_values, mask, step, expected_step, self.limits)
+        self._check_token(P.TRAIN, run_token)
         with self._lock:
             self._check_open()
-            earlier = self.applied.earlier_result(req.step)
+            earlier = self.applied.kept(req.step)
             if earlier is not None:
                 log.info("train step %d repeated: returning its earlier result, nothing applied", req.step)
                 return earlier
+            self._check_fence(P.TRAIN, req.step, req.expected_step)
+            self.applied.check_new(req.step)
             b, s = req.tokens.shape
             self.peers.broadcast(
                 Op.TRAIN, req.tokens, req.lengths, req.returns, req.old_values, req.mask, step=req.step
@@ -342,16 +397,31 @@ class CriticService:
             )
         return result
 
-    def save(self, step: Any) -> Path:
-        """Write critic weights, optimiser, RNG and bookkeeping to ``<dir>/step_XXXXXXXX/critic/``."""
+    def save(self, step: Any, expected_step: Any = None, *, run_token: Any = None) -> Path:
+        """Write critic weights, optimiser, RNG and bookkeeping to ``<dir>/step_XXXXXXXX/critic/``,
+        if the server holds critic step ``expected_step`` (None: an in-process caller, not
+        fenced).
+
+        Raises:
+            ProtocolError, UnauthorizedError, FencedError: with nothing written.
+        """
         step = P.validate_step(P.SAVE, step)
+        expected = None if expected_step is None else P.validate_expected_step(P.SAVE, expected_step)
+        self._check_token(P.SAVE, run_token)
         with self._lock:
             self._check_open()
+            self._check_fence(P.SAVE, step, expected)
             return self._save_locked(step)
 
-    def load(self, step: Any) -> None:
-        """Restore the critic, optimiser, RNG and bookkeeping saved at ``step`` (resume)."""
+    def load(self, step: Any, *, run_token: Any = None) -> None:
+        """Restore the critic, optimiser, RNG and bookkeeping saved at ``step`` (resume); the
+        server then holds critic step ``step`` (:func:`~aligner.critic.protocol.critic_step_after_load`).
+
+        Raises:
+            ProtocolError, UnauthorizedError, CriticServiceError: with nothing changed.
+        """
         step = P.validate_step(P.LOAD, step)
+        self._check_token(P.LOAD, run_token)
         with self._lock:
             self._check_open()
             loaded = self.checkpoints.read(step)  # raises before anything changes
@@ -359,6 +429,18 @@ class CriticService:
             self._apply(loaded)
             self.peers.touch()
         log.info("loaded critic checkpoint step %d (critic step %d)", step, self.critic_step)
+
+    def _check_token(self, model: str, run_token: Any) -> None:
+        """The run token check of a mutating request: what came on the wire (a str or the BYTES
+        input, empty for none) must be the server's token, if it has one. None: a caller that
+        holds this service in-process (the server itself, tests), which needs none."""
+        if run_token is not None:
+            P.check_run_token(model, self.run_token, P.validate_run_token(model, run_token))
+
+    def _check_fence(self, model: str, step: int, expected_step: int | None) -> None:
+        """Refuse a request that expects another critic step than the one held (under the lock)."""
+        if expected_step is not None and expected_step != self.critic_step:
+            raise P.FencedError(model, step, expected_step, self.critic_step)
 
     def latest_checkpoint(self) -> int | None:
         return self.checkpoints.latest()
@@ -401,10 +483,12 @@ class CriticService:
         return self.checkpoints.save(step, bookkeeping)
 
     def _apply(self, loaded: LoadedCheckpoint) -> None:
-        """Apply a checked checkpoint on this rank, with the bookkeeping it carries."""
+        """Apply a checked checkpoint on this rank, with the bookkeeping it carries. The critic
+        step held becomes the checkpoint's step: the initial critic (step 0, saved before any
+        train) included."""
         self.update.drop_kept()  # computed with the weights being replaced
         meta = self.checkpoints.apply(loaded)
-        self.applied.restore(meta["critic_step"], meta["results"])
+        self.applied.restore(P.critic_step_after_load(int(meta["step"])), meta["results"])
 
     # ------------------------------------------------------------------------------------------
     # Peers (TP ranks > 0)
@@ -430,16 +514,14 @@ class CriticService:
     # Rewards
     # ------------------------------------------------------------------------------------------
 
-    def _combine_rewards(self, tokens, lengths, prompt_lengths, scores: np.ndarray | None) -> np.ndarray:
+    def _combine_rewards(
+        self, fn_scores: np.ndarray | None, rm_scores: np.ndarray | None, b: int
+    ) -> np.ndarray:
         """Reward function (scaled) + standardised reward-model score, per sample: [b] float32."""
         r = self.cfg.reward
-        total = np.zeros(tokens.shape[0], dtype=np.float64)
-        if self.reward_fn is not None:
-            try:
-                fn_scores = call_reward_fn(self.reward_fn, self.tokenizer, tokens, lengths, prompt_lengths)
-            except Exception as e:
-                raise CriticServiceError(f"reward function {r.fn!r} failed: {type(e).__name__}: {e}") from e
-            total += r.fn_scale * np.asarray(fn_scores, dtype=np.float64)
-        if scores is not None:
-            total += (scores.astype(np.float64) - r.model_mean) / r.model_std
+        total = np.zeros(b, dtype=np.float64)
+        if fn_scores is not None:
+            total += r.fn_scale * fn_scores
+        if rm_scores is not None:
+            total += (rm_scores.astype(np.float64) - r.model_mean) / r.model_std
         return total.astype(np.float32)

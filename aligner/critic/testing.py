@@ -1,4 +1,5 @@
-"""Helpers shared by the critic tests and benchmark: tiny configs, digit-task batches, raw requests.
+"""Helpers shared by the critic tests and benchmark: tiny configs, digit-task batches, raw requests
+(a bare tritonclient: no validation, no retries, no bookkeeping of the critic step).
 
 Not used by the server or client themselves.
 """
@@ -16,10 +17,16 @@ __all__ = [
     "TINY_MODEL",
     "tiny_overrides",
     "tiny_config",
+    "encode_samples",
     "digit_batch",
     "train_arrays",
+    "picky_reward",
     "raw_infer",
     "raw_error",
+    "raw_info",
+    "raw_train",
+    "raw_save",
+    "raw_load",
 ]
 
 TINY_MODEL = {
@@ -64,6 +71,24 @@ def tiny_config(root: str | Path, **sections: dict) -> dict:
     return d
 
 
+def encode_samples(
+    tokenizer, prompts: list[str], responses: list[str], pad_to: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``prompt + response + eos`` per sample, right padded to ``pad_to`` (default: the longest).
+
+    Returns tokens ``[b, s]``, lengths ``[b]``, prompt_lengths ``[b]``.
+    """
+    rows, pls = [], []
+    for prompt, resp in zip(prompts, responses):
+        rows.append(tokenizer.encode(prompt) + tokenizer.encode(resp) + [tokenizer.eos_id])
+        pls.append(len(tokenizer.encode(prompt)))
+    s = pad_to or max(len(r) for r in rows)
+    tokens = np.full((len(rows), s), tokenizer.pad_id, dtype=np.int64)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return tokens, np.array([len(r) for r in rows], np.int64), np.array(pls, np.int64)
+
+
 def digit_batch(
     tokenizer, b: int, seed: int = 0, num_digits: int = 4, pad_to: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str]]:
@@ -72,25 +97,17 @@ def digit_batch(
     Returns tokens ``[b, s]``, lengths ``[b]``, prompt_lengths ``[b]``, prompts, responses.
     """
     rng = random.Random(seed)
-    rows, pls, prompts, responses = [], [], [], []
+    prompts, responses = [], []
     for _ in range(b):
         digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
-        prompt = digits + ":"
-        resp = (
+        prompts.append(digits + ":")
+        responses.append(
             "".join(sorted(digits))
             if rng.random() < 0.5
             else "".join(rng.choice("0123456789") for _ in range(rng.randint(1, num_digits)))
         )
-        ids = tokenizer.encode(prompt) + tokenizer.encode(resp) + [tokenizer.eos_id]
-        rows.append(ids)
-        pls.append(len(tokenizer.encode(prompt)))
-        prompts.append(prompt)
-        responses.append(resp)
-    s = pad_to or max(len(r) for r in rows)
-    tokens = np.full((b, s), tokenizer.pad_id, dtype=np.int64)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r)] = r
-    return tokens, np.array([len(r) for r in rows], np.int64), np.array(pls, np.int64), prompts, responses
+    tokens, lengths, prompt_lengths = encode_samples(tokenizer, prompts, responses, pad_to)
+    return tokens, lengths, prompt_lengths, prompts, responses
 
 
 def train_arrays(
@@ -105,6 +122,18 @@ def train_arrays(
     returns = (rng.normal(size=(b, s - 1)) * mask).astype(np.float32)
     old_values = (rng.normal(size=(b, s - 1)) * 0.1 * mask).astype(np.float32)
     return returns, old_values, mask
+
+
+def picky_reward(prompts, responses, prompt_ids=None, response_ids=None, **_: object) -> list[float]:
+    """The sort task's reward, made to fail each way a reward function can, for the tests of one
+    client's bad samples: a prompt without ':' makes it raise (as the sort reward does), a
+    response ``','`` scores NaN, ``',,'`` infinity, and ``',,,'`` makes it answer one score too
+    few."""
+    from aligner.tasks.digits import sort_reward
+
+    scores = sort_reward(prompts, responses)
+    scores = [{",": float("nan"), ",,": float("inf")}.get(r, x) for r, x in zip(responses, scores)]
+    return scores[:-1] if ",,," in responses else scores
 
 
 def _mod(url: str):
@@ -148,3 +177,23 @@ def raw_error(url: str, model: str, inputs: dict[str, np.ndarray]) -> str:
     except Exception as e:  # InferenceServerException
         return str(e)
     raise AssertionError(f"{model} accepted a request that breaks the contract: {sorted(inputs)}")
+
+
+def raw_info(url: str) -> P.ServerInfo:
+    """``server_info`` through a bare tritonclient."""
+    return P.ServerInfo.from_json(raw_infer(url, P.INFO, {})["info"].reshape(-1)[0])
+
+
+def raw_train(url: str, req: P.TrainRequest, run_token: str | None = None) -> dict[str, np.ndarray]:
+    """One critic_train of ``req`` (its ``expected_step`` set) through a bare tritonclient."""
+    return raw_infer(url, P.TRAIN, req.to_wire(run_token))
+
+
+def raw_save(url: str, step: int, expected_step: int, run_token: str | None = None) -> None:
+    """critic_save of ``step`` when the server holds ``expected_step``, through a bare tritonclient."""
+    raw_infer(url, P.SAVE, P.save_inputs(step, expected_step, run_token))
+
+
+def raw_load(url: str, step: int, run_token: str | None = None) -> None:
+    """critic_load of ``step`` through a bare tritonclient."""
+    raw_infer(url, P.LOAD, P.load_inputs(step, run_token))

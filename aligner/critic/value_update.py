@@ -20,6 +20,7 @@ import torch
 from aligner.critic import protocol as P
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError
+from aligner.critic.faults import fault_point
 from aligner.distributed import ParallelState
 from aligner.models.gpt import sequence_scores, token_values
 from aligner.rl import explained_variance, loss_start, value_loss
@@ -151,6 +152,7 @@ class ValueUpdate:
                     first_pass_values[idx] = values.detach()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                fault_point("train", req.step)  # tests only: a crash mid-step (aligner.critic.faults)
                 norm = self._grad_norm_and_clip(o.grad_clip or None)
                 if not (math.isfinite(norm) and math.isfinite(loss.item())):
                     # Every TP rank sees the same (all-reduced) norm and loss, so all skip together.

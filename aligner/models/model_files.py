@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from aligner.checkpoint import atomic_directory
+from aligner.checkpoint import atomic_directory, writing
 from aligner.models.config import ConversionError
 
 __all__ = [
@@ -78,9 +78,10 @@ class StreamingSafetensorsWriter:
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self._fh = open(self.path, "wb")
-        self._fh.write(struct.pack("<Q", len(raw)))
-        self._fh.write(raw)
+        with writing(self.path):
+            self._fh = open(self.path, "wb")
+            self._fh.write(struct.pack("<Q", len(raw)))
+            self._fh.write(raw)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._entries):
@@ -93,14 +94,16 @@ class StreamingSafetensorsWriter:
             )
         t = tensor.detach().to("cpu").contiguous().reshape(-1)
         if t.numel():
-            self._fh.write(t.view(torch.uint8).numpy().tobytes())
+            with writing(self.path):
+                self._fh.write(t.view(torch.uint8).numpy().tobytes())
         self._next += 1
 
     def close(self) -> None:
         if self._fh.closed:
             return
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        with writing(self.path):
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
         self._fh.close()
         if self._next != len(self._entries):
             missing = [e[0] for e in self._entries[self._next :]]

@@ -28,8 +28,14 @@ at any point leaves the previous complete step as the newest step both roles com
 is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
 
 ``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
-the save (:data:`FAULT_POINTS`): how the tests show a crash mid-save never yields a checkpoint
-that loads wrongly.
+the save, or in the middle of a step (:data:`FAULT_POINTS`): how the tests show a crash never
+yields a checkpoint that loads wrongly.
+
+A timeout or a restarted server met during the critic's save raises before the actor writes
+anything of that step: its previous checkpoints stay as they were and the step is not
+committed. After a server restart (``critic.on_restart=resume``), :meth:`ActorCheckpointer.rollback_dir`
+names the newest step both roles still hold, and :meth:`ActorCheckpointer.load` restores it
+in-process, as it does at start-up.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from aligner.checkpoint import (
     step_dir_name,
     write_json,
 )
-from aligner.critic.handle import CriticHandle
+from aligner.critic.handle import CriticHandle, CriticRestartedError
 from aligner.critic.protocol import ServerInfo
 from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
 from aligner.models.config import ModelConfig
@@ -74,6 +80,7 @@ from aligner.tokenizers import Tokenizer
 __all__ = [
     "ROLE",
     "FAULT_POINTS",
+    "fault_point",
     "ActorState",
     "ActorCheckpointer",
     "checkpoint_root",
@@ -85,7 +92,17 @@ log = logging.getLogger(__name__)
 
 ROLE = "actor"
 FORMAT_VERSION = 1
-FAULT_POINTS = ("before_critic_save", "after_critic_save", "mid_actor_write", "before_commit", "after_commit")
+FAULT_POINTS = (
+    "mid_step",
+    "before_critic_save",
+    "after_critic_save",
+    "mid_actor_write",
+    "before_commit",
+    "after_commit",
+)
+"""Where ``ALIGNER_FAULT_AT=<point>@<step>`` kills the actor: ``mid_step`` after the generation of
+step N, before its critic_train is sent (:class:`~aligner.ppo.trainer.PPOTrainer`); the others
+at the named moment of the save of step N (:meth:`ActorCheckpointer.save`)."""
 _TMP = ".tmp." + ROLE
 
 
@@ -112,7 +129,10 @@ def checkpoint_root(cfg: ActorConfig) -> Path:
     return Path(cfg.checkpoint.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
 
 
-def _fault(point: str, step: int) -> None:
+def fault_point(point: str, step: int) -> None:
+    """Kill this process (SIGKILL) when ``$ALIGNER_FAULT_AT`` names ``point`` (one of
+    :data:`FAULT_POINTS`) at ``step``, or at any step when it names no step: the crashes the
+    resume tests start from. Does nothing when the variable is unset."""
     want = os.environ.get("ALIGNER_FAULT_AT")
     if not want:
         return
@@ -314,10 +334,11 @@ class ActorCheckpointer:
         """Both roles' checkpoints of ``state.step`` (the critic's by the server). Returns the
         actor's folder."""
         step, st = state.step, self.state
-        _fault("before_critic_save", step)
-        if st.rank == 0:
-            self.critic.save(step)
-        _fault("after_critic_save", step)
+        fault_point("before_critic_save", step)
+        # A timeout or a restarted server raises here, on every rank, before anything of this
+        # step is written: the previous checkpoints stay as they were.
+        self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
+        fault_point("after_critic_save", step)
         step_dir = self.root / step_dir_name(step)
         final, tmp = step_dir / ROLE, step_dir / _TMP
         if st.rank == 0:
@@ -327,20 +348,20 @@ class ActorCheckpointer:
         from aligner.models.checkpoint_io import save_model_checkpoint
 
         save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
-        _fault("mid_actor_write", step)
+        fault_point("mid_actor_write", step)
         if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
             tensors, meta = state.optimizer.state_tensors()
             save_tensors(tmp / self._optim_file(), tensors)
             write_json(tmp / self._optim_file(".json"), meta)
         save_tensors(tmp / self._rng_file(), rng_state_tensors())
         barrier()
-        _fault("before_commit", step)
+        fault_point("before_commit", step)
         if st.rank == 0:
             write_json(tmp / "trainer_state.json", self._state_json(state))
             commit_directory(tmp, final, {"step": step, "role": ROLE})
         barrier()
         self.last_saved = step
-        _fault("after_commit", step)
+        fault_point("after_commit", step)
         if st.rank == 0:
             self._prune()
         self._say(f"saved checkpoint step {step}: {final}")
@@ -463,11 +484,69 @@ class ActorCheckpointer:
                 )
             self._write_best()
         barrier()
-        if st.rank == 0:
-            self.critic.load(step)
-        barrier()
+        self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
         self.last_saved = step
         return saved["trainer"]
+
+    # -- a restarted server ------------------------------------------------------------------------
+
+    def rollback_dir(self, error: CriticRestartedError) -> tuple[Path, int]:
+        """The step folder to roll both roles back to after ``error``: the newest step that both
+        this run's actor checkpoints and the server's critic checkpoints (as the server lists
+        them now) hold; and the critic step the server holds now. CheckpointError naming both
+        lists when there is none. Call on every rank."""
+        decision: list[Any] = [None, None, None]
+        if self.state.rank == 0:
+            try:
+                info = self.critic.server_info()
+                server_steps = sorted(int(s) for s in info.checkpoint_steps)
+                mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+                common = sorted(set(mine) & set(server_steps))
+                if common:
+                    decision = [str(self.root / step_dir_name(common[-1])), None, info.critic_step]
+                else:
+                    decision = [
+                        None,
+                        f"cannot roll back after the critic server restarted ({error}): no step is "
+                        f"complete for both roles (actor checkpoints under {self.root}: {mine or 'none'}; "
+                        f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
+                        "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's",
+                        None,
+                    ]
+            except CriticRestartedError as e:  # restarted again: the caller counts it and retries
+                decision = [None, {"restarted": e.to_json()}, None]
+            except Exception as e:  # every rank raises, not only rank 0
+                decision = [None, f"{type(e).__name__}: {e}", None]
+        path, problem, critic_step = broadcast_json(decision)
+        if isinstance(problem, dict):
+            raise CriticRestartedError.from_json(problem["restarted"])
+        if problem is not None:
+            raise CheckpointError(problem)
+        return Path(path), int(critic_step)
+
+    def _on_rank0(self, what: str, fn: Callable[[], None]) -> None:
+        """``fn()`` on rank 0 (a request to the server), and its outcome on every rank: rank 0
+        raises its own error, the others the same CriticRestartedError, or a CheckpointError
+        naming ``what``."""
+        if self.state.world_size == 1:
+            fn()
+            return
+        outcome: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if self.state.rank == 0:
+            try:
+                fn()
+            except CriticRestartedError as e:
+                error, outcome = e, {"restarted": e.to_json()}
+            except Exception as e:  # every rank raises, not only rank 0
+                error, outcome = e, {"error": f"{type(e).__name__}: {e}"}
+        outcome = broadcast_json(outcome)
+        if error is not None:
+            raise error
+        if outcome is not None:
+            if "restarted" in outcome:
+                raise CriticRestartedError.from_json(outcome["restarted"])
+            raise CheckpointError(f"{what} failed on rank 0: {outcome['error']}")
 
 
 def _apply_current_hyperparameters(optimizer: torch.optim.Optimizer, o: PolicyOptimConfig) -> None:

@@ -6,6 +6,7 @@ run once, before any model is built, and report every problem together.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -28,7 +29,11 @@ __all__ = [
     "ValidationConfig",
     "ConfigError",
     "validate_actor_config",
+    "ON_RESTART",
 ]
+
+ON_RESTART = ("resume", "fail")
+"""What ``critic.on_restart`` may say."""
 
 
 @dataclass
@@ -213,7 +218,14 @@ class PPOConfig:
     missing_eos_penalty: float | None = None
     """Added to the score of responses that never emitted end-of-sequence (None = off)."""
     reference_on_cpu: bool = False
-    """Keep the frozen reference model on the CPU (saves accelerator memory)."""
+    """Keep the frozen reference model's weights on the CPU between its forwards; each forward
+    (one per step for the rollout's KL, one per validation) copies them to the policy's device
+    and drops that copy afterwards. What it saves: the reference's weights on the accelerator
+    during generation and the PPO updates, where memory peaks (the peak becomes the larger of
+    training's and the reference forward's, not their sum). What it costs: one host-to-device
+    copy of the reference per forward (its parameter bytes, e.g. 2 GB for a 1B-parameter bf16
+    model, some 0.1 s over PCIe 4 at pinned-memory speed) and its device memory again while that
+    forward runs. No effect when the policy itself is on the CPU."""
 
     def problems(self, prefix: str = "ppo") -> Problems:
         """Each value on its own (the batch sizes' divisibility depends on the data-parallel
@@ -251,16 +263,55 @@ class PPOConfig:
 
 @dataclass
 class CriticClientConfig:
-    """How the actor reaches the critic/reward server."""
+    """How the actor reaches the critic/reward server, how long it waits for it, and what it does
+    when the server was restarted under it (docs/design.md, "Wire protocol")."""
 
     url: str | None = None
     """grpc://HOST:PORT or http://HOST:PORT; falls back to $ALIGNER_CRITIC_URL."""
     timeout_s: float = 120.0
-    """Per-request timeout."""
+    """Per-request timeout (one attempt of one request)."""
     ready_timeout_s: float = 120.0
-    """How long to wait for the server to become ready at start-up."""
+    """How long to wait for the server to become ready, at start-up and after a lost connection."""
+    wait_timeout_s: float = 600.0
+    """Bounds every wait on a server result: an ``infer`` or ``train`` future, ``save``, ``load``,
+    and one request's retries all together. Past it the actor stops with an error naming the call,
+    the step and the server's address (a hung server never hangs the actor); a save cut short
+    this way leaves the previous checkpoints as they were and the new step uncommitted."""
     retries: int = 5
     """Retries with backoff for requests that are safe to repeat."""
+    on_restart: str = "resume"
+    """When the server turns out to have been restarted (another instance after a reconnect, or a
+    request fenced because the server no longer holds the critic step the actor expects):
+    'resume' rolls both roles back to the newest step both checkpointed and redoes the steps
+    after it (the run ends with the weights of an uninterrupted one); 'fail' stops, naming the
+    server's critic step and the actor's."""
+    max_restarts: int = 3
+    """Most server restarts one run resumes from (on_restart=resume); one more stops it."""
+    run_token_file: str | None = None
+    """A file holding the run token, the secret the server requires for critic_train, critic_save
+    and critic_load (its server.run_token_file); None: $ALIGNER_RUN_TOKEN, else no token. The
+    file wins over the variable."""
+
+    def problems(self, prefix: str = "critic") -> Problems:
+        e = Problems()
+        for name in ("timeout_s", "ready_timeout_s", "wait_timeout_s"):
+            v = getattr(self, name)
+            e.expect(v > 0 and math.isfinite(v), f"{prefix}.{name}", v, "a finite number of seconds > 0")
+        e.non_negative_ints(self, prefix, ("retries", "max_restarts"))
+        e.expect(
+            self.on_restart in ON_RESTART,
+            f"{prefix}.on_restart",
+            self.on_restart,
+            f"one of {list(ON_RESTART)}",
+        )
+        if self.run_token_file is not None:
+            e.expect(
+                os.path.isfile(self.run_token_file),
+                f"{prefix}.run_token_file",
+                self.run_token_file,
+                "an existing file (or null: $ALIGNER_RUN_TOKEN, else no token)",
+            )
+        return e
 
 
 @dataclass
@@ -406,6 +457,7 @@ class ActorConfig:
             )
         e += self.data.problems(self.generation.max_new_tokens, self.model.max_seq_len, "data")
         e += self.checkpoint.problems("checkpoint")
+        e += self.critic.problems("critic")
         e += self.validation.problems("validation")
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         e += [f"model: {m}" for m in self.model.problems(tp, pp)]

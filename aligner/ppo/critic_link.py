@@ -6,22 +6,40 @@ steps 3 and 6).
 - ``critic_train``: every data-parallel rank's rows are gathered (padded to a common length) and
   global rank 0 sends them once per step; the step does not wait for the answer. The one update
   in flight, and the result of the last one until the step that reports it, are kept here.
+- Failures: a wait on the server fails on the ranks that sent (a timeout, a restarted server),
+  yet every rank must leave the step together. Under more than one rank, each wait ends in one
+  all-reduce of an outcome code, so that every rank raises: the sender its own error, the
+  others a :class:`~aligner.critic.handle.CriticRestartedError` (the actor then rolls back, on
+  every rank) or a :class:`~aligner.critic.handle.CriticError` naming the failure elsewhere.
 
 Shapes: ``b`` this rank's rows, ``s`` padded length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from aligner.critic.handle import CriticHandle
-from aligner.distributed import ParallelState
+from aligner.critic.handle import CriticError, CriticHandle, CriticRestartedError
+from aligner.distributed import ParallelState, comm_device
 
 __all__ = ["CriticLink"]
+
+T = TypeVar("T")
+
+_OK, _FAILED, _RESTARTED = 0, 1, 2
+"""Outcome codes of a wait, all-reduced with MAX: a restart anywhere wins."""
+
+
+def _failed(error: BaseException) -> Future:
+    """A future that holds ``error``: a request refused before it was sent fails where it is waited on."""
+    future: Future = Future()
+    future.set_exception(error)
+    return future
 
 
 class CriticLink:
@@ -37,23 +55,27 @@ class CriticLink:
     # -- critic_infer ------------------------------------------------------------------------------
 
     def infer(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor
+        self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor, step_id: int
     ) -> Future | None:
-        """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) for values and scores
-        without waiting; None on the ranks that do not send."""
+        """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) of step ``step_id`` for
+        values and scores without waiting; None on the ranks that do not send."""
         if self.state.tp_rank != 0:
             return None
-        return self.critic.infer(tokens, lengths, prompt_lengths)
+        try:
+            return self.critic.infer(tokens, lengths, prompt_lengths, step_id)
+        except CriticRestartedError as e:  # raised by result(), with the other ranks
+            return _failed(e)
 
     def result(self, future: Future | None, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """Values ``[b, s-1]`` and scores ``[b]`` (float32) of the batch of ``shape`` ``[b, s]``
         that :meth:`infer` sent, on every rank of the tensor-parallel group."""
         b, s = shape
         if future is not None:
-            values_np, rewards_np = future.result()
+            values_np, rewards_np = self.agree("critic_infer", future.result)
             values = torch.as_tensor(values_np, dtype=torch.float32).reshape(b, s - 1)
             scores = torch.as_tensor(rewards_np, dtype=torch.float32).reshape(b)
         else:
+            self.agree("critic_infer", lambda: None)
             values, scores = torch.empty(b, s - 1), torch.empty(b)
         if self.state.tp_size > 1:
             from megatron.core import parallel_state as mpu
@@ -82,15 +104,54 @@ class CriticLink:
         if self.state.dp_size > 1:
             tokens, lengths, returns, values, mask = self._gather_dp(tokens, lengths, returns, values, mask)
         if self.state.rank == 0:
-            self.pending = self.critic.train(tokens, lengths, returns, values, mask, step_id)
+            try:
+                self.pending = self.critic.train(tokens, lengths, returns, values, mask, step_id)
+            except CriticRestartedError as e:  # raised by wait(), with the other ranks
+                self.pending = _failed(e)
         return self.pending
 
     def wait(self) -> None:
         """Wait for the ``critic_train`` in flight; its result is kept in :attr:`completed` until
         :meth:`take_completed` (``loss/value`` is the critic's loss on the previous step's batch)."""
-        if self.pending is not None:
-            self.completed = self.pending.result()
-            self.pending = None
+        pending = self.pending
+        if pending is None:
+            self.agree("critic_train", lambda: None)
+            return
+        try:
+            self.completed = self.agree("critic_train", pending.result)
+        finally:
+            self.pending = None  # failed or done: nothing of it is in flight any more
+
+    def drop(self) -> None:
+        """Forget the update in flight and the last result (after a restarted server, before
+        the rollback restores them from a checkpoint)."""
+        self.pending, self.completed = None, None
+
+    def agree(self, call: str, wait: Callable[[], T]) -> T:
+        """``wait()`` here, and the same outcome on every rank: with more than one rank, every
+        rank raises when any rank's wait on ``call`` failed (one all-reduce per call)."""
+        error: BaseException | None = None
+        out = None
+        try:
+            out = wait()
+        except Exception as e:  # re-raised below, after the other ranks have heard of it
+            error = e
+        if self.state.world_size > 1:
+            code = (
+                _RESTARTED if isinstance(error, CriticRestartedError) else _OK if error is None else _FAILED
+            )
+            flag = torch.tensor([code], dtype=torch.int64, device=comm_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            code = int(flag.item())
+            if error is None and code == _RESTARTED:
+                raise CriticRestartedError(
+                    self.critic.url, None, None, call=call, reason="another rank found the server restarted"
+                )
+            if error is None and code == _FAILED:
+                raise CriticError(f"{call} failed on another rank (its error is in that rank's log)")
+        if error is not None:
+            raise error
+        return out  # type: ignore[return-value]
 
     def take_completed(self) -> dict[str, Any] | None:
         """The last finished update's result, once (None when there is none to report)."""
@@ -101,7 +162,7 @@ class CriticLink:
         """Concatenate every DP rank's rows (``tokens`` first, then its per-row tensors, padded to
         a common length) on all ranks."""
         group = self.state.dp_group
-        s = torch.tensor([rows[0].shape[1]])
+        s = torch.tensor([rows[0].shape[1]], device=comm_device())
         dist.all_reduce(s, op=dist.ReduceOp.MAX, group=group)
         pad = int(s) - rows[0].shape[1]
         tokens, lengths, *per_token = rows

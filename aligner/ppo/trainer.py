@@ -16,7 +16,12 @@ in a module of its own: the prompts (:mod:`aligner.ppo.prompts`), the critic as 
 ranks see it (:mod:`aligner.ppo.critic_link`), log-probs over this rank's vocabulary shard
 (:mod:`aligner.ppo.logprobs`), the optimizer and its schedule (:mod:`aligner.ppo.optimizer`),
 the rollout and the step's record (:mod:`aligner.ppo.rollout`), checkpoints
-(:mod:`aligner.ppo.checkpointing`).
+(:mod:`aligner.ppo.checkpointing`), the frozen reference and where its weights live
+(:mod:`aligner.ppo.reference`).
+
+A restarted critic server (:class:`~aligner.critic.handle.CriticRestartedError`) is met in
+:meth:`PPOTrainer.train`: per ``critic.on_restart`` it rolls both roles back to the newest step
+both checkpointed and redoes the steps after it (at most ``critic.max_restarts`` times), or stops.
 
 Shapes: ``b`` this data-parallel rank's prompts, ``s`` padded length, ``v`` vocabulary shard.
 """
@@ -31,17 +36,18 @@ import torch
 
 from aligner import precision as mp
 from aligner import rl
-from aligner.critic.handle import CriticHandle
+from aligner.critic.handle import CriticError, CriticHandle, CriticRestartedError
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from aligner.metrics import MetricsLogger, Timers
 from aligner.models import gpt
-from aligner.ppo.checkpointing import ActorCheckpointer, ActorState
+from aligner.ppo.checkpointing import ActorCheckpointer, ActorState, fault_point
 from aligner.ppo.config import ActorConfig
 from aligner.ppo.critic_link import CriticLink
 from aligner.ppo.logprobs import PolicyLogprobs
 from aligner.ppo.optimizer import freeze_all_but_last_layers, make_optimizer, set_schedule_position
 from aligner.ppo.prompts import PromptSampler
+from aligner.ppo.reference import ReferenceModel
 from aligner.ppo.rollout import Rollout, StepRecord, global_mean
 from aligner.tokenizers import Tokenizer
 
@@ -71,15 +77,18 @@ class PPOTrainer:
         *,
         checkpointer: ActorCheckpointer | None = None,
         val_prompts: list[str] | None = None,
+        on_rollback: Callable[[int], None] | None = None,
     ) -> None:
-        """``checkpointer`` saves at the configured interval and at the end; ``val_prompts``:
-        this data-parallel rank's share of the fixed evaluation prompts (validation is off
-        without them)."""
+        """``checkpointer`` saves at the configured interval and at the end, and rolls back
+        after a server restart; ``val_prompts``: this data-parallel rank's share of the fixed
+        evaluation prompts (validation is off without them); ``on_rollback(step)``: called
+        after a rollback to ``step`` (the entry point rewinds its metrics and progress bar)."""
         self.cfg, self.state = cfg, state
-        self.policy, self.reference, self.engine = policy, reference, engine
+        self.policy, self.engine = policy, engine
         self.critic = CriticLink(critic, state, tokenizer.pad_id)
         self.tokenizer, self.sampler, self.logger = tokenizer, sampler, logger
         self.on_step = on_step
+        self.on_rollback = on_rollback
         self.checkpointer = checkpointer
         self.val_prompts = list(val_prompts) if val_prompts else []
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
@@ -92,6 +101,15 @@ class PPOTrainer:
             cfg.model_forward,
             state.tp_size,
             log if state.is_logging_rank else None,
+        )
+        # After the forwards are set (they read the parameters at each call): with
+        # ppo.reference_on_cpu on an accelerator, the reference's weights leave it here.
+        self.reference = (
+            ReferenceModel(
+                reference, state.device, offload=cfg.ppo.reference_on_cpu and state.device.type != "cpu"
+            )
+            if reference is not None
+            else None
         )
         self._engine_stale = True
         self.logprobs = PolicyLogprobs.for_actor(cfg, state, tokenizer)
@@ -119,29 +137,84 @@ class PPOTrainer:
         )
         self.score_moments = rl.RunningMoments()
         self.step_count = 0
+        self.restarts = 0
+        """Server restarts this run rolled back from."""
+        self._current = 0  # the step being run, or saved: where a restart is found
         self._tp_group = state.tp_group if state.tp_size > 1 else None
         self._dp_group = state.dp_group if state.dp_size > 1 else None
 
     # -- the loop ----------------------------------------------------------------------------
 
     def train(self, num_steps: int | None = None) -> None:
+        """Steps until ``num_steps`` (default ``ppo.num_steps``), then wait for the last critic
+        update. A restarted server met on the way is handled per ``critic.on_restart``."""
         end = num_steps if num_steps is not None else self.cfg.ppo.num_steps
         v = self.cfg.validation
-        if v.before_train and self.val_prompts and self.step_count == 0:
-            self.logger.log(0, self.validate(0))
-        while self.step_count < end:
-            metrics = self.step()
-            if self.on_step is not None:
-                self.on_step(self.step_count, metrics)
-            # 8. (continued) Checkpoints of both roles at this step, when due.
-            if self.checkpointer is not None:
-                last = self.step_count >= end
-                self.checkpointer.after_step(self.step_count, metrics, self.actor_state, last=last)
-        self.finish()
+        while True:
+            try:
+                if v.before_train and self.val_prompts and self.step_count == 0:
+                    self.logger.log(0, self.validate(0))
+                while self.step_count < end:
+                    metrics = self.step()
+                    if self.on_step is not None:
+                        self.on_step(self.step_count, metrics)
+                    # 8. (continued) Checkpoints of both roles at this step, when due.
+                    if self.checkpointer is not None:
+                        last = self.step_count >= end
+                        self.checkpointer.after_step(self.step_count, metrics, self.actor_state, last=last)
+                self.finish()
+                return
+            except CriticRestartedError as e:
+                self._roll_back(e)
+
+    def _roll_back(self, error: CriticRestartedError) -> None:
+        """After a restarted server: per ``critic.on_restart``, stop naming the server's critic
+        step and the actor's, or roll both roles back to the newest step both checkpointed (the
+        server loads its half; this process reloads its own in place, as a resume at start-up
+        does) so that the steps after it are redone. On every rank."""
+        c, reached = self.cfg.critic, max(self._current, self.step_count)
+        self.critic.drop()  # the update in flight (if any) failed with the server it was sent to
+        held = "?" if error.critic_step is None else error.critic_step
+        expected = "?" if error.expected_step is None else error.expected_step
+        found = f"critic server restarted (critic step {held}, expected {expected}) during step {reached}"
+        if c.on_restart == "fail":
+            raise CriticError(
+                f"{found}: critic.on_restart=fail, stopping. The server at {self.critic.critic.url} holds "
+                f"critic step {held}; the actor completed step {self.step_count} and expected critic step "
+                f"{expected}. Run again with checkpoint.resume=auto to continue from the newest step both "
+                f"roles saved. ({error})"
+            ) from error
+        if self.checkpointer is None:
+            raise CriticError(f"{found}, and this trainer has no checkpointer to roll back with") from error
+        self.restarts += 1
+        if self.restarts > c.max_restarts:
+            raise CriticError(
+                f"{found}: that is {self.restarts} restarts in this run, more than critic.max_restarts="
+                f"{c.max_restarts}; stopping. ({error})"
+            ) from error
+        try:
+            step_dir, held_now = self.checkpointer.rollback_dir(error)
+            self.load_training_state(self.checkpointer.load(self.actor_state(), step_dir))
+        except CriticRestartedError as again:  # restarted again meanwhile: counted, and retried
+            self._roll_back(again)
+            return
+        if error.critic_step is None:
+            held = held_now
+        to = self.step_count
+        msg = (
+            f"critic server restarted (critic step {held}, expected {expected}): rolled both roles back to "
+            f"step {to}; steps {to + 1}..{max(reached, to + 1)} are redone "
+            f"(restart {self.restarts} of at most {c.max_restarts})"
+        )
+        log.warning("%s", msg)
+        if self.state.is_logging_rank:
+            print(msg, flush=True)
+        if self.on_rollback is not None:
+            self.on_rollback(to)
 
     def step(self) -> dict[str, float]:
         cfg, p = self.cfg, self.cfg.ppo
-        step_id = self.step_count + 1
+        step_id = self._current = self.step_count + 1
         timed = Timers()
         with timed("step"):
             # 1. Refit the generation engine from the current policy.
@@ -159,15 +232,16 @@ class PPOTrainer:
 
             with timed("logprobs"):
                 # 3. Values and scores from critic_infer, without waiting...
-                critic_future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths)
+                critic_future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step_id)
                 # 4. ...while the reference's and the policy's log-probs are computed.
                 orders = self._epoch_orders(step_id, tokens.shape[0])
                 beta = self.kl_ctl.value
                 ref_logprobs = None
                 if self.reference is not None and beta > 0:
-                    ref_logprobs, _ = self.logprobs.no_grad(
-                        self.reference, tokens, p.micro_batch_size, start=start
-                    )
+                    with self.reference.on_device() as reference:
+                        ref_logprobs, _ = self.logprobs.no_grad(
+                            reference, tokens, p.micro_batch_size, start=start
+                        )
                 first = None
                 if self.reuse_rollout_forward:
                     first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
@@ -191,6 +265,7 @@ class PPOTrainer:
                 advantages = rl.global_whiten(advantages, mask, shift_mean=True, group=self._dp_group)
 
             # 6. The critic's training batch for this step id; the server trains while we do.
+            fault_point("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
             self.critic.train(tokens, gen.lengths, returns, values, mask, step_id)
 
             # 7. PPO epochs x minibatches of clipped-surrogate updates.
@@ -247,11 +322,12 @@ class PPOTrainer:
             gen = self._generate(self.val_prompts, self.cfg.generation.sampling(greedy=True, seed=0))
             tokens, mb = gen.tokens, self.cfg.ppo.micro_batch_size
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
-            future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths)
+            future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step)
             start = rl.loss_start(mask)
             logprobs, _ = self.logprobs.no_grad(self.policy, tokens, mb, start=start)
             if self.reference is not None:
-                ref_logprobs, _ = self.logprobs.no_grad(self.reference, tokens, mb, start=start)
+                with self.reference.on_device() as reference:
+                    ref_logprobs, _ = self.logprobs.no_grad(reference, tokens, mb, start=start)
                 kl = ((logprobs - ref_logprobs) * mask).sum(1)
             else:
                 kl = torch.zeros(tokens.shape[0])
@@ -276,6 +352,7 @@ class PPOTrainer:
     def actor_state(self) -> ActorState:
         """What a checkpoint of this step holds, once the critic's pending update has finished
         (both roles are saved at the same step)."""
+        self._current = self.step_count
         self.critic.wait()
         return ActorState(self.step_count, self.policy, self.optimizer, self.precision, self.training_state())
 

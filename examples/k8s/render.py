@@ -4,8 +4,10 @@
     python examples/k8s/render.py -f my-values.yaml | kubectl apply -f -
     python examples/k8s/render.py -f my-values.yaml --set run_name=exp2 --only actor
 
-The manifests beside this file (storage.yaml, critic.yaml, and actor-job.yaml for one actor node
-or actor-pytorchjob.yaml for several) hold ``${name}`` placeholders for the keys of values.yaml.
+The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, and actor-job.yaml for
+one actor node or actor-pytorchjob.yaml for several) hold ``${name}`` placeholders for the keys
+of values.yaml. ``run_token`` left null is a new random token (the Secret both roles read), made
+on each render: what one render prints is one run's set of manifests.
 Rendering is text substitution, so YAML reads a value as it would read it typed in place: a
 placeholder in quotes stays a string, a bare one takes the value's type (``replicas: ${n}`` is a
 number), a mapping or list becomes a flow collection. Two rules beyond that:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,13 +35,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VALUES = HERE / "values.yaml"
-PARTS = ("storage", "critic", "actor")
+PARTS = ("secret", "storage", "critic", "actor")
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SPLICE = re.compile(r"^(\s*)- \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _NULLABLE_FIELD = re.compile(r"^\s*[A-Za-z0-9_.\-/]+: \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Keys whose value is computed from others; a values file may not set them.
 DERIVED = ("actor_workers",)
+MIN_TOKEN_CHARS = 16
 
 
 class RenderError(ValueError):
@@ -117,6 +121,12 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
             f"actor_tensor_parallel={values['actor_tensor_parallel']} does not divide "
             f"actor_gpus_per_node={values['actor_gpus_per_node']}: a tensor-parallel group stays on one node"
         )
+    token = values["run_token"]
+    if token is not None and (len(token) < MIN_TOKEN_CHARS or not token.isprintable() or " " in token):
+        e.append(
+            f"run_token: expected at least {MIN_TOKEN_CHARS} printable characters without spaces "
+            "(e.g. from `openssl rand -hex 32`), or null for a random one"
+        )
     for k in ("save_interval", "wait_timeout_s"):
         if values[k] < 0:
             e.append(f"{k}={values[k]}: expected >= 0")
@@ -169,7 +179,12 @@ def render_text(template: str, values: dict[str, Any], name: str = "template") -
 def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
     """The template files for these values, in the order to apply them."""
     actor = "actor-job.yaml" if values["actor_nodes"] == 1 else "actor-pytorchjob.yaml"
-    chosen = {"storage": ["storage.yaml"], "critic": ["critic.yaml"], "actor": [actor]}
+    chosen = {
+        "secret": ["run-token.yaml"],
+        "storage": ["storage.yaml"],
+        "critic": ["critic.yaml"],
+        "actor": [actor],
+    }
     parts = [only] if only else list(PARTS)
     return [HERE / f for p in parts for f in chosen[p]]
 
@@ -178,6 +193,8 @@ def render(values: dict[str, Any], only: str | None = None) -> str:
     """The manifests to apply, as one multi-document YAML text (checked to parse)."""
     full = dict(values)
     full["actor_workers"] = values["actor_nodes"] - 1
+    # A fresh token per render unless one is given (URL-safe: no quoting needed in YAML).
+    full["run_token"] = values["run_token"] or secrets.token_urlsafe(32)
     docs = []
     for path in templates(values, only):
         text = render_text(path.read_text(), full, path.name)
@@ -199,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one value (repeatable)")
     p.add_argument(
-        "--only", choices=PARTS, help="render one part: the shared volume, the critic or the actor"
+        "--only",
+        choices=PARTS,
+        help="render one part: the run token's Secret, the shared volume, the critic or the actor",
     )
     args = p.parse_args(argv)
     try:

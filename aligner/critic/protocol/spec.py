@@ -1,0 +1,128 @@
+"""What is on the wire: the protocol version, the five models, their tensors, and the limits a
+server advertises (docs/design.md, "Wire protocol")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "INFER",
+    "TRAIN",
+    "SAVE",
+    "LOAD",
+    "INFO",
+    "MODEL_NAMES",
+    "MUTATING_MODELS",
+    "TensorSpec",
+    "ModelSpec",
+    "MODELS",
+    "Limits",
+]
+
+PROTOCOL_VERSION = 2
+"""Bumped whenever a name, dtype, shape or meaning on the wire changes incompatibly (2: the run
+token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output)."""
+
+INFER = "critic_infer"
+TRAIN = "critic_train"
+SAVE = "critic_save"
+LOAD = "critic_load"
+INFO = "server_info"
+MODEL_NAMES = (INFER, TRAIN, SAVE, LOAD, INFO)
+MUTATING_MODELS = (TRAIN, SAVE, LOAD)
+"""The models that change the server's state: they carry the run token."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output on the wire."""
+
+    name: str
+    dtype: type
+    """NumPy scalar type (np.int64, np.float32, np.bytes_)."""
+    shape: tuple[int, ...]
+    """Shape as Triton's model config states it: without the batch dimension for a batched model,
+    the full shape otherwise; -1 is variable."""
+
+    @property
+    def triton_dtype(self) -> str:
+        return {np.int64: "INT64", np.float32: "FP32", np.bytes_: "BYTES"}[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One Triton model of the critic server."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    batched: bool
+    """True: Triton's dynamic batcher may merge requests along the leading dimension."""
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+
+_I64, _F32, _BYTES = np.int64, np.float32, np.bytes_
+_STEP = TensorSpec("step", _I64, (1, 1))
+_EXPECTED_STEP = TensorSpec("expected_step", _I64, (1, 1))
+_RUN_TOKEN = TensorSpec("run_token", _BYTES, (1,))
+_OK = (TensorSpec("ok", _I64, (1, 1)),)
+
+MODELS: dict[str, ModelSpec] = {
+    INFER: ModelSpec(
+        INFER,
+        inputs=(
+            TensorSpec("tokens", _I64, (-1,)),
+            TensorSpec("lengths", _I64, (1,)),
+            TensorSpec("prompt_lengths", _I64, (1,)),
+        ),
+        outputs=(
+            TensorSpec("values", _F32, (-1,)),
+            TensorSpec("rewards", _F32, (1,)),
+            TensorSpec("error", _BYTES, (1,)),
+        ),
+        batched=True,
+    ),
+    TRAIN: ModelSpec(
+        TRAIN,
+        inputs=(
+            TensorSpec("tokens", _I64, (-1, -1)),
+            TensorSpec("lengths", _I64, (-1, 1)),
+            TensorSpec("returns", _F32, (-1, -1)),
+            TensorSpec("old_values", _F32, (-1, -1)),
+            TensorSpec("mask", _F32, (-1, -1)),
+            _STEP,
+            _EXPECTED_STEP,
+            _RUN_TOKEN,
+        ),
+        outputs=(
+            TensorSpec("loss", _F32, (1, 1)),
+            TensorSpec("grad_norm", _F32, (1, 1)),
+            TensorSpec("applied_step", _I64, (1, 1)),
+            TensorSpec("explained_variance", _F32, (1, 1)),
+            TensorSpec("value_clipfrac", _F32, (1, 1)),
+        ),
+        batched=False,
+    ),
+    SAVE: ModelSpec(SAVE, inputs=(_STEP, _EXPECTED_STEP, _RUN_TOKEN), outputs=_OK, batched=False),
+    LOAD: ModelSpec(LOAD, inputs=(_STEP, _RUN_TOKEN), outputs=_OK, batched=False),
+    INFO: ModelSpec(INFO, inputs=(), outputs=(TensorSpec("info", _BYTES, (1,)),), batched=False),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts; advertised in ``ServerInfo`` so clients check the same."""
+
+    vocab_size: int
+    """Token ids must lie in [0, vocab_size)."""
+    max_seq_len: int
+    """Longest padded sequence ``s``."""
+    max_batch: int
+    """Most rows in one critic_infer request."""
+    max_train_batch: int
+    """Most rows in one critic_train request."""

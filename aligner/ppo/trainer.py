@@ -176,7 +176,11 @@ class PPOTrainer:
         self.critic.drop()  # the update in flight (if any) failed with the server it was sent to
         held = "?" if error.critic_step is None else error.critic_step
         expected = "?" if error.expected_step is None else error.expected_step
-        found = f"critic server restarted (critic step {held}, expected {expected}) during step {reached}"
+        # Found by another instance_id alone, the server may hold the very step expected: say so.
+        new = "a new instance at " if held == expected else ""
+        found = (
+            f"critic server restarted ({new}critic step {held}, expected {expected}) during step {reached}"
+        )
         if c.on_restart == "fail":
             raise CriticError(
                 f"{found}: critic.on_restart=fail, stopping. The server at {self.critic.critic.url} holds "

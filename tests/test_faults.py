@@ -1,6 +1,6 @@
 """The fault suite: real critic servers and real actors, killed, hung, starved of disk and
-flooded, and what each must survive (the issue "a restarted server never resets the critic
-silently, bounded waits everywhere").
+flooded, and what each must survive: a restarted server never resets the critic silently, and
+every wait on the server is bounded (README, "When the critic server restarts or hangs").
 
 One shared server and one uninterrupted reference run for the module (both roles in one
 checkpoint folder, docs/design.md "Checkpoints"); every case that can compare does, tensor for

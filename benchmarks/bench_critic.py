@@ -109,7 +109,7 @@ def echo_server(work_ms: float) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
-    from aligner.critic.server import prepare_environment
+    from aligner.critic.host import prepare_environment
     from aligner.distributed import free_port
 
     ws = prepare_environment() / f"bench-echo-{os.getpid()}"

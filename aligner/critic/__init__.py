@@ -28,7 +28,9 @@ The server:
 - :mod:`aligner.critic.checkpointing`: the critic's checkpoints and the shard exchange between ranks;
 - :mod:`aligner.critic.rewards`: reward functions and reward models, and where the critic's weights
   come from; :mod:`aligner.critic.errors`: the service's errors; :mod:`aligner.critic.metrics`:
-  its metrics and request statistics; :mod:`aligner.critic.faults`: the crash points tests set.
+  its metrics and request statistics; :mod:`aligner.critic.faults`: the crash points tests set;
+- :mod:`aligner.critic.host`: the environment, stale workspaces and free ports a server needs
+  before Triton starts.
 
 :mod:`aligner.critic.testing` holds the helpers the tests and benchmarks share. Importing the
 protocol or the client does not import torch.

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import uuid
@@ -61,108 +59,19 @@ from aligner.critic import protocol as P
 from aligner.critic.config import ConfigError, CriticServerConfig, build_config
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import FAULT_ENV, parse_fault
+from aligner.critic.host import (
+    PortInUseError,
+    check_ports_free,
+    connectable_host,
+    prepare_environment,
+    remove_stale_workspaces,
+)
 from aligner.critic.rewards import RewardFunctionError
 from aligner.critic.service import CriticService
 
-__all__ = [
-    "prepare_environment",
-    "CriticTritonServer",
-    "run_server",
-    "main",
-    "connectable_host",
-    "check_ports_free",
-    "PortInUseError",
-]
+__all__ = ["CriticTritonServer", "run_server", "main"]
 
 log = logging.getLogger("aligner.critic")
-
-
-def prepare_environment(cache_root: str | os.PathLike | None = None) -> Path:
-    """Set what the bundled Triton needs, before it starts.
-
-    - ``LD_LIBRARY_PATH`` starts with this interpreter's ``LIBDIR``, so the Python backend stub
-      loads the same libpython as the running interpreter (not one the system finds first);
-    - ``XDG_CACHE_HOME`` / ``PYTRITON_HOME`` point at a project-local cache (default ``.cache``
-      in the working directory) instead of ``~/.cache``.
-
-    Returns the PyTriton workspace root.
-    """
-    libdir = sysconfig.get_config_var("LIBDIR")
-    if libdir:
-        parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
-        if not parts or parts[0] != libdir:
-            os.environ["LD_LIBRARY_PATH"] = ":".join([libdir] + [p for p in parts if p != libdir])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.cwd() / ".cache").resolve()
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    root = Path(cache_root).resolve() if cache_root else cache / "pytriton"
-    os.environ.setdefault("PYTRITON_HOME", str(root))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_workspaces(root: Path) -> None:
-    """Leftovers of critic servers that died without cleaning up (SIGKILL): their PyTriton
-    workspaces (~22 MB each) and the Python backend's shared-memory regions in /dev/shm, which
-    PyTriton names ``pytrtion<pid>-...`` after the server's pid."""
-    for d in root.glob("critic-*"):
-        try:
-            pid = int(d.name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(d, ignore_errors=True)
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        for f in shm.glob("pytrtion*-*"):
-            digits = f.name[len("pytrtion") :].split("-", 1)[0]
-            if digits.isdigit() and not _pid_alive(int(digits)):
-                try:
-                    f.unlink()
-                except OSError:
-                    pass
-
-
-class PortInUseError(RuntimeError):
-    """A configured port is taken by another process (Triton would otherwise hang at start-up)."""
-
-
-def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
-    """Raise :class:`PortInUseError` naming every ``server.<key>`` port something listens on.
-
-    Bound with SO_REUSEADDR as servers are, so ports in TIME_WAIT after a restart count as free.
-    """
-    import socket
-
-    taken = []
-    for key, port in ports.items():
-        if not port:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as e:
-                taken.append(f"server.{key}={port} ({e.strerror})")
-    if taken:
-        raise PortInUseError(
-            f"cannot serve on {host}: {', '.join(taken)}; stop what uses it or pick another "
-            "port (0 picks a free one)"
-        )
-
-
-def connectable_host(host: str) -> str:
-    """The address a local client dials for a server bound to ``host``."""
-    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
 def _bytes_array(blob: bytes) -> np.ndarray:
@@ -338,7 +247,7 @@ class CriticTritonServer:
             log.warning("PyTriton workspace root %s is too deep for Unix socket paths; using %s", root, short)
             root = short
             root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_workspaces(root)
+        remove_stale_workspaces(root)
         workspace = root / f"critic-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.triton = Triton(config=triton_cfg, workspace=workspace)
 

@@ -8,6 +8,7 @@ sampling parameters all check themselves this way: a ``problems()`` that returns
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,10 @@ class Problems(list[str]):
         """Record ``key=value: expected <expected>`` unless ``ok``."""
         if not ok:
             self.append(f"{key}={value!r}: expected {expected}")
+
+    def existing_file(self, key: str, path: str, expected: str = "an existing file") -> None:
+        """``path`` (the value of ``key``) must name a file that exists."""
+        self.expect(os.path.isfile(path), key, path, expected)
 
     def positive_ints(self, obj: Any, prefix: str, names: Iterable[str]) -> None:
         """Each ``obj.<name>`` must be an integer >= 1 (a bool is not an integer here)."""

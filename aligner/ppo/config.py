@@ -56,12 +56,7 @@ class DataConfig:
         ``max_new_tokens`` and ``max_seq_len``."""
         e = Problems()
         if self.prompt_file is not None:
-            e.expect(
-                os.path.isfile(self.prompt_file),
-                f"{prefix}.prompt_file",
-                self.prompt_file,
-                "an existing file",
-            )
+            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
             return e
         if self.task not in ("copy", "reverse", "sort"):
             e.append(
@@ -305,8 +300,7 @@ class CriticClientConfig:
             f"one of {list(ON_RESTART)}",
         )
         if self.run_token_file is not None:
-            e.expect(
-                os.path.isfile(self.run_token_file),
+            e.existing_file(
                 f"{prefix}.run_token_file",
                 self.run_token_file,
                 "an existing file (or null: $ALIGNER_RUN_TOKEN, else no token)",
@@ -387,12 +381,7 @@ class ValidationConfig:
         e.non_negative_ints(self, prefix, ("interval", "num_samples"))
         e.positive_ints(self, prefix, ("num_prompts",))
         if self.prompt_file is not None:
-            e.expect(
-                os.path.isfile(self.prompt_file),
-                f"{prefix}.prompt_file",
-                self.prompt_file,
-                "an existing file",
-            )
+            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
         return e
 
 

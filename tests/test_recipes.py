@@ -797,7 +797,7 @@ def test_dockerfile_builds_the_project_on_a_cuda_base_chosen_at_build_time(schem
     env_line = " ".join(a for i, a in steps if i == "ENV")
     assert (
         "XDG_CACHE_HOME=" in env_line
-        and '"XDG_CACHE_HOME"' in (ROOT / "aligner/critic/server.py").read_text()
+        and '"XDG_CACHE_HOME"' in (ROOT / "aligner/critic/host.py").read_text()
     )
     # Relative script paths in the manifests run from the image's working directory.
     for d in rendered():

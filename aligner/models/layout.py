@@ -24,7 +24,7 @@ tensors it is told to skip, which are broadcast within the TP group.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "check_local_model",
     "iter_megatron_tensors",
     "load_megatron_tensors",
+    "bucketed",
     "weight_layout_diff",
 ]
 
@@ -259,6 +260,33 @@ def iter_megatron_tensors(
             full = full.contiguous()
             dist.broadcast(full, group=lay.pp_group, group_src=owner)
         yield spec.name, full
+
+
+def bucketed(
+    stream: Iterable[tuple[str, torch.Tensor]], max_bytes: int | None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a ``(name, tensor)`` stream into consecutive buckets of at most ``max_bytes``
+    (a tensor larger than that is a bucket of its own), in stream order, so that a consumer
+    (an engine's refit) takes a model piece by piece and never needs a second full copy of it.
+    ``max_bytes`` None or 0: one bucket with everything.
+
+    The stream is pulled lazily: a collective stream keeps its contract as long as the caller
+    consumes every bucket."""
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+    ):
+        raise ValueError(f"max_bytes={max_bytes!r}: expected an integer >= 0, or None for one bucket")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in stream:
+        n = t.numel() * t.element_size()
+        if bucket and max_bytes and size + n > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
 
 
 def load_megatron_tensors(

@@ -88,13 +88,22 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> 
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], max_norm: float | None, tp_group, tp_size: int, tp_rank: int
+    params: list[torch.nn.Parameter],
+    max_norm: float | None,
+    tp_group,
+    tp_size: int,
+    tp_rank: int,
+    *,
+    pp_group=None,
 ) -> float:
-    """Global L2 norm of the gradients of a tensor-parallel model, then clip in place.
+    """Global L2 norm of the gradients of a tensor- (and pipeline-) parallel model, then clip in
+    place.
 
     Weights split over TP (``tensor_model_parallel``) contribute their shard's squares from
     every rank; replicated weights (norms, scalar heads) hold the same gradient on every TP
-    rank and are counted once, from TP rank 0. Accumulates in float64 on the gradients'
+    rank and are counted once, from TP rank 0. Under pipeline parallelism (``pp_group``) each
+    stage's sum is added over the stages; the last stage's copy of a tied embedding (marked
+    ``shared`` by Megatron) is not counted again. Accumulates in float64 on the gradients'
     device, so NCCL reduces CUDA tensors. ``max_norm`` None or 0 only measures.
     """
     grads = [p.grad for p in params if p.grad is not None]
@@ -102,7 +111,7 @@ def clip_grad_norm(
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "shared", False):
             continue
         # The norm in float64 without a float64 copy of the gradient (eight times faster than
         # ``double().pow(2).sum()`` on a CPU), squared back for the global sum.
@@ -114,6 +123,8 @@ def clip_grad_norm(
     total_sq = sharded + replicated if tp_rank == 0 else sharded
     if tp_size > 1:
         dist.all_reduce(total_sq, group=tp_group)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
     norm = float(total_sq.sqrt())
     if max_norm and math.isfinite(norm) and norm > max_norm:
         torch._foreach_mul_(grads, max_norm / (norm + 1e-6))

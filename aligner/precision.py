@@ -256,12 +256,15 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         allreduce_gradients(self.master_params, group, world)
 
     def clip_grad_norm(
-        self, max_norm: float | None, tp_group=None, tp_size: int = 1, tp_rank: int = 0
+        self, max_norm: float | None, tp_group=None, tp_size: int = 1, tp_rank: int = 0, *, pp_group=None
     ) -> float:
-        """Global L2 norm of the fp32 master gradients over the TP group; clip to ``max_norm``
-        (None or 0: measure only). A non-finite norm makes the next :meth:`step` a no-op."""
+        """Global L2 norm of the fp32 master gradients over the TP group (and the pipeline
+        stages, given ``pp_group``); clip to ``max_norm`` (None or 0: measure only). A non-finite
+        norm makes the next :meth:`step` a no-op."""
         self.copy_grads_to_master()
-        self.last_grad_norm = clip_grad_norm(self.master_params, max_norm, tp_group, tp_size, tp_rank)
+        self.last_grad_norm = clip_grad_norm(
+            self.master_params, max_norm, tp_group, tp_size, tp_rank, pp_group=pp_group
+        )
         return self.last_grad_norm
 
     @torch.no_grad()

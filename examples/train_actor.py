@@ -138,8 +138,8 @@ def run(cfg: ActorConfig) -> dict:
         if log:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
             print(
-                f"actor: {state.world_size} rank(s) (TP={state.tp_size}, DP={state.dp_size}), critic at {url}, "
-                f"run dir {cfg.logging.run_dir}",
+                f"actor: {state.world_size} rank(s) (TP={state.tp_size}, PP={state.pp_size}, "
+                f"DP={state.dp_size}), critic at {url}, run dir {cfg.logging.run_dir}",
                 flush=True,
             )
 

@@ -142,8 +142,9 @@ def fault_point(point: str, step: int) -> None:
 
 
 def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
-    """A digest of a model's weights (summed over its TP shards), to recognise the same frozen
-    reference model on resume without storing it."""
+    """A digest of a model's weights (summed over its TP shards, joined over its pipeline
+    stages), to recognise the same frozen reference model on resume without storing it.
+    Collective over the TP and PP groups."""
     from aligner.models.gpt import tensor_state_dict
 
     h = hashlib.sha256()
@@ -156,7 +157,14 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
             stats = stats.cpu()
         h.update(name.encode())
         h.update(stats.numpy().tobytes())
-    return h.hexdigest()[:32]
+    digest = h.hexdigest()[:32]
+    if state.pp_size > 1:
+        # One digest for the whole model: each stage's, in stage order.
+        mine = torch.tensor(list(digest.encode()), dtype=torch.uint8, device=comm_device())
+        stages = [torch.empty_like(mine) for _ in range(state.pp_size)]
+        dist.all_gather(stages, mine, group=state.pp_group)
+        digest = hashlib.sha256(b"".join(bytes(t.cpu().tolist()) for t in stages)).hexdigest()[:32]
+    return digest
 
 
 def config_differences(

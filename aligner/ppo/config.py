@@ -457,12 +457,6 @@ class ActorConfig:
         under it (checked only when the layout and the batch sizes themselves are valid)."""
         e, p = Problems(), self.ppo
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
-        if pp != 1:
-            e.append(
-                f"parallel.pipeline_model_parallel_size={pp}: the actor runs tensor and data parallel; "
-                "pipeline parallelism is supported by the models and checkpoints but not yet by the PPO "
-                "loop: use 1"
-            )
         if world_size % (tp * pp):
             e.append(f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp * pp}")
         invalid_sizes = Problems()  # reported by PPOConfig.problems

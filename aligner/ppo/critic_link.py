@@ -1,8 +1,9 @@
 """The critic/reward server seen from the actor's ranks (docs/design.md, "Roles and data flow",
 steps 3 and 6).
 
-- ``critic_infer``: tensor-parallel rank 0 of each group sends its data-parallel rows and
-  broadcasts the values and scores to the other ranks of its group (they hold the same rows).
+- ``critic_infer``: the first rank of each data-parallel replica (tensor-parallel rank 0 of the
+  first pipeline stage) sends the replica's rows and broadcasts the values and scores to the
+  replica's other ranks (its tensor- and pipeline-parallel peers hold the same rows).
 - ``critic_train``: every data-parallel rank's rows are gathered (padded to a common length) and
   global rank 0 sends them once per step; the step does not wait for the answer. The one update
   in flight, and the result of the last one until the step that reports it, are kept here.
@@ -59,7 +60,7 @@ class CriticLink:
     ) -> Future | None:
         """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) of step ``step_id`` for
         values and scores without waiting; None on the ranks that do not send."""
-        if self.state.tp_rank != 0:
+        if self.state.tp_rank != 0 or self.state.pp_rank != 0:
             return None
         try:
             return self.critic.infer(tokens, lengths, prompt_lengths, step_id)
@@ -68,7 +69,7 @@ class CriticLink:
 
     def result(self, future: Future | None, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
         """Values ``[b, s-1]`` and scores ``[b]`` (float32) of the batch of ``shape`` ``[b, s]``
-        that :meth:`infer` sent, on every rank of the tensor-parallel group."""
+        that :meth:`infer` sent, on every rank of the data-parallel replica."""
         b, s = shape
         if future is not None:
             values_np, rewards_np = self.agree("critic_infer", future.result)
@@ -77,12 +78,13 @@ class CriticLink:
         else:
             self.agree("critic_infer", lambda: None)
             values, scores = torch.empty(b, s - 1), torch.empty(b)
-        if self.state.tp_size > 1:
+        if self.state.tp_size * self.state.pp_size > 1:
             from megatron.core import parallel_state as mpu
 
-            src = mpu.get_tensor_model_parallel_src_rank()
-            dist.broadcast(values, src, group=self.state.tp_group)
-            dist.broadcast(scores, src, group=self.state.tp_group)
+            group = mpu.get_model_parallel_group()
+            src = min(dist.get_process_group_ranks(group))  # TP rank 0 of the first stage
+            dist.broadcast(values, src, group=group)
+            dist.broadcast(scores, src, group=group)
         return values, scores
 
     # -- critic_train ------------------------------------------------------------------------------

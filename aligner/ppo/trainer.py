@@ -46,6 +46,7 @@ from aligner.ppo.config import ActorConfig
 from aligner.ppo.critic_link import CriticLink
 from aligner.ppo.logprobs import PolicyLogprobs
 from aligner.ppo.optimizer import freeze_all_but_last_layers, make_optimizer, set_schedule_position
+from aligner.ppo.pipeline import PipelineSchedule
 from aligner.ppo.prompts import PromptSampler
 from aligner.ppo.reference import ReferenceModel
 from aligner.ppo.rollout import Rollout, StepRecord, global_mean
@@ -113,6 +114,9 @@ class PPOTrainer:
         )
         self._engine_stale = True
         self.logprobs = PolicyLogprobs.for_actor(cfg, state, tokenizer)
+        # Under pipeline parallelism every forward and backward runs through Megatron's schedule.
+        self.pipeline = PipelineSchedule(state, self.logprobs) if state.pp_size > 1 else None
+        self._no_grad = self.pipeline.no_grad if self.pipeline is not None else self.logprobs.no_grad
         p = cfg.ppo
         # The first PPO pass's forward doubles as the rollout log-prob forward when that pass is
         # one forward over the whole batch with the same weights, and the forward ignores
@@ -124,6 +128,7 @@ class PPOTrainer:
             and p.mini_batch_size // state.dp_size == per_rank
             and p.micro_batch_size == per_rank
             and getattr(policy, "aligner_fused", None) is not None
+            and self.pipeline is None
         )
         if state.is_logging_rank:
             log.info(
@@ -243,14 +248,12 @@ class PPOTrainer:
                 ref_logprobs = None
                 if self.reference is not None and beta > 0:
                     with self.reference.on_device() as reference:
-                        ref_logprobs, _ = self.logprobs.no_grad(
-                            reference, tokens, p.micro_batch_size, start=start
-                        )
+                        ref_logprobs, _ = self._no_grad(reference, tokens, p.micro_batch_size, start=start)
                 first = None
                 if self.reuse_rollout_forward:
                     first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
                 else:
-                    old_logprobs, entropy = self.logprobs.no_grad(
+                    old_logprobs, entropy = self._no_grad(
                         self.policy, tokens, p.micro_batch_size, with_entropy=True, start=start
                     )
                 if ref_logprobs is None:
@@ -328,10 +331,10 @@ class PPOTrainer:
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
             future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step)
             start = rl.loss_start(mask)
-            logprobs, _ = self.logprobs.no_grad(self.policy, tokens, mb, start=start)
+            logprobs, _ = self._no_grad(self.policy, tokens, mb, start=start)
             if self.reference is not None:
                 with self.reference.on_device() as reference:
-                    ref_logprobs, _ = self.logprobs.no_grad(reference, tokens, mb, start=start)
+                    ref_logprobs, _ = self._no_grad(reference, tokens, mb, start=start)
                 kl = ((logprobs - ref_logprobs) * mask).sum(1)
             else:
                 kl = torch.zeros(tokens.shape[0])
@@ -478,37 +481,66 @@ class PPOTrainer:
         self, r: Rollout, idx: torch.Tensor, n_micro: int, first: FirstPass | None = None
     ) -> dict[str, float]:
         """One optimizer step on the rollout rows ``idx``, accumulated over ``n_micro`` micro-batches."""
-        p = self.cfg.ppo
         self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {}
-        for micro in idx.chunk(n_micro):
-            tokens, mask = r.tokens[micro], r.mask[micro]
-            if first is not None:  # this pass's forward was run for the rollout log-probs
-                (logits, logp), first = first, None
-            else:
-                logits = self.logprobs.logits(self.policy, tokens, r.start)
-                logp = self.logprobs.sequence_logprobs(logits, tokens, r.start)
-            loss, stats = rl.policy_loss(
-                logp,
-                r.old_logprobs[micro],
-                r.advantages[micro],
-                mask,
-                clip_eps_low=p.clip_eps,
-                clip_eps_high=p.clip_eps_high,
-                dual_clip=p.dual_clip,
-                agg=p.loss_agg,
-            )
-            if p.entropy_coef > 0:
-                ent = self.logprobs.entropy(logits, r.start)
-                loss = loss - p.entropy_coef * rl.aggregate(ent, mask, p.loss_agg)
-            (loss / n_micro).backward()
-            acc["loss/policy"] = acc.get("loss/policy", 0.0) + float(loss.detach()) / n_micro
-            for k, v in stats.items():
-                acc[f"policy/{k}"] = acc.get(f"policy/{k}", 0.0) + float(v) / n_micro
+        if self.pipeline is not None:
+            acc = self._pipeline_backward(r, idx)
+        else:
+            acc = {}
+            for micro in idx.chunk(n_micro):
+                if first is not None:  # this pass's forward was run for the rollout log-probs
+                    (logits, logp), first = first, None
+                else:
+                    logits = self.logprobs.logits(self.policy, r.tokens[micro], r.start)
+                    logp = None
+                loss, stats = self._micro_loss(r, micro, logits, logp)
+                (loss / n_micro).backward()
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0.0) + float(v) / n_micro
         self.optimizer.allreduce_grads(self._dp_group, self.state.dp_size)  # fp32 master grads
         acc["policy/grad_norm"] = self.optimizer.clip_grad_norm(
-            self.cfg.optim.grad_clip, self._tp_group, self.state.tp_size, self.state.tp_rank
+            self.cfg.optim.grad_clip,
+            self._tp_group,
+            self.state.tp_size,
+            self.state.tp_rank,
+            pp_group=self.state.pp_group if self.state.pp_size > 1 else None,
         )
         self.optimizer.step()  # skipped (and counted in grad_norm as inf/nan) on a non-finite norm
         self.scheduler.step()
         return acc
+
+    def _micro_loss(
+        self, r: Rollout, micro: torch.Tensor, logits: torch.Tensor, logp: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped surrogate (minus the entropy bonus) of the rollout rows ``micro`` from
+        their ``logits [m, s - start, v]`` (``logp`` when already computed), and its statistics."""
+        p = self.cfg.ppo
+        mask = r.mask[micro]
+        if logp is None:
+            logp = self.logprobs.sequence_logprobs(logits, r.tokens[micro], r.start)
+        loss, stats = rl.policy_loss(
+            logp,
+            r.old_logprobs[micro],
+            r.advantages[micro],
+            mask,
+            clip_eps_low=p.clip_eps,
+            clip_eps_high=p.clip_eps_high,
+            dual_clip=p.dual_clip,
+            agg=p.loss_agg,
+        )
+        if p.entropy_coef > 0:
+            ent = self.logprobs.entropy(logits, r.start)
+            loss = loss - p.entropy_coef * rl.aggregate(ent, mask, p.loss_agg)
+        out = {"loss/policy": loss.detach()}
+        out.update({f"policy/{k}": v for k, v in stats.items()})
+        return loss, out
+
+    def _pipeline_backward(self, r: Rollout, idx: torch.Tensor) -> dict[str, float]:
+        """Forward and backward of the rows ``idx`` through the pipeline schedule (the last stage
+        computes each micro-batch's loss); the statistics reach every stage."""
+
+        def loss_fn(logits: torch.Tensor, rows: torch.Tensor):
+            return self._micro_loss(r, idx[rows], logits)
+
+        return self.pipeline.train(
+            self.policy, r.tokens[idx], self.cfg.ppo.micro_batch_size, loss_fn, r.start
+        )

@@ -1,0 +1,115 @@
+"""Run under ``torchrun --nproc_per_node 2``: the same weights at PP=1 (each rank alone) and at
+PP=2 (one stage per rank); log-probs, entropies and the PPO loss's gradients through the pipeline
+schedule (:class:`aligner.ppo.pipeline.PipelineSchedule`) against the unpipelined ones, with and
+without a tied embedding, and with a last micro-batch that needs padding.
+
+Prints ``RESULT <json>`` from global rank 0: the largest differences found. Used by
+tests/test_actor_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from aligner import distributed, rl
+from aligner.models import gpt
+from aligner.models.config import ModelConfig
+from aligner.models.layout import ParallelLayout, iter_megatron_tensors, load_megatron_tensors
+from aligner.ppo.logprobs import PolicyLogprobs
+from aligner.ppo.pipeline import PipelineSchedule
+
+
+def _loss_fn(logprobs: PolicyLogprobs, tokens, old, adv, mask, start):
+    def loss_fn(logits, rows):
+        logp = logprobs.sequence_logprobs(logits, tokens[rows], start)
+        loss, stats = rl.policy_loss(logp, old[rows], adv[rows], mask[rows], clip_eps_low=0.2)
+        ent = logprobs.entropy(logits, start)
+        loss = loss - 0.01 * rl.aggregate(ent, mask[rows], "token_mean")
+        return loss, {"loss/policy": loss.detach(), **{f"policy/{k}": v for k, v in stats.items()}}
+
+    return loss_fn
+
+
+def _grads_by_name(model, cfg) -> dict[str, torch.Tensor]:
+    lay = ParallelLayout.current()
+    params = dict(gpt.unwrap(model).named_parameters())
+    out = {}
+    for spec, local in lay.targets(cfg, "lm"):
+        key = spec.name if local == spec.name or not local.startswith("output_layer") else "tied:" + spec.name
+        out[key] = params[local].grad.detach().clone()
+    return out
+
+
+def case(tie: bool) -> dict[str, float]:
+    from megatron.core import parallel_state as mpu
+
+    cfg = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=16, max_seq_len=16, tie_embeddings=tie
+    )
+    torch.manual_seed(0)  # the same data on every rank
+    b, s, start, mbs = 4, 12, 3, 2
+    tokens = torch.randint(0, 16, (b, s))
+    old = -torch.rand(b, s - 1) * 2
+    adv = torch.randn(b, s - 1)
+    mask = torch.zeros(b, s - 1)
+    mask[:, start:] = 1.0
+    mask[1, 9:] = 0.0
+    lp_ = PolicyLogprobs(temperature=0.7)
+
+    # PP=1 on each rank alone (the world of 2 is two data-parallel ranks here).
+    state = distributed.initialize(distributed.ParallelConfig(1, 1), seed=11)
+    ref = gpt.build_policy(cfg)
+    full = {n: t.detach().clone() for n, t in iter_megatron_tensors(ref, cfg)}
+    want_lp, want_ent = lp_.no_grad(ref, tokens[:3], mbs, with_entropy=True, start=start)
+    ref.train()
+    loss_fn = _loss_fn(lp_, tokens, old, adv, mask, start)
+    want_stats: dict[str, float] = {}
+    for rows in torch.arange(b).chunk(b // mbs):
+        loss, stats = loss_fn(lp_.logits(ref, tokens[rows], start), rows)
+        (loss / (b // mbs)).backward()
+        for k, v in stats.items():
+            want_stats[k] = want_stats.get(k, 0.0) + float(v) / (b // mbs)
+    want_grads = _grads_by_name(ref, cfg)
+    if tie:
+        want_grads["tied:embedding.word_embeddings.weight"] = want_grads["embedding.word_embeddings.weight"]
+    del ref
+    mpu.destroy_model_parallel()
+
+    # PP=2: one stage per rank, the same weights.
+    state = distributed.initialize(distributed.ParallelConfig(1, 2), seed=11)
+    policy = gpt.build_policy(cfg)
+    load_megatron_tensors(policy, cfg, full.__getitem__)
+    pipe = PipelineSchedule(state, lp_)
+    got_lp, got_ent = pipe.no_grad(policy, tokens[:3], mbs, with_entropy=True, start=start)
+    policy.train()
+    got_stats = pipe.train(policy, tokens, mbs, loss_fn, start)
+    got_grads = _grads_by_name(policy, cfg)
+    diffs = {
+        "logprobs": float((got_lp - want_lp).abs().max()),
+        "entropy": float((got_ent - want_ent).abs().max()),
+        "stats": max(abs(got_stats[k] - want_stats[k]) for k in want_stats),
+        "stat_keys_equal": float(sorted(got_stats) == sorted(want_stats)),
+        "grads": max(float((g - want_grads[k]).abs().max()) for k, g in got_grads.items()),
+        "grad_tensors": float(len(got_grads)),
+        "grad_scale": max(float(g.abs().max()) for g in got_grads.values()),
+    }
+    # A stage that did not receive its gradients through the schedule would have none.
+    diffs["all_grads_nonzero"] = float(all(float(g.abs().sum()) > 0 for g in got_grads.values()))
+    mpu.destroy_model_parallel()
+    return diffs
+
+
+def main() -> None:
+    results = {"untied": case(False), "tied": case(True)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(gathered), flush=True)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()

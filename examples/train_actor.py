@@ -126,8 +126,15 @@ def run(cfg: ActorConfig) -> dict:
             num_threads=cfg.generation.num_threads,
             decode_step=cfg.generation.decode_step,
         )
+        balance = cfg.data.balance_dp and state.dp_size > 1
         sampler = PromptSampler(
-            prompts, cfg.ppo.global_batch_size, state.dp_rank, state.dp_size, cfg.seed, cfg.data.shuffle
+            prompts,
+            cfg.ppo.global_batch_size,
+            state.dp_rank,
+            state.dp_size,
+            cfg.seed,
+            cfg.data.shuffle,
+            lengths=[len(tokenizer.encode(x)) for x in prompts] if balance else None,
         )
         resume_step = -1  # a fresh start: rows of an earlier run in this run_dir are dropped
         if resume_dir is not None:

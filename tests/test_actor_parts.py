@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import random
 import time
 from concurrent.futures import Future
 
@@ -198,6 +199,38 @@ def test_prompt_shares_cover_the_global_batch_and_resume_where_they_stopped():
     assert [resumed.next_batch() for _ in range(4)] == [ranks[0].next_batch() for _ in range(4)]
     with pytest.raises(ValueError, match="fewer than ppo.global_batch_size"):
         PromptSampler(prompts[:3], 4, 0, 1, seed=0)
+
+
+def test_balanced_shares_deal_the_step_longest_first_in_snake_order():
+    # A hand-worked step: 8 prompts with these lengths, over 2 ranks and over 4.
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4]
+    prompts = [f"p{i}" for i in range(8)]
+    two = [PromptSampler(prompts, 8, r, 2, seed=0, shuffle=False, lengths=lengths) for r in range(2)]
+    # Longest first: ids 2(9) 6(8) 4(7) 0(5) 7(4) 3(3) 5(2) 1(1); snake over 2 ranks: 0 1 1 0 0 1 1 0.
+    assert [s.next_batch() for s in two] == [["p2", "p0", "p7", "p1"], ["p6", "p4", "p3", "p5"]]
+    four = [PromptSampler(prompts, 8, r, 4, seed=0, shuffle=False, lengths=lengths) for r in range(4)]
+    shares = [s.next_batch() for s in four]
+    assert shares == [["p2", "p1"], ["p6", "p5"], ["p4", "p3"], ["p0", "p7"]]
+    # Every prompt once, and the ranks' token totals within the longest prompt of each other.
+    assert sorted(sum(shares, [])) == sorted(prompts)
+    totals = [sum(lengths[int(p[1:])] for p in share) for share in shares]
+    assert max(totals) - min(totals) <= max(lengths)
+
+    # On random lengths and a shuffled draw: the same shares as a naive snake deal.
+    rng = random.Random(5)
+    lengths = [rng.randint(1, 50) for _ in range(64)]
+    prompts = [f"q{i}" for i in range(64)]
+    ranks = [PromptSampler(prompts, 32, r, 4, seed=9, lengths=lengths) for r in range(4)]
+    plain = PromptSampler(prompts, 32, 0, 1, seed=9)
+    drawn = [int(p[1:]) for p in plain.next_batch()]
+    ranked = sorted(drawn, key=lambda i: -lengths[i])
+    naive = [[], [], [], []]
+    for k, i in enumerate(ranked):
+        lap, pos = divmod(k, 4)
+        naive[pos if lap % 2 == 0 else 3 - pos].append(f"q{i}")
+    assert [s.next_batch() for s in ranks] == naive
+    with pytest.raises(ValueError, match="3 token counts for 64 prompts"):
+        PromptSampler(prompts, 32, 0, 4, seed=9, lengths=[1, 2, 3])
 
 
 # -- log-probs over the action space ---------------------------------------------------------

@@ -171,8 +171,8 @@ def config_differences(
     saved: dict[str, Any], cfg: ActorConfig, state: ParallelState, tokenizer: Tokenizer, precision: str
 ) -> list[str]:
     """What differs between a checkpoint's recorded settings and this run in ways that make it
-    impossible to continue (the architecture, the tokenizer, the tensor-parallel layout, the set
-    of trained parameters). A changed learning rate, step budget or batch size is not listed."""
+    impossible to continue (the architecture, the tokenizer, the tensor- and pipeline-parallel
+    layout, the set of trained parameters). A changed learning rate, step budget or batch size is not listed."""
     out = []
     diff = ModelConfig.from_dict(saved["model_config"]).architecture_diff(cfg.model)
     if diff:
@@ -188,6 +188,13 @@ def config_differences(
             f"parallel.tensor_model_parallel_size: the checkpoint's optimizer state is sharded for "
             f"{saved['tensor_model_parallel_size']}, this run uses {state.tp_size} (resume at the saved "
             "size; the policy alone loads at any size through init_from=<step>/actor/policy)"
+        )
+    pp_saved = saved.get("pipeline_model_parallel_size", 1)
+    if pp_saved != state.pp_size:
+        out.append(
+            f"parallel.pipeline_model_parallel_size: the checkpoint's optimizer state is sharded for "
+            f"{pp_saved} stage(s), this run uses {state.pp_size} (resume at the saved size; the policy alone "
+            "loads at any size through init_from=<step>/actor/policy)"
         )
     n_saved, n_now = saved.get("trainable_last_n_layers"), cfg.optim.trainable_last_n_layers
     if n_saved != n_now:

@@ -50,6 +50,10 @@ class DataConfig:
     """Prompts drawn from a built-in task (an epoch of data)."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (with the run's seed)."""
+    balance_dp: bool = True
+    """Under data parallelism, deal each step's prompts to the ranks by token count (longest
+    first, snake order) so that every rank gets the same mix of lengths; false: contiguous
+    slices of the drawn order."""
 
     def problems(self, max_new_tokens: int, max_seq_len: int, prefix: str = "data") -> Problems:
         """Where prompts come from, and whether a built-in task's prompt and answer fit in

@@ -1,8 +1,13 @@
 """The actor's prompts: reading a prompt file, and the seeded order in which steps draw them.
 
-Each step takes ``ppo.global_batch_size`` prompts (every data-parallel rank its contiguous
-share) from epochs over a fixed list, reshuffled per epoch with the run's seed; the position is
-part of a checkpoint, so a resumed run draws the prompts the uninterrupted run would have.
+Each step takes ``ppo.global_batch_size`` prompts from epochs over a fixed list, reshuffled per
+epoch with the run's seed; the position is part of a checkpoint, so a resumed run draws the
+prompts the uninterrupted run would have. Every data-parallel rank keeps its share of the step's
+prompts: a contiguous slice, or, given the prompts' token counts (``data.balance_dp``), a share
+dealt so that every rank gets the same mix of lengths: the step's prompts sorted longest first
+and dealt in a snake order (0, 1, ..., n-1, n-1, ..., 0, ...), as OpenRLHF and verl balance
+their ranks' tokens. The slowest rank sets every step's pace, and a rank that drew the long
+prompts generates, scores and trains on more tokens than the others.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ __all__ = ["PromptSampler", "load_prompts"]
 
 class PromptSampler:
     """Epochs over a fixed prompt list in a seeded order; each step takes ``global_batch``
-    prompts and this rank keeps its contiguous share. Its position is a small dict (resume)."""
+    prompts and this rank keeps its share: contiguous, or balanced by ``lengths`` (each
+    prompt's token count) when given. Its position is a small dict (resume)."""
 
     def __init__(
         self,
@@ -28,9 +34,13 @@ class PromptSampler:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        lengths: list[int] | None = None,
     ) -> None:
         if len(prompts) < global_batch:
             raise ValueError(f"{len(prompts)} prompts is fewer than ppo.global_batch_size ({global_batch})")
+        if lengths is not None and len(lengths) != len(prompts):
+            raise ValueError(f"lengths: {len(lengths)} token counts for {len(prompts)} prompts")
+        self.lengths = lengths
         self.prompts, self.global_batch = prompts, global_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.epoch, self.index = 0, 0
@@ -48,8 +58,17 @@ class PromptSampler:
             self._order = self._permutation(self.epoch)
         ids = self._order[self.index : self.index + self.global_batch]
         self.index += self.global_batch
-        per = self.global_batch // self.dp_size
-        return [self.prompts[i] for i in ids[self.dp_rank * per : (self.dp_rank + 1) * per]]
+        return [self.prompts[i] for i in self.share(ids)]
+
+    def share(self, ids: list[int]) -> list[int]:
+        """This rank's prompt ids of a step's ``ids``: a contiguous slice, or (with ``lengths``)
+        every ``dp_size``-th id of the step sorted longest first, in snake order."""
+        n, r = self.dp_size, self.dp_rank
+        if self.lengths is None or n == 1:
+            per = len(ids) // n
+            return ids[r * per : (r + 1) * per]
+        ranked = sorted(ids, key=lambda i: -self.lengths[i])  # stable: ties keep the drawn order
+        return [i for k, i in enumerate(ranked) if (k % n if (k // n) % 2 == 0 else n - 1 - k % n) == r]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}

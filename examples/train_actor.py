@@ -125,6 +125,10 @@ def run(cfg: ActorConfig) -> dict:
             vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
             num_threads=cfg.generation.num_threads,
             decode_step=cfg.generation.decode_step,
+            # Its own layout and dtype (None: the training TP, the policy's dtype); any other
+            # than the training one makes the engine own a copy that each refit reshards into.
+            generation_tp=cfg.generation.tensor_parallel_size,
+            dtype=cfg.generation.dtype,
         )
         balance = cfg.data.balance_dp and state.dp_size > 1
         sampler = PromptSampler(

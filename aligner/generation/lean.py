@@ -1,4 +1,5 @@
-"""A lean KV-cache forward over a Megatron-core ``GPTModel``'s own parameters.
+"""A lean KV-cache forward over a Megatron-core ``GPTModel``'s weights: its own parameters, or
+tensors an engine owns in another tensor-parallel layout.
 
 Why: Megatron's static-batching inference path (``StaticInferenceContext``) stores keys
 *before* RoPE and re-applies RoPE to the whole cached prefix at every step, and each layer
@@ -6,9 +7,11 @@ goes through autograd ``Function`` wrappers, NVTX hooks and config checks. On a 
 decode step is bound by per-op overhead and memory traffic, that path ran at about half the
 speed of HF ``generate``. This module runs the same arithmetic in the fewest ops:
 
-- plain linears on the module's weight tensors (no copies: a refit is seen at once); fp32 on
-  a CPU goes through oneDNN (:func:`onednn_linear_available`), about 2x MKL there; norms are
-  called as the functions the torch norm modules wrap (no module-call machinery per step);
+- plain linears on the weight tensors of a source (:mod:`aligner.generation.weights`): the
+  module's own parameters (no copies: a refit is seen at once) or tensors owned in the
+  generation layout; fp32 on a CPU goes through oneDNN (:func:`onednn_linear_available`),
+  about 2x MKL there; norms are called as the functions the torch norm modules wrap (no
+  module-call machinery per step);
 - RoPE on the new positions only (the cache holds rotated keys);
 - a cache laid out for the attention matmuls: keys and values ``[b, groups, capacity, d]``,
   contiguous (a strided slice of a longer buffer costs a batched matmul a copy or a slow path
@@ -19,8 +22,9 @@ speed of HF ``generate``. This module runs the same arithmetic in the fewest ops
   caching allocator makes reallocation cheap, and the memory is the training step's);
 - Megatron's rounding order (scaled ``baddbmm``, fp32 softmax, ``t*cos + rot(t)*sin``), so
   bf16 log-probs equal those of the training forward;
-- the TP collectives Megatron issues: the vocabulary-parallel embedding's all-reduce, an
-  all-reduce after each row-parallel projection, an all-gather of the logits.
+- the TP collectives Megatron issues, over the group of the weights' layout: the
+  vocabulary-parallel embedding's all-reduce, an all-reduce after each row-parallel
+  projection, an all-gather of the logits.
 
 Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the capacity
 reached so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static` keeps
@@ -33,7 +37,7 @@ Only architectures that :func:`aligner.models.local_spec.unsupported_reason` acc
 this path (the local layer spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm,
 RoPE or learned absolute positions, MHA/GQA/MQA, optional biases, gated or plain MLP, tied or
 untied head, TP without sequence parallelism); anything else uses Megatron's own forward. The
-tests compare both with a full-recompute forward.
+tests compare both with a full-recompute forward, and owned weights with the module's own.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from aligner.models.local_spec import unsupported_reason
-from aligner.models.rope import apply_rope, rope_tables
+from aligner.generation.weights import ModuleWeights, OwnedWeights
+from aligner.models.rope import apply_rope, rotary_tables
 
 __all__ = [
     "LeanDecoder",
@@ -101,22 +105,8 @@ class _Layer:
     # k, v: this layer's cache, [b, groups, capacity, d] each (see LeanDecoder).
 
 
-def _norm_fn(module: nn.Module):
-    """The function a plain torch norm module applies, bound to its current weights (a direct
-    call skips ``nn.Module.__call__``, several microseconds a call on a CPU); any other norm
-    module is returned as is."""
-    kind = type(module)
-    if kind is nn.RMSNorm:
-        shape, w, eps = module.normalized_shape, module.weight, module.eps
-        return lambda x: F.rms_norm(x, shape, w, eps)
-    if kind is nn.LayerNorm:
-        shape, w, b, eps = module.normalized_shape, module.weight, module.bias, module.eps
-        return lambda x: F.layer_norm(x, shape, w, b, eps)
-    return module
-
-
 class LeanDecoder:
-    """Prefill + one-token decode steps of a ``GPTModel`` with a private KV cache.
+    """Prefill + one-token decode steps of a ``GPTModel``'s weights with a private KV cache.
 
     Usage per generation call: :meth:`begin` (binds the current weights, makes the cache ready
     for ``[b, T]``), :meth:`prefill` for positions ``[0, n)``, then :meth:`decode` (or
@@ -132,8 +122,11 @@ class LeanDecoder:
     (all of ``max_len`` unless told otherwise).
 
     Args:
-        model: the ``GPTModel`` (see :func:`unsupported_reason`).
-        tp_group, tp_size: its tensor-parallel group.
+        source: where the weights come from: a whole ``GPTModel`` (its own parameters, see
+            :func:`aligner.models.local_spec.unsupported_reason`; wrapped in
+            :class:`~aligner.generation.weights.ModuleWeights`), or a source object such as
+            :class:`~aligner.generation.weights.OwnedWeights`.
+        tp_group, tp_size: the tensor-parallel group of the weights' layout.
         cpu_linear: fp32 linears on a CPU: ``"auto"``/``"onednn"`` (oneDNN) or ``"default"``.
         keep_cache: keep the cache buffers between calls; None: on a CPU yes, on a GPU no.
         chunk: positions the cache's capacity grows by.
@@ -141,21 +134,22 @@ class LeanDecoder:
 
     def __init__(
         self,
-        model: nn.Module,
+        source: nn.Module | ModuleWeights | OwnedWeights,
         tp_group=None,
         tp_size: int = 1,
         cpu_linear: str = "auto",
         keep_cache: bool | None = None,
         chunk: int = 32,
     ) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"LeanDecoder cannot run this model: {reason}")
+        if isinstance(source, nn.Module):
+            source = ModuleWeights(source)
         if cpu_linear not in ("auto", "onednn", "default"):
             raise ValueError(f"cpu_linear={cpu_linear!r}: expected 'auto', 'onednn' or 'default'")
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r}: expected an integer >= 1")
-        self.model = model
+        self.source = source
+        # The module whose own parameters are read (None for owned weights).
+        self.model = source.model if isinstance(source, ModuleWeights) else None
         self.tp_group = tp_group
         self.tp_size = tp_size
         self.cpu_linear = cpu_linear
@@ -172,22 +166,16 @@ class LeanDecoder:
     # -- per call -------------------------------------------------------------------------
 
     def begin(self, batch: int, max_len: int) -> None:
-        """Bind the model's current parameter tensors and make the cache ready for ``batch``
+        """Bind the source's current weight tensors and make the cache ready for ``batch``
         rows of up to ``max_len`` positions (its capacity starts at 0 and grows)."""
-        m = self.model
-        cfg = m.config
-        self.rope = m.position_embedding_type == "rope"
-        self.gated = cfg.gated_linear_unit
-        self.act = cfg.activation_func
-        self.embedding = m.embedding
-        self.final_norm = _norm_fn(m.decoder.final_layernorm)
-        self.w_out = (
-            m.shared_embedding_or_output_weight()
-            if m.share_embeddings_and_output_weights
-            else m.output_layer.weight
-        )
-        ref = m.embedding.word_embeddings.weight
-        dtype, dev = ref.dtype, ref.device
+        w = self.source.bind()
+        self.rope = w.rope
+        self.gated = w.gated
+        self.act = w.act
+        self.w_emb, self.vocab_start, self.vocab_end = w.w_emb, w.vocab_start, w.vocab_end
+        self.final_norm = w.final_norm
+        self.w_out = w.w_out
+        dtype, dev = w.w_emb.dtype, w.w_emb.device
         self.dtype, self.device = dtype, dev
         # fp32 on the CPU: oneDNN's inner product instead of MKL's GEMM (see
         # onednn_linear_available); bf16 F.linear already goes to oneDNN.
@@ -199,22 +187,18 @@ class LeanDecoder:
                 )
             use_onednn = False
         self.linear = _onednn_linear if use_onednn else F.linear
-        att0 = m.decoder.layers[0].self_attention
-        self.groups = att0.num_query_groups_per_partition
-        self.heads = att0.num_attention_heads_per_partition
+        self.groups, self.heads, self.d = w.groups, w.heads, w.d
         self.r = self.heads // self.groups
-        self.d = att0.hidden_size_per_attention_head
         self._zero = torch.zeros((), dtype=dtype, device=dev)  # baddbmm input (beta=0)
         self.layers = []
-        for layer in m.decoder.layers:
-            att, mlp = layer.self_attention, layer.mlp
+        for lw in w.layers:
             L = _Layer()
-            L.norm1, L.norm2 = _norm_fn(layer.input_layernorm), _norm_fn(layer.pre_mlp_layernorm)
-            L.w_qkv, L.b_qkv = att.linear_qkv.weight, att.linear_qkv.bias
-            L.w_proj, L.b_proj = att.linear_proj.weight, att.linear_proj.bias
-            L.w_fc1, L.b_fc1 = mlp.linear_fc1.weight, mlp.linear_fc1.bias
-            L.w_fc2, L.b_fc2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
-            L.scale = float(att.core_attention.softmax_scale)
+            L.norm1, L.norm2 = lw.norm1, lw.norm2
+            L.w_qkv, L.b_qkv = lw.w_qkv, lw.b_qkv
+            L.w_proj, L.b_proj = lw.w_proj, lw.b_proj
+            L.w_fc1, L.b_fc1 = lw.w_fc1, lw.b_fc1
+            L.w_fc2, L.b_fc2 = lw.w_fc2, lw.b_fc2
+            L.scale = lw.scale
             self.layers.append(L)
         self.batch, self.max_len, self.capacity = batch, max_len, 0
         self._allocate(batch * self.groups * max_len * self.d)
@@ -223,9 +207,9 @@ class LeanDecoder:
         # _neg[T - end : T - end + c] is 0 at positions < end and -inf at positions >= end.
         self._neg = torch.cat([torch.zeros(T, device=dev), torch.full((T,), float("-inf"), device=dev)])
         if self.rope:
-            self.cos, self.sin = rope_tables(m, T, self.d, dtype, dev)
+            self.cos, self.sin = rotary_tables(w.rotary, T, self.d, dtype, dev)
         else:
-            self.pos_weight = m.embedding.position_embeddings.weight
+            self.pos_weight = w.pos_weight
 
     def _allocate(self, numel: int) -> None:
         """Room for ``numel`` elements per layer, per keys/values, per half of the double
@@ -295,12 +279,11 @@ class LeanDecoder:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """[b, n] -> [b, n, h], as Megatron's VocabParallelEmbedding: each TP rank looks up the
         ids in its row range (zeros elsewhere) and an all-reduce sums the shards."""
-        we = self.embedding.word_embeddings
         if self.tp_size > 1:
-            outside = (tokens < we.vocab_start_index) | (tokens >= we.vocab_end_index)
-            x = F.embedding((tokens - we.vocab_start_index).masked_fill_(outside, 0), we.weight)
+            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+            x = F.embedding((tokens - self.vocab_start).masked_fill_(outside, 0), self.w_emb)
             return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
-        return F.embedding(tokens, we.weight)
+        return F.embedding(tokens, self.w_emb)
 
     def _attention(
         self,

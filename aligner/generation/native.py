@@ -1,4 +1,5 @@
-"""The native engine: the training policy's own Megatron-core module, decoding with a KV cache.
+"""The native engine: KV-cache decoding on the training policy's Megatron-core module, or on
+weights it owns in a generation layout of its own.
 
 Design
 ------
@@ -18,48 +19,73 @@ the loop otherwise never waits on the device. Stop strings are checked on the ho
 steps to stop early, and applied exactly at the end. Sampling is one batched call per step
 for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
 
-*Two forward backends* over the same module and weights:
+*Two forward backends*:
 
 - ``lean`` (default when the architecture allows): :class:`aligner.generation.lean.LeanDecoder`,
   the same arithmetic as Megatron's forward in the fewest ops (plain linears on the module's
-  weight tensors, RoPE on the new token only, a private cache laid out for the attention
-  matmuls and kept across calls on a CPU), with Megatron's rounding order (bf16 log-probs
-  equal the training forward's). On a GPU (TP=1) its decode step is captured once per call
-  in a CUDA graph and replayed for every position; on a CPU it can run compiled
+  weight tensors or the engine's own, RoPE on the new token only, a private cache laid out
+  for the attention matmuls and kept across calls on a CPU), with Megatron's rounding order
+  (bf16 log-probs equal the training forward's). On a GPU (TP=1) its decode step is captured
+  once per call in a CUDA graph and replayed for every position; on a CPU it can run compiled
   (``decode_step``).
 - ``megatron``: ``GPTModel.forward`` with a ``StaticInferenceContext`` (sized exactly
   ``[T, b]``, one per call) and ``runtime_gather_output=True``; only the last position goes
   through the LM head (``materialize_only_last_token_logits``). It re-applies RoPE to the whole
   cached prefix at every step and pays Megatron's per-layer Python, so it is 2-3x slower on a
-  CPU; it is the reference for the lean path and the fallback for other architectures.
+  CPU; it is the reference for the lean path and the fallback for other architectures, in
+  the training layout only.
 
-*Tensor parallelism.* Logits are gathered over TP, so every TP rank holds the same full
-distribution; each samples with a generator seeded from ``(seed, data-parallel rank)`` only,
-so all TP ranks pick the same tokens with no per-step collective. With ``seed=None``, TP
-rank 0 draws the seed and broadcasts it once per call. Pipeline parallelism is not supported.
+*Layouts.* The engine generates in its generation layout
+(:class:`~aligner.generation.layout.GenerationLayout`): tensor parallel over ``generation_tp``
+ranks (default: the training TP), the whole model on each generation group, whatever the
+training layout. When that layout is the training one (PP=1, the same TP size) and the dtype is
+the policy's, the engine generates with the training module itself and holds no copy of the
+weights: a refit only rebinds the module, and the lean backend re-reads the parameter tensors
+at the start of every call. Otherwise the engine owns its weights in the generation layout and
+dtype (:class:`~aligner.generation.weights.OwnedWeights`, lean backend only), allocated once,
+and every :meth:`NativeEngine.refit` streams the policy's full tensors out of the training
+layout (:func:`aligner.models.layout.iter_megatron_tensors`, collective over the world) and
+copies this rank's shard of each into them in place. So a policy trained pipeline parallel, or
+at another TP size, generates at TP=``g`` (PP folded into TP, or TP=1 on every rank for a tiny
+model), and a policy trained in fp32 can generate in bf16. :attr:`NativeEngine.last_refit`
+holds the last refit's cost (seconds, bytes copied into the engine on this rank).
+
+*Tensor parallelism.* Logits are gathered over the generation TP group, so every rank of it
+holds the same full distribution; each samples with a generator seeded from ``(seed,
+data-parallel rank)`` only, so every rank of a data-parallel replica (every generation group of
+it) picks the same tokens with no per-step collective. With ``seed=None``, the replica's first
+rank draws the seed and broadcasts it over the replica once per call.
 
 *Padded vocabulary.* Logit columns beyond the real ``vocab_size`` (Megatron pads the
 embedding for TP divisibility) are dropped before sampling and before the log-softmax.
-
-*Refit* rebinds the module: the engine holds no copy of the weights, and the lean backend
-re-reads the parameter tensors at the start of every call.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams
+from aligner.generation.layout import GenerationLayout
 from aligner.generation.lean import CompiledDecodeStep, CudaGraphDecodeStep, LeanDecoder
 from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
+from aligner.generation.weights import OwnedWeights
+from aligner.models.layout import iter_megatron_tensors
 from aligner.models.local_spec import unsupported_reason
+from aligner.models.model_files import as_dtype
 
-__all__ = ["NativeEngine", "generate_no_cache"]
+__all__ = ["NativeEngine", "RefitCost", "generate_no_cache", "ENGINE_DTYPES", "WEIGHTS"]
+
+#: The dtypes an engine generates in, by the names configs use.
+ENGINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: Where an engine's weights come from (``NativeEngine(weights=...)``).
+WEIGHTS = ("auto", "owned", "shared")
 
 _COMPILED_BUCKET = 64  # a compiled step's capacities: this, doubled, and max_len rounded up to it
 
@@ -107,25 +133,45 @@ def _resolve_ids(tokenizer, pad_id: int | None, eos_id: int | None) -> tuple[int
     return int(pad_id), int(eos_id)
 
 
+@dataclass(frozen=True)
+class RefitCost:
+    """What the last :meth:`NativeEngine.refit` cost on this rank."""
+
+    seconds: float
+    """Wall time of the refit (for owned weights: the whole stream, collectives included)."""
+    bytes: int
+    """Bytes copied into the engine's own tensors on this rank (0 when it shares the module)."""
+    stream_bytes: int = 0
+    """Bytes of the full tensors that came through the weight stream on this rank."""
+    owned: bool = False
+    """Whether the engine owns its weights (False: zero-copy, the training module itself)."""
+
+    @property
+    def mbytes(self) -> float:
+        """``bytes`` in MB (10^6 bytes)."""
+        return self.bytes / 1e6
+
+
 class NativeEngine:
-    """Generation with the training policy's own Megatron module and a static KV cache.
+    """KV-cache generation with the training policy's Megatron module, or with weights the
+    engine owns in its own generation layout (see the module docstring, *Layouts*).
 
     Args:
         model: the policy (``GPTModel``, possibly inside DDP/Float16Module wrappers), built on
-            this rank's TP shard. Only pipeline-parallel size 1 is supported.
+            this rank's TP shard and pipeline stage.
         tokenizer: needed for ``stop_strings``; also supplies pad/eos ids when not given.
         pad_id: written after each sample's end.
         eos_id: ends a sample (kept as its last token).
         max_seq_len: longest prompt + response; default ``model.aligner_config.max_seq_len``.
-        parallel_state: :class:`aligner.distributed.ParallelState` (TP group and DP rank);
-            None means a single process.
+        parallel_state: :class:`aligner.distributed.ParallelState` (the training layout and
+            the data-parallel rank); None means Megatron's parallel state, or a single process.
         vocab_size: real vocabulary (logit columns beyond it are never sampled); default
             ``model.aligner_config.vocab_size``, else the tokenizer's.
         check_every: steps between "have all samples stopped?" checks (a host sync);
             default 1 on CPU, 8 on GPU.
-        backend: ``"lean"`` (:class:`~aligner.generation.lean.LeanDecoder`: the model's own
-            weights, a private KV cache, the fewest ops per step), ``"megatron"`` (Megatron's
-            own forward with a ``StaticInferenceContext``), or ``"auto"``: lean when the
+        backend: ``"lean"`` (:class:`~aligner.generation.lean.LeanDecoder`: the fewest ops per
+            step, a private KV cache), ``"megatron"`` (Megatron's own forward with a
+            ``StaticInferenceContext``; the training layout only), or ``"auto"``: lean when the
             architecture is one it handles, else megatron.
         cpu_linear: lean backend, fp32 on a CPU: ``"auto"``/``"onednn"`` run the linear layers
             through oneDNN (about 2x MKL's fp32 GEMM on the project's AMD CPUs; same weight
@@ -133,17 +179,30 @@ class NativeEngine:
         decode_step: lean backend: ``"eager"`` (shapes follow the filled positions: fewest
             operations), ``"static"`` (fixed shapes, the position as a tensor: what a CUDA graph
             replays, run eagerly), ``"graph"`` (static, captured in a CUDA graph once per call;
-            CUDA only), ``"compiled"`` (static under ``torch.compile``, TP=1, needs a C++
-            compiler on a CPU: about 1.5x the eager step's speed on a CPU; a step attends over a
-            cache capacity that doubles from 64 positions as the sequence grows, the last one
-            rounded up to a multiple of 64, so that few shapes compile), or
-            ``"auto"``: graph on a GPU with TP=1, eager elsewhere. A graph that fails to capture,
-            or a step that fails to compile, falls back to eager with a warning.
+            CUDA only), ``"compiled"`` (static under ``torch.compile``, generation TP=1, needs a
+            C++ compiler on a CPU: about 1.5x the eager step's speed on a CPU; a step attends
+            over a cache capacity that doubles from 64 positions as the sequence grows, the last
+            one rounded up to a multiple of 64, so that few shapes compile), or ``"auto"``:
+            graph on a GPU with generation TP=1, eager elsewhere. A graph that fails to
+            capture, or a step that fails to compile, falls back to eager with a warning.
         keep_cache: lean backend: keep the KV cache between calls (None: on a CPU yes, where a
             fresh buffer per call costs page faults; on a GPU no, where the memory is training's).
         num_threads: CPU threads while generating (restored afterwards); None leaves torch's
             setting. For a split actor/critic on one machine the critic is idle while the actor
             generates, so generation can take every core while training shares them.
+        generation_tp: the generation tensor-parallel size ``g`` (None: the training TP); it
+            must divide the training TP x PP (:class:`~aligner.generation.layout.GenerationLayout`).
+            Constructing an engine whose generation groups differ from the training TP groups is
+            collective over the world.
+        dtype: the dtype the engine generates in (``torch.bfloat16``/``torch.float32`` or
+            ``"bf16"``/``"fp32"``); None: the policy's dtype at each refit.
+        weights: ``"auto"`` (share the training module's tensors when the generation layout and
+            dtype are the training ones, else own a copy), ``"owned"`` (always own a copy,
+            e.g. to measure a refit) or ``"shared"`` (always share; an error where that is
+            impossible).
+
+    :meth:`refit` is collective over the world when the engine owns its weights: every rank
+    calls it, once after each policy update; :attr:`last_refit` is its :class:`RefitCost`.
     """
 
     def __init__(
@@ -162,15 +221,13 @@ class NativeEngine:
         decode_step: str = "auto",
         keep_cache: bool | None = None,
         num_threads: int | None = None,
+        generation_tp: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        weights: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.pad_id, self.eos_id = _resolve_ids(tokenizer, pad_id, eos_id)
         self.parallel_state = parallel_state
-        if parallel_state is not None and getattr(parallel_state, "pp_size", 1) > 1:
-            raise NotImplementedError(
-                f"NativeEngine runs the whole model on each rank: pipeline_model_parallel_size="
-                f"{parallel_state.pp_size} is not supported (use PP=1 for generation)"
-            )
         if backend not in ("auto", "lean", "megatron"):
             raise ValueError(f"backend={backend!r}: expected 'auto', 'lean' or 'megatron'")
         if cpu_linear not in ("auto", "onednn", "default"):
@@ -181,12 +238,29 @@ class NativeEngine:
             raise ValueError(f"decode_step={decode_step!r}: expected one of {DECODE_STEPS}")
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads={num_threads!r}: expected an integer >= 1 or None")
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights={weights!r}: expected one of {list(WEIGHTS)}")
+        if dtype is not None and as_dtype(dtype) not in ENGINE_DTYPES.values():
+            raise ValueError(
+                f"dtype={dtype!r}: expected one of {list(ENGINE_DTYPES)}, a torch dtype of them, or None"
+            )
         self.backend = backend
         self.cpu_linear = cpu_linear
         self.decode_step = decode_step
         self.keep_cache = keep_cache
         self.num_threads = num_threads
+        self.weights = weights
+        self.dtype = as_dtype(dtype)
+        self.layout = GenerationLayout.create(parallel_state, generation_tp)
+        built_tp = int(getattr(getattr(_unwrap(model), "config", None), "tensor_model_parallel_size", 1) or 1)
+        if built_tp != self.layout.train_tp:
+            raise ValueError(
+                f"the model is built at tensor_model_parallel_size {built_tp}, but the parallel state says "
+                f"{self.layout.train_tp}: pass parallel_state= (or initialise Megatron's parallel state)"
+            )
         self._lean: LeanDecoder | None = None
+        self._owned: OwnedWeights | None = None
+        self.last_refit: RefitCost | None = None
         self.model: nn.Module
         self.refit(model)
         if max_seq_len is None:
@@ -200,13 +274,51 @@ class NativeEngine:
 
     # -- protocol -------------------------------------------------------------------------
 
+    @property
+    def owns_weights(self) -> bool:
+        """Whether the engine generates with its own copy of the weights (else the module's)."""
+        return self._owned is not None
+
     def refit(self, policy: nn.Module) -> None:
-        """Use ``policy``'s current weights: zero-copy, the engine just holds the module."""
+        """Generate with ``policy``'s current weights from now on.
+
+        Zero-copy (the generation layout and dtype are the training ones): the engine just holds
+        the module. Owned weights: the policy's full tensors are streamed out of the training
+        layout and this rank's shard of each is copied into the engine's tensors, in place;
+        collective over the world (every rank calls it). The cost is kept in :attr:`last_refit`.
+        """
+        t0 = time.perf_counter()
         model = _unwrap(policy)
-        if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
-            raise NotImplementedError("NativeEngine needs the whole model on each rank (no pipeline stages)")
-        self.model = model
-        self._device = next(model.parameters()).device
+        some = next(model.parameters())
+        if self._shares(model, some.dtype):
+            if self._owned is not None:
+                self._drop_owned()
+            self.model, self._device = model, some.device
+            self.last_refit = RefitCost(time.perf_counter() - t0, 0)
+            return
+        if self.backend == "megatron":
+            raise ValueError(
+                f"backend='megatron' generates with the training module in the training layout; this "
+                f"engine owns its weights (generation_tp={self.layout.size}, training TP "
+                f"{self.layout.train_tp} x PP {self.layout.train_pp}, dtype {self.dtype or some.dtype}, "
+                f"weights={self.weights!r}): use backend 'lean' or 'auto'"
+            )
+        dtype = self.dtype or some.dtype
+        owned = self._owned
+        if (
+            owned is None
+            or owned.dtype != dtype
+            or owned.device != some.device
+            or owned.architecture_diff(model)
+        ):
+            if owned is not None:
+                self._drop_owned()
+            self._owned = OwnedWeights(model, self.layout.parallel_layout(), dtype, some.device)
+        moved, seen = self._owned.load(iter_megatron_tensors(model, dtype=dtype))
+        if some.device.type == "cuda":
+            torch.cuda.synchronize(some.device)  # the copies are done when the time is taken
+        self.model, self._device = model, some.device
+        self.last_refit = RefitCost(time.perf_counter() - t0, moved, seen, owned=True)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         if not isinstance(sampling, SamplingParams):
@@ -224,37 +336,36 @@ class NativeEngine:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _parallel(self) -> tuple[object, int, int]:
-        """(TP group, TP size, DP rank): from ``parallel_state``, else Megatron's globals."""
-        ps = self.parallel_state
-        if ps is not None:
-            return ps.tp_group, ps.tp_size, ps.dp_rank
-        tp_size = int(getattr(getattr(self.model, "config", None), "tensor_model_parallel_size", 1) or 1)
-        try:
-            from megatron.core import parallel_state as mpu
+    def _shares(self, model: nn.Module, dtype: torch.dtype) -> bool:
+        """Whether to generate with ``model``'s own tensors (else with owned weights)."""
+        whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+        can = self.layout.same_as_training and whole and self.dtype in (None, dtype)
+        if self.weights == "shared" and not can:
+            raise ValueError(
+                f"weights='shared': the engine can share the training module's tensors only in the training "
+                f"layout (PP=1 and generation_tp = training TP) and dtype; here generation_tp="
+                f"{self.layout.size}, training TP {self.layout.train_tp} x PP {self.layout.train_pp}, dtype "
+                f"{self.dtype} vs the policy's {dtype}: use weights='auto'"
+            )
+        return can and self.weights != "owned"
 
-            if mpu.model_parallel_is_initialized():
-                return (
-                    mpu.get_tensor_model_parallel_group(),
-                    mpu.get_tensor_model_parallel_world_size(),
-                    mpu.get_data_parallel_rank(),
-                )
-        except ImportError:  # pragma: no cover - megatron is a dependency
-            pass
-        if tp_size > 1:
-            raise ValueError("a tensor-parallel model needs parallel_state= (or Megatron's parallel state)")
-        return None, 1, 0
+    def _drop_owned(self) -> None:
+        if self._lean is not None:
+            self._lean.release()
+        self._lean = None
+        self._owned = None
 
     def _generator(self, seed: int | None) -> torch.Generator:
-        tp_group, tp_size, dp_rank = self._parallel()
+        lay = self.layout
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-            if tp_size > 1:
-                # Every TP rank must sample the same tokens: TP rank 0's draw wins.
+            group = lay.replica_group
+            if group is not None and dist.get_world_size(group) > 1:
+                # Every rank of the replica must sample the same tokens: its first rank's draw wins.
                 t = torch.tensor([seed], dtype=torch.int64, device=self._device)
-                dist.broadcast(t, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+                dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
                 seed = int(t.item())
-        return rank_generator(seed, dp_rank, self._device)
+        return rank_generator(seed, lay.dp_rank, self._device)
 
     def _stepper(self, b: int, T: int):
         if self._use_lean():
@@ -274,8 +385,8 @@ class NativeEngine:
         if mode == "compiled":
             if self._lean.tp_size > 1:
                 raise ValueError(
-                    f"decode_step='compiled' needs tensor_parallel_size 1 (got {self._lean.tp_size}); "
-                    "use 'eager'"
+                    "decode_step='compiled' needs generation tensor_parallel_size 1 "
+                    f"(got {self._lean.tp_size}); use 'eager'"
                 )
             from aligner.models.fused import compile_available
 
@@ -285,6 +396,15 @@ class NativeEngine:
         return mode
 
     def _use_lean(self) -> bool:
+        lay = self.layout
+        if self._owned is not None:
+            if self._lean is None or self._lean.source is not self._owned:
+                if self._lean is not None:
+                    self._lean.release()
+                self._lean = LeanDecoder(
+                    self._owned, lay.group, lay.size, cpu_linear=self.cpu_linear, keep_cache=self.keep_cache
+                )
+            return True
         if self.backend == "megatron":
             return False
         if self._lean is None or self._lean.model is not self.model:
@@ -294,11 +414,10 @@ class NativeEngine:
                     raise ValueError(f"backend='lean' cannot run this model: {reason}")
                 self._lean = None
                 return False
-            tp_group, tp_size, _ = self._parallel()
             if self._lean is not None:
                 self._lean.release()
             self._lean = LeanDecoder(
-                self.model, tp_group, tp_size, cpu_linear=self.cpu_linear, keep_cache=self.keep_cache
+                self.model, lay.group, lay.size, cpu_linear=self.cpu_linear, keep_cache=self.keep_cache
             )
         return True
 

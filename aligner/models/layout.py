@@ -179,14 +179,19 @@ class ParallelLayout:
         return tuple(s)
 
     def shard(self, full: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> torch.Tensor:
-        """This rank's shard of the full tensor ``full`` of ``spec`` (the vocabulary padded with
-        zero rows to the padded size first)."""
+        """This rank's shard of the full tensor ``full`` of ``spec``: a view of ``full`` where the
+        shard is one slice of it (a copy for a fused gate/up pair under TP > 1, and for the
+        vocabulary shard that reaches into the padding, whose padded rows are zeros)."""
         tp, r = self.tp, self.tp_rank
+        if tp == 1 and spec.split != "vocab":
+            return full
         if spec.split == "vocab":
-            padded = cfg.padded_vocab_size(tp)
-            if padded > full.shape[0]:
-                full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-            return full.chunk(tp, 0)[r]
+            rows = cfg.padded_vocab_size(tp) // tp
+            start, real = r * rows, full.shape[0]
+            if start + rows <= real:
+                return full[start : start + rows]
+            part = full[min(start, real) : real]  # only this shard is padded, never the full tensor
+            return torch.cat([part, full.new_zeros(rows - part.shape[0], *full.shape[1:])])
         if spec.split == "column":
             return full.chunk(tp, 0)[r]
         if spec.split == "row":
@@ -253,7 +258,8 @@ def iter_megatron_tensors(
     for spec in megatron_tensor_specs(cfg, head):
         owner = lay.owner(spec, cfg)
         if owner == lay.pp_rank:
-            full = lay.gather(local[mine[spec.name]], spec, cfg).to(wire)
+            # Cast before the gather: the same values, and a narrower wire dtype moves fewer bytes.
+            full = lay.gather(local[mine[spec.name]].to(wire), spec, cfg)
         else:
             full = torch.empty(spec.shape, dtype=wire, device=device)
         if lay.pp > 1:

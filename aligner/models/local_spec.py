@@ -20,14 +20,19 @@ def _is_identity(m) -> bool:
     return m is None or type(m).__name__ in ("IdentityOp", "IdentityFuncOp", "Identity")
 
 
-def unsupported_reason(model: nn.Module, heads: tuple[str, ...] = ("lm",)) -> str | None:
+def unsupported_reason(
+    model: nn.Module, heads: tuple[str, ...] = ("lm",), *, stage: bool = False
+) -> str | None:
     """None when a forward over ``model``'s own parameters (the lean decoder, the fused
     forward) computes exactly what ``model``'s forward does, else why not. ``heads``: the heads
     (``model.aligner_head``) accepted; the lean decoder needs an LM head, the trunk is the same
-    for all (:mod:`aligner.models.fused` accepts value and reward heads)."""
+    for all (:mod:`aligner.models.fused` accepts value and reward heads). ``stage``: ``model``
+    may be one pipeline stage, and what it holds is checked as a part of a whole model of the
+    same architecture (an engine that owns its weights gathers the whole model from the
+    stages)."""
     if type(model).__name__ != "GPTModel":
         return f"model is a {type(model).__name__}, not a megatron GPTModel"
-    if not (model.pre_process and model.post_process):
+    if not stage and not (model.pre_process and model.post_process):
         return "pipeline-parallel stage (pre_process/post_process not both set)"
     if getattr(model, "aligner_head", "lm") not in heads:
         return f"head {getattr(model, 'aligner_head', 'lm')!r} is not one of {list(heads)}"
@@ -76,6 +81,6 @@ def unsupported_reason(model: nn.Module, heads: tuple[str, ...] = ("lm",)) -> st
             return f"layer {i} has cross attention"
         if _is_identity(layer.input_layernorm) or _is_identity(layer.pre_mlp_layernorm):
             return f"layer {i} fuses its layernorm into a linear layer"
-    if getattr(model.decoder, "final_layernorm", None) is None:
+    if getattr(model.decoder, "final_layernorm", None) is None and model.post_process:
         return "no final layernorm"
     return None

@@ -11,21 +11,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["rope_tables", "apply_rope"]
+__all__ = ["rope_tables", "rotary_tables", "apply_rope"]
 
 
 def rope_tables(
     model: nn.Module, n: int, d: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's ``(cos, sin)`` for positions ``[0, n)`` of head dim ``d``, each ``[1, n, 1, 1, d]``
-    in ``dtype``, with sin's first half negated: then ``RoPE(x) = x*cos + roll(x, d/2)*sin``.
+    """:func:`rotary_tables` of the model's own rotary embedding (``model.rotary_pos_emb``)."""
+    return rotary_tables(model.rotary_pos_emb, n, d, dtype, device)
+
+
+def rotary_tables(
+    rotary: nn.Module, n: int, d: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``(cos, sin)`` for positions ``[0, n)`` of head dim ``d`` from Megatron's
+    ``RotaryEmbedding`` ``rotary``, each ``[1, n, 1, 1, d]`` in ``dtype``, with sin's first half
+    negated: then ``RoPE(x) = x*cos + roll(x, d/2)*sin``.
 
     Megatron's ``emb`` is ``cat(freqs, freqs)`` and RoPE is ``x*cos + rotate_half(x)*sin`` with
     ``rotate_half([x1, x2]) = [-x2, x1] = swap_halves(x) * [-1, 1]``; the sign folded into sin
     is exact (negation commutes with rounding), and cos/sin are rounded to the model dtype as
     Megatron rounds them.
     """
-    emb = model.rotary_pos_emb.get_emb(n).reshape(n, d).float().to(device)
+    emb = rotary.get_emb(n).reshape(n, d).float().to(device)
     cos, sin = emb.cos(), emb.sin()
     sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], dim=-1)
     return cos.to(dtype).view(1, n, 1, 1, d), sin.to(dtype).view(1, n, 1, 1, d)

@@ -105,6 +105,14 @@ class GenerationConfig:
     """The native engine's decode step: ``auto`` (a CUDA graph on a GPU at TP=1, else eager),
     ``eager``, ``static``, ``graph`` (CUDA), or ``compiled`` (``torch.compile``, TP=1; on a CPU
     about 1.5x the eager step's tokens/s, after a compile of seconds per batch shape)."""
+    tensor_parallel_size: int | None = None
+    """The generation layout: tensor parallel over this many ranks, the whole model on each group
+    of them (a divisor of the actor's tensor x pipeline parallel size); null: the training TP.
+    Another size than the training TP, or pipeline-parallel training, makes the engine own a copy
+    of the weights that every refit reshards into (``aligner.generation.layout``)."""
+    dtype: str | None = None
+    """The dtype the engine generates in: 'bf16' or 'fp32' (another than the policy's makes the
+    engine own a copy of the weights); null: the policy's compute dtype."""
 
     def _sampling_fields(self) -> dict[str, Any]:
         """The fields this config shares with :class:`SamplingParams`, by name."""
@@ -125,7 +133,33 @@ class GenerationConfig:
             self.decode_step,
             f"one of {list(DECODE_STEPS)}",
         )
+        from aligner.generation.native import ENGINE_DTYPES
+
+        p.expect(
+            self.dtype is None or self.dtype in ENGINE_DTYPES,
+            f"{prefix}.dtype",
+            self.dtype,
+            f"one of {list(ENGINE_DTYPES)}, or null for the policy's dtype",
+        )
         return p
+
+    def layout_problems(
+        self, parallel: ParallelConfig, model: ModelConfig | None = None, prefix: str = "generation"
+    ) -> Problems:
+        """What is wrong with ``tensor_parallel_size`` for an actor laid out as ``parallel``
+        (it must divide TP x PP) and, when given, for ``model`` (its heads, query groups and MLP
+        width must divide by it)."""
+        from aligner.generation.layout import generation_tp_problems
+
+        return Problems(
+            generation_tp_problems(
+                self.tensor_parallel_size,
+                parallel.tensor_model_parallel_size,
+                parallel.pipeline_model_parallel_size,
+                model,
+                key=f"{prefix}.tensor_parallel_size",
+            )
+        )
 
 
 @dataclass
@@ -454,6 +488,7 @@ class ActorConfig:
         e += self.validation.problems("validation")
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         e += [f"model: {m}" for m in self.model.problems(tp, pp)]
+        e += self.generation.layout_problems(self.parallel, self.model)
         return e
 
     def parallel_problems(self, world_size: int) -> Problems:

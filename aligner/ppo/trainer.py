@@ -227,7 +227,8 @@ class PPOTrainer:
         timed = Timers()
         with timed("step"):
             # 1. Refit the generation engine from the current policy.
-            self._refit_engine()
+            with timed("refit"):
+                refit = self._refit_engine()
 
             # 2. Generate responses for a batch of prompts.
             with timed("critic_wait"):
@@ -311,6 +312,8 @@ class PPOTrainer:
             timers=timed.seconds,
         )
         metrics = record.metrics(self._dp_group)
+        if hasattr(self.engine, "last_refit"):  # what this step's refit moved into the engine, on this rank
+            metrics["refit/mbytes"] = float(refit.bytes) / 1e6 if refit is not None else 0.0
         # 8. Validation every N steps (the checkpoints follow the step: see train()).
         v = cfg.validation
         if self.val_prompts and v.interval and step_id % v.interval == 0:
@@ -392,11 +395,15 @@ class PPOTrainer:
 
     # -- pieces ----------------------------------------------------------------------------
 
-    def _refit_engine(self) -> None:
-        """Give the engine the policy's current weights, once after each change."""
-        if self._engine_stale:
-            self.engine.refit(self.policy)
-            self._engine_stale = False
+    def _refit_engine(self) -> Any:
+        """Give the engine the policy's current weights, once after each change (collective: an
+        engine in a layout of its own streams them from every rank). Returns the engine's
+        account of that refit (``last_refit``: seconds, bytes), or None when there was none."""
+        if not self._engine_stale:
+            return None
+        self.engine.refit(self.policy)
+        self._engine_stale = False
+        return getattr(self.engine, "last_refit", None)
 
     def _wait_before_generating(self) -> None:
         """Generation on more threads than training takes the cores the server's pending critic

@@ -1,11 +1,19 @@
-"""Critic server benchmark: what critic_infer costs on top of the bare critic forward, and
-requests/s under concurrency.
+"""Critic server benchmark: what critic_infer costs on top of the bare critic forward,
+requests/s under concurrency, and the server's throughput at data-parallel sizes 1 and 2.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_critic.py [--batch 8] [--seq 128] [--seconds 5]
+        [--dp-sizes 1,2] [--dp-rows 16] [--dp-train-rows 64]
 
 Starts a tiny critic server (2 layers, hidden 64, char tokenizer, reward = sort_reward) on free
 ports and, in this process, the same critic for the bare forward. Prints a JSON object and a
 table. Target: round-trip overhead < 3 ms for a [8, 128] batch.
+
+Throughput by data-parallel size: a server per size in ``--dp-sizes`` (under torchrun when
+> 1), four clients (each its own connection) sending ``[--dp-rows, --seq]`` critic_infer
+requests back to back, and one client sending ``[--dp-train-rows, --seq]`` critic_train steps:
+rows/s of each, and how many requests each execution merged (``server_info``'s ``batching``).
+Each process of the server runs one thread: on a machine with fewer cores than the server,
+Triton and the clients have processes, DP=2 cannot be faster than DP=1.
 """
 
 from __future__ import annotations
@@ -103,6 +111,86 @@ def throughput(url: str, threads: int, seconds: float, tokens, lengths, pl) -> d
     }
 
 
+def dp_throughput(
+    root: Path, model: dict, dp: int, rows: int, train_rows: int, seq: int, seconds: float, clients: int = 4
+) -> dict:
+    """critic_infer and critic_train rows/s of a server with ``dp`` replicas (see the module
+    docstring), and the merge statistics of the infer load."""
+    from aligner.critic.testing import train_arrays
+
+    overrides = [
+        "server.http_port=0",
+        "server.grpc_port=0",
+        "server.metrics_port=null",
+        f"parallel.data_parallel_size={dp}",
+        f"server.max_batch_size={max(256, rows)}",
+        f"server.max_request_batch={max(1024, train_rows)}",
+        f"log.dir={root / f'dp{dp}' / 'log'}",
+        "log.tensorboard=false",
+        f"checkpoint.dir={root / f'dp{dp}' / 'ckpt'}",
+    ] + [f"model.{k}={v}" for k, v in model.items()]
+    server = start_server(overrides, nproc=dp, log_path=root / f"dp{dp}.log", ready_timeout_s=300)
+    try:
+        tokens, lengths, pl = batch(rows, seq, seed=dp)
+        counts = [0] * clients
+        with RemoteCriticClient(server.url) as c:
+            for _ in range(3):  # warm-up
+                c.infer(tokens, lengths, pl).result()
+            before = c.info()["batching"]
+        stop = time.monotonic() + seconds
+
+        def worker(i: int) -> None:
+            with RemoteCriticClient(server.url) as c:
+                while time.monotonic() < stop:
+                    c.infer(tokens, lengths, pl).result()
+                    counts[i] += 1
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+        t0 = time.monotonic()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        infer_s = time.monotonic() - t0
+        tt, tl, tp = batch(train_rows, seq, seed=10 + dp)
+        returns, old_values, mask = train_arrays(tl, tp, seq, seed=dp)
+        with RemoteCriticClient(server.url) as c:
+            after = c.info()["batching"]
+            c.train(tt, tl, returns, old_values, mask, 0).result()  # warm-up
+            steps, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                steps += 1
+                c.train(tt, tl, returns, old_values, mask, steps).result()
+            train_s = time.monotonic() - t0
+        hist = {
+            k: n - before["requests_per_execution"].get(k, 0)
+            for k, n in after["requests_per_execution"].items()
+            if n != before["requests_per_execution"].get(k, 0)
+        }
+        executions = after["executions"] - before["executions"]
+        requests = after["requests"] - before["requests"]
+        return {
+            "data_parallel_size": dp,
+            "infer": {
+                "clients": clients,
+                "rows_per_request": rows,
+                "requests": sum(counts),
+                "rows_per_s": round(sum(counts) * rows / infer_s, 1),
+                "executions": executions,
+                "requests_per_execution_mean": round(requests / max(executions, 1), 3),
+                "requests_per_execution_max": max((int(k) for k in hist), default=0),
+                "requests_per_execution": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            },
+            "train": {
+                "rows_per_step": train_rows,
+                "steps": steps,
+                "rows_per_s": round(steps * train_rows / train_s, 1),
+            },
+        }
+    finally:
+        server.stop(timeout=60)
+
+
 def echo_server(work_ms: float) -> None:
     """(Child process) a bare PyTriton model shaped like critic_infer whose callable only sleeps
     ``work_ms``; prints ``ECHO <grpc port>`` and serves until stdin closes."""
@@ -198,6 +286,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--queue-delay-us", type=int, default=0)
+    ap.add_argument(
+        "--dp-sizes", default="1,2", help="data-parallel sizes to measure throughput at ('' skips)"
+    )
+    ap.add_argument("--dp-rows", type=int, default=16, help="rows per critic_infer request")
+    ap.add_argument("--dp-train-rows", type=int, default=64, help="rows per critic_train step")
     ap.add_argument("--echo-server-ms", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.echo_server_ms is not None:
@@ -273,6 +366,12 @@ def main() -> None:
         result["concurrency"] = [
             throughput(server.url, n, args.seconds, tokens, lengths, pl) for n in (1, 4, 8)
         ]
+        server.stop()
+        result["data_parallel"] = [
+            dp_throughput(root, model, int(dp), args.dp_rows, args.dp_train_rows, args.seq, args.seconds)
+            for dp in args.dp_sizes.split(",")
+            if dp.strip()
+        ]
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -295,6 +394,14 @@ def main() -> None:
     print(f"{'threads':>8s} {'req/s':>10s} {'rows/s':>10s}")
     for c in result["concurrency"]:
         print(f"{c['threads']:8d} {c['requests_per_s']:10.1f} {c['rows_per_s']:10.1f}")
+    for d in result["data_parallel"]:
+        i, t = d["infer"], d["train"]
+        print(
+            f"critic throughput DP={d['data_parallel_size']}: infer {i['rows_per_s']:.1f} rows/s "
+            f"({i['clients']} clients x [{i['rows_per_request']}, {args.seq}], "
+            f"{i['requests_per_execution_mean']:.2f} requests/execution, max {i['requests_per_execution_max']}), "
+            f"train {t['rows_per_s']:.1f} rows/s ([{t['rows_per_step']}, {args.seq}] per step)"
+        )
 
 
 if __name__ == "__main__":

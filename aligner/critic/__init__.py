@@ -24,7 +24,9 @@ The server:
   optimiser and the reward source behind one lock (no PyTriton), composed of
 - :mod:`aligner.critic.exactly_once`: each train step id applied once, in order, and the kept results;
 - :mod:`aligner.critic.value_update`: the forward and the value update, with the infer forward it reuses;
-- :mod:`aligner.critic.peers`: the operations rank 0 broadcasts to the other TP ranks, and the heartbeat;
+- :mod:`aligner.critic.peers`: the operations rank 0 broadcasts to the other ranks, and the heartbeat;
+- :mod:`aligner.critic.replicas`: the data-parallel replicas behind the one front end: each one's
+  rows, and the values gathered back on rank 0;
 - :mod:`aligner.critic.checkpointing`: the critic's checkpoints and the shard exchange between ranks;
 - :mod:`aligner.critic.rewards`: reward functions and reward models, and where the critic's weights
   come from; :mod:`aligner.critic.errors`: the service's errors; :mod:`aligner.critic.metrics`:

@@ -10,9 +10,17 @@ with one file of each kind per TP rank ``r``, named by :func:`aligner.checkpoint
     rng_tp{r}_pp00.safetensors     rank r's random-number states
     complete.json                  written last: the folder counts only with it
 
-Rank 0 alone writes: peers send their shards point to point (every TP shard of a Megatron layer
-has the same shape, so rank 0 knows what to receive). On load rank 0 reads and checks every
-rank's shards before it sends anything, so a bad checkpoint changes nothing on any rank.
+Rank 0 alone writes: the TP peers of its replica send their shards point to point (every TP
+shard of a Megatron layer has the same shape, so rank 0 knows what to receive). On load rank 0
+reads and checks every TP rank's shards before it sends anything, so a bad checkpoint changes
+nothing on any rank.
+
+Data-parallel replicas hold the same weights and optimizer state (every replica takes the same
+step, :mod:`aligner.critic.replicas`), so a checkpoint is replica 0's TP shards, written once,
+and loads at any ``parallel.data_parallel_size``: rank 0 sends TP shard ``t`` to TP rank ``t``
+of every replica. Random states are replica 0's too, and every replica takes them on load (they
+feed only dropout, which the fused forward does not have). ``meta.json`` records the DP size it
+was saved at, for the record; loading does not require it.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from aligner.critic import protocol as P
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import fault_point
 from aligner.critic.peers import PeerLink
+from aligner.critic.replicas import Layout
 from aligner.distributed import ParallelState, recv_json, send_json
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
@@ -75,7 +84,8 @@ class LoadedCheckpoint:
 
     Attributes:
         meta: the step's ``meta.json``.
-        shards: on rank 0 every TP rank's shards (index = TP rank); on a peer its own alone.
+        shards: on rank 0 every TP rank's shards (index = TP rank); on another rank its own
+            TP rank's alone.
     """
 
     meta: dict[str, Any]
@@ -86,7 +96,8 @@ class CriticCheckpoints:
     """The checkpoints of one critic (this rank's ``critic`` shard and its ``optimizer``).
 
     Rank 0 calls :meth:`save`, :meth:`read` and :meth:`apply`; after rank 0 broadcast the
-    operation, peers call :meth:`send_shards` (save) or :meth:`receive` then :meth:`apply` (load).
+    operation, every other rank calls :meth:`send_shards` (save: a no-op outside replica 0) or
+    :meth:`receive` then :meth:`apply` (load). ``layout`` places every global rank.
     """
 
     def __init__(
@@ -98,6 +109,7 @@ class CriticCheckpoints:
         model_cfg: ModelConfig,
         state: ParallelState,
         peers: PeerLink,
+        layout: Layout | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
@@ -106,6 +118,7 @@ class CriticCheckpoints:
         self.model_cfg = model_cfg
         self.state = state
         self.peers = peers
+        self.layout = layout or Layout((0,), (0,))
         self.last_saved = -1
         """The step last saved or loaded; -1 before either."""
 
@@ -137,6 +150,7 @@ class CriticCheckpoints:
             "model_config": self.model_cfg.to_dict(),
             "tensor_model_parallel_size": self.state.tp_size,
             "pipeline_model_parallel_size": 1,
+            "data_parallel_size": self.state.dp_size,
             "optimizer": optim_meta,
             "saved_at": time.time(),
         }
@@ -146,8 +160,8 @@ class CriticCheckpoints:
         ``bookkeeping`` added to its ``meta.json``; then prune. Returns the folder."""
         t0 = time.perf_counter()
         shards = [self._local_shards()]
-        for peer in range(1, self.state.tp_size):
-            shards.append(self._recv_peer_shards(peer, shards[0]))
+        for tp in range(1, self.state.tp_size):
+            shards.append(self._recv_peer_shards(self.layout.rank(0, tp), shards[0]))
         final = self.root / step_dir_name(step) / ROLE
         meta = {**bookkeeping, **self._meta(step)}
         with atomic_directory(final, marker={"step": step, "role": ROLE}) as tmp:
@@ -170,7 +184,10 @@ class CriticCheckpoints:
             prune_checkpoints(self.root, ROLE, saved, self.keep_last, protect={0})
 
     def send_shards(self) -> None:
-        """A peer's part of a save: its shards to rank 0, each kind after its fingerprint."""
+        """A peer's part of a save: its shards to rank 0, each kind after its fingerprint; a rank
+        of another replica than rank 0's sends nothing (its shards are the same)."""
+        if self.state.dp_rank != 0:
+            return
         shards = self._local_shards()
         for kind in sorted(shards):
             tensors = shards[kind]
@@ -185,7 +202,7 @@ class CriticCheckpoints:
             head = self.peers.recv((2,), torch.int64, peer)
             if int(head[0]) != len(own) or int(head[1]) != _hash_keys(own):
                 raise CriticServiceError(
-                    f"TP rank {peer} holds different {kind} tensors than rank 0; cannot save"
+                    f"rank {peer} holds different {kind} tensors than rank 0; cannot save"
                 )
             out[kind] = {}
             for k in sorted(own):
@@ -251,11 +268,12 @@ class CriticCheckpoints:
 
     def apply(self, loaded: LoadedCheckpoint) -> dict[str, Any]:
         """Load the weights, optimizer state and RNG states of ``loaded`` on this rank; rank 0
-        first sends each peer its shards (the peers, in :meth:`receive`). Returns the meta."""
+        first sends every other rank its TP rank's shards (they take them in :meth:`receive`).
+        Returns the meta."""
         meta = loaded.meta
         if self.state.rank == 0:
-            for peer in range(1, self.state.tp_size):
-                self._send_loaded(peer, meta, loaded.shards[peer])
+            for peer in range(1, self.state.world_size):
+                self._send_loaded(peer, meta, loaded.shards[self.layout.tp_rank[peer]])
         mine = loaded.shards[0]
         self.optimizer.load_state_tensors(mine["optim"], meta["optimizer"])
         # The model file holds fp32 weights (the masters) whatever the precision it was saved in.

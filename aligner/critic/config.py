@@ -54,6 +54,9 @@ class ServerConfig:
     """Most rows in one critic_infer request, and in one execution after dynamic batching."""
     max_queue_delay_us: int = 0
     """How long the dynamic batcher waits for more critic_infer requests to merge (microseconds)."""
+    dynamic_batching: bool = True
+    """Whether Triton may merge concurrent critic_infer requests into one execution; false runs
+    each request alone (what merging buys is then measurable: ``server_info``'s ``batching``)."""
     preferred_batch_size: list[int] = field(default_factory=list)
     """Batch sizes the dynamic batcher aims for (empty: as large as possible)."""
     max_request_batch: int = 1024
@@ -71,14 +74,37 @@ class ServerConfig:
 
 @dataclass
 class ParallelSection:
-    """How the critic itself is split across processes (launch with torchrun for TP > 1)."""
+    """How the critic is split across processes (launch with torchrun for TP x DP > 1)."""
 
     tensor_model_parallel_size: int = 1
-    """Megatron tensor parallel size; the world size must equal TP x PP."""
+    """Megatron tensor parallel size: the ranks of one replica of the critic."""
+    data_parallel_size: int = 1
+    """Replicas of the critic behind the one PyTriton front end (on global rank 0): each merged
+    critic_infer batch and each critic_train step is split across them by rows. The world size
+    must equal TP x DP."""
     pipeline_model_parallel_size: int = 1
     """Megatron pipeline parallel size (only 1 is supported by the critic server)."""
     backend: str = "auto"
     """'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
+
+    @property
+    def world_size(self) -> int:
+        """The processes this layout needs: TP x PP x DP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    def world_size_problem(self, world: int) -> str | None:
+        """Why a launch of ``world`` processes does not fit this layout, or None when it does."""
+        if world == self.world_size:
+            return None
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        fix = f"launch with torchrun --nproc_per_node {self.world_size}"
+        if world % (tp * pp) == 0:
+            fix = f"set parallel.data_parallel_size={world // (tp * pp)}, or {fix}"
+        return (
+            f"WORLD_SIZE={world}: expected parallel.tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp} x data_parallel_size={self.data_parallel_size} = "
+            f"{self.world_size}; {fix}"
+        )
 
 
 @dataclass
@@ -252,7 +278,7 @@ class CriticServerConfig:
                 e.append(str(exc))
 
         p = self.parallel
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
             v = getattr(p, key)
             if v < 1:
                 e.append(f"parallel.{key}={v}: expected >= 1")

@@ -6,8 +6,13 @@ reads it like the actor's): ``loss/value``, ``critic/grad_norm``, ``critic/expla
 ``critic/value_clipfrac``, ``timers/critic_train_ms`` and the request statistics since the
 previous row. Request statistics of intervals without training (every ``log.stats_interval_s``,
 and at shutdown) go to ``<log.dir>/requests.jsonl``. Request statistics are
-``server/<model>/requests``, ``.../errors``, ``.../rows``, ``.../latency_ms_mean`` and
-``.../latency_ms_max``.
+``server/<model>/requests`` (requests answered), ``.../executions`` (calls of the model's
+callable: Triton's dynamic batcher may merge several requests into one), ``.../errors``
+(failed executions), ``.../rows``, ``.../requests_per_execution_mean`` and ``..._max``,
+``.../latency_ms_mean`` and ``.../latency_ms_max`` (per execution).
+
+Merging is shown, not assumed: :meth:`RequestStats.batching` keeps, since start-up, how many
+executions merged how many requests (``server_info``'s ``batching``).
 """
 
 from __future__ import annotations
@@ -64,48 +69,96 @@ class MetricsWriter:
 
 
 class RequestStats:
-    """Counts and latencies per model since the last :meth:`snapshot` (thread-safe)."""
+    """Counts and latencies per model since the last :meth:`snapshot`, and since start-up
+    (thread-safe). One :meth:`record` per execution of a model's callable, which may have
+    answered several requests that Triton merged."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reset()
         self.totals: dict[str, int] = {}
+        """Requests answered per model since start-up."""
+        self.total_executions: dict[str, int] = {}
+        """Executions per model since start-up."""
         self.total_seconds: dict[str, float] = {}
+        """Seconds spent in executions per model since start-up."""
+        self.total_rows: dict[str, int] = {}
+        """Rows answered per model since start-up."""
+        self.merged: dict[str, dict[int, int]] = {}
+        """Per model, since start-up: requests in one execution -> how many executions had that many."""
 
     def _reset(self) -> None:
-        self._count: dict[str, int] = {}
+        self._executions: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
         self._errors: dict[str, int] = {}
         self._rows: dict[str, int] = {}
+        self._merged_max: dict[str, int] = {}
         self._lat_sum: dict[str, float] = {}
         self._lat_max: dict[str, float] = {}
 
-    def record(self, model: str, seconds: float, ok: bool, rows: int = 0) -> None:
+    def record(self, model: str, seconds: float, ok: bool, rows: int = 0, requests: int = 1) -> None:
+        """One execution of ``model`` that took ``seconds``, answered ``requests`` requests (more
+        than one when Triton merged them) with ``rows`` rows in all, or failed (``ok`` False)."""
+
+        def add(d: dict, key, n) -> None:
+            d[key] = d.get(key, 0) + n
+
         with self._lock:
-            self._count[model] = self._count.get(model, 0) + 1
-            self.totals[model] = self.totals.get(model, 0) + 1
-            self.total_seconds[model] = self.total_seconds.get(model, 0.0) + seconds
+            add(self._executions, model, 1)
+            add(self._requests, model, requests)
+            add(self.totals, model, requests)
+            add(self.total_executions, model, 1)
+            add(self.total_seconds, model, seconds)
+            add(self.total_rows, model, rows)
+            add(self.merged.setdefault(model, {}), requests, 1)
             if not ok:
-                self._errors[model] = self._errors.get(model, 0) + 1
-            self._rows[model] = self._rows.get(model, 0) + rows
-            self._lat_sum[model] = self._lat_sum.get(model, 0.0) + seconds
+                add(self._errors, model, 1)
+            add(self._rows, model, rows)
+            self._merged_max[model] = max(self._merged_max.get(model, 0), requests)
+            add(self._lat_sum, model, seconds)
             self._lat_max[model] = max(self._lat_max.get(model, 0.0), seconds)
 
     def lifetime(self) -> dict[str, dict[str, float]]:
-        """Requests and total seconds spent in the server per model since start-up."""
+        """Requests, executions and total seconds spent in executions per model since start-up."""
         with self._lock:
             return {
-                m: {"requests": n, "seconds": round(self.total_seconds.get(m, 0.0), 6)}
+                m: {
+                    "requests": n,
+                    "executions": self.total_executions.get(m, 0),
+                    "seconds": round(self.total_seconds.get(m, 0.0), 6),
+                }
                 for m, n in self.totals.items()
+            }
+
+    def batching(self, model: str) -> dict[str, object]:
+        """How the executions of ``model`` merged requests since start-up: ``executions``,
+        ``requests``, ``rows``, ``requests_per_execution_mean`` and ``_max``, and
+        ``requests_per_execution``, a histogram (requests in one execution, as a string -> how
+        many executions had that many)."""
+        with self._lock:
+            hist = dict(sorted(self.merged.get(model, {}).items()))
+            executions = self.total_executions.get(model, 0)
+            requests = self.totals.get(model, 0)
+            return {
+                "executions": executions,
+                "requests": requests,
+                "rows": self.total_rows.get(model, 0),
+                "requests_per_execution_mean": round(requests / executions, 4) if executions else 0.0,
+                "requests_per_execution_max": max(hist, default=0),
+                "requests_per_execution": {str(k): v for k, v in hist.items()},
             }
 
     def snapshot(self) -> dict[str, float | int]:
         """The interval's statistics as metric names -> values, and start a new interval."""
         with self._lock:
             out: dict[str, float | int] = {}
-            for m, n in self._count.items():
-                out[f"server/{m}/requests"] = n
+            for m, n in self._executions.items():
+                out[f"server/{m}/requests"] = self._requests.get(m, 0)
+                out[f"server/{m}/executions"] = n
                 out[f"server/{m}/errors"] = self._errors.get(m, 0)
                 out[f"server/{m}/rows"] = self._rows.get(m, 0)
+                out[f"server/{m}/requests_per_execution_mean"] = round(self._requests.get(m, 0) / n, 4)
+                out[f"server/{m}/requests_per_execution_max"] = self._merged_max.get(m, 0)
                 out[f"server/{m}/latency_ms_mean"] = round(1000 * self._lat_sum[m] / n, 3)
                 out[f"server/{m}/latency_ms_max"] = round(1000 * self._lat_max[m], 3)
             self._reset()

@@ -1,15 +1,18 @@
-"""The line from rank 0 of a tensor-parallel critic server to its other TP ranks.
+"""The line from rank 0 of a critic server to its other ranks.
 
-Under ``torchrun --nproc_per_node N ... parallel.tensor_model_parallel_size=N`` every rank holds
-a TP shard of the critic (and of the reward model). Rank 0 owns PyTriton; before each operation
-it broadcasts a fixed-size header (op code, batch, length, step) and then the request's arrays
-over the default group (gloo on CPU, NCCL on GPUs), and the peers, waiting in
-:meth:`PeerLink.operations`, run the same forward, backward and optimiser step. Requests are
-validated on rank 0 *before* anything is broadcast, so peers only ever see valid work.
+Under ``torchrun --nproc_per_node N ... parallel.tensor_model_parallel_size=TP
+parallel.data_parallel_size=DP`` (N = TP x DP) every rank holds a TP shard of the critic (and of
+the reward model), in one of DP replicas. Rank 0 owns PyTriton; before each operation it
+broadcasts a fixed-size header (op code, batch, length, step) and then the request's arrays
+over the default group (gloo on CPU, NCCL on GPUs) to every rank, and the others, waiting in
+:meth:`PeerLink.operations`, run their part of the same forward, backward and optimiser step
+(each replica its rows of it: :mod:`aligner.critic.replicas`). Requests are validated on rank 0
+*before* anything is broadcast, so peers only ever see valid work.
 
 Idle peers would hit the collective timeout, so rank 0 broadcasts a ping every
-:data:`HEARTBEAT_S` seconds when nothing else happens. Checkpoint shards travel point to point
-(:meth:`PeerLink.send`, :meth:`PeerLink.recv`). In a world of one nothing is sent.
+:data:`HEARTBEAT_S` seconds when nothing else happens. Checkpoint shards and the values of the
+other replicas travel point to point (:meth:`PeerLink.send`, :meth:`PeerLink.recv`). In a world
+of one nothing is sent.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Received:
 
 
 class PeerLink:
-    """Rank 0's broadcasts to its TP peers and the peers' side of them.
+    """Rank 0's broadcasts to every other rank, and their side of them.
 
     ``lock`` is the service's: the heartbeat takes it, so a ping never falls between an
     operation's header and its arrays.
@@ -85,7 +88,7 @@ class PeerLink:
         self._heartbeat: threading.Thread | None = None
         if state.rank == 0 and state.world_size > 1:
             self._heartbeat = threading.Thread(
-                target=self._heartbeat_loop, name="critic-tp-heartbeat", daemon=True
+                target=self._heartbeat_loop, name="critic-peer-heartbeat", daemon=True
             )
             self._heartbeat.start()
 

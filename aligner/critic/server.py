@@ -4,6 +4,8 @@ PyTriton and runs its lifecycle.
     python -m aligner.critic.server                                  # READY grpc://127.0.0.1:8001
     aligner-serve-critic server.grpc_port=9001 reward.fn=aligner.tasks.digits:copy_reward
     torchrun --nproc_per_node 2 -m aligner.critic.server parallel.tensor_model_parallel_size=2
+    torchrun --nproc_per_node 4 -m aligner.critic.server parallel.tensor_model_parallel_size=2 \
+        parallel.data_parallel_size=2
 
 Configuration: ``critic.yaml`` of :mod:`aligner.configs` (package data, so an installed package
 finds it), backed by :class:`~aligner.critic.config.CriticServerConfig`: overrides go on the
@@ -26,6 +28,16 @@ sending) to retry. A request the reward function fails on is no such case: the o
 they would alone, and the failing one gets its message in its ``error`` output (alone in its
 execution, as its error). Training, save and load are never batched, so their errors are their
 own; their run token and fencing are the service's checks.
+
+Batching is shown, not assumed. ``critic_infer`` is bound with Triton's dynamic batcher
+(``server.max_queue_delay_us``, ``server.preferred_batch_size``; ``server.dynamic_batching=false``
+binds it without one, so that every request runs alone), and every execution records how many
+requests it answered: ``server_info``'s ``batching`` (a histogram since start-up) and the
+``server/critic_infer/requests_per_execution_*`` metrics (:mod:`aligner.critic.metrics`).
+
+Replicas. With ``parallel.data_parallel_size`` > 1 this one front end serves TP x DP ranks: the
+rows of each execution are split across the replicas, and each training step's gradients are
+summed over them (:mod:`aligner.critic.replicas`). The world size must be TP x DP.
 
 Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.critic.faults`),
 builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, warns
@@ -113,6 +125,8 @@ class CriticTritonServer:
     # ------------------------------------------------------------------------------------------
 
     def _timed(self, model: str, fn, requests) -> list[dict[str, np.ndarray]]:
+        """Run ``fn`` on one execution's ``requests`` and record it (time, rows, how many
+        requests Triton merged into it)."""
         t0 = time.perf_counter()
         ok = False
         rows = 0
@@ -125,7 +139,7 @@ class CriticTritonServer:
             log.warning("%s rejected: %s", model, e)
             raise
         finally:
-            self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows)
+            self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows, len(requests))
 
     def infer_fn(self, requests) -> list[dict[str, np.ndarray]]:
         return self._timed(P.INFER, self._infer, requests)
@@ -263,9 +277,15 @@ class CriticTritonServer:
         }
         for name, spec in P.MODELS.items():
             if spec.batched:
-                batcher = DynamicBatcher(
-                    max_queue_delay_microseconds=s.max_queue_delay_us,
-                    preferred_batch_size=list(s.preferred_batch_size) or None,
+                # Without a dynamic batcher Triton still takes [b, ...] inputs but runs every
+                # request alone.
+                batcher = (
+                    DynamicBatcher(
+                        max_queue_delay_microseconds=s.max_queue_delay_us,
+                        preferred_batch_size=list(s.preferred_batch_size) or None,
+                    )
+                    if s.dynamic_batching
+                    else None
                 )
                 mc = ModelConfig(batching=True, max_batch_size=s.max_batch_size, batcher=batcher)
             else:
@@ -371,7 +391,9 @@ def _is_loopback(host: str) -> bool:
 def run_server(cfg: CriticServerConfig) -> int:
     """Run the critic server until SIGTERM/SIGINT; returns the process exit code.
 
-    Under torchrun, rank 0 serves and ranks > 0 follow it (see :mod:`aligner.critic.peers`).
+    Under torchrun, rank 0 serves and ranks > 0 follow it (see :mod:`aligner.critic.peers`):
+    the TP peers of its replica and, with ``parallel.data_parallel_size`` > 1, the ranks of the
+    other replicas (:mod:`aligner.critic.replicas`).
     """
     import torch
 
@@ -397,15 +419,9 @@ def run_server(cfg: CriticServerConfig) -> int:
         return 2
 
     p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != p.tensor_model_parallel_size * p.pipeline_model_parallel_size:
-        print(
-            f"critic server: WORLD_SIZE={world} but parallel.tensor_model_parallel_size="
-            f"{p.tensor_model_parallel_size} x pipeline_model_parallel_size={p.pipeline_model_parallel_size}; "
-            f"launch with torchrun --nproc_per_node {p.tensor_model_parallel_size * p.pipeline_model_parallel_size}",
-            file=sys.stderr,
-            flush=True,
-        )
+    problem = p.world_size_problem(int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        print(f"critic server: {problem}", file=sys.stderr, flush=True)
         return 2
     state = initialize(
         ParallelConfig(

@@ -12,14 +12,18 @@ models and composes one collaborator per concern:
   and the kept results that answer repeats;
 - :class:`~aligner.critic.value_update.ValueUpdate`: the forward and the value update, with the
   infer forward a train may reuse;
-- :class:`~aligner.critic.peers.PeerLink`: the operations rank 0 broadcasts to the other TP ranks
+- :class:`~aligner.critic.peers.PeerLink`: the operations rank 0 broadcasts to the other ranks
   (and the heartbeat that keeps idle peers within the collective timeout);
+- :class:`~aligner.critic.replicas.Replicas`: under data parallelism, each replica's rows of an
+  infer and the values gathered back on rank 0 (a train splits its rows in the update itself);
 - :class:`~aligner.critic.checkpointing.CriticCheckpoints`: save, prune, read and apply, with the
   shard exchange between ranks.
 
-Tensor parallelism. Rank 0 owns PyTriton and calls the public methods; the other TP ranks call
+Tensor and data parallelism. Rank 0 owns PyTriton and calls the public methods; every other
+rank (the TP peers of rank 0 and the ranks of the other replicas) calls
 :meth:`CriticService.serve_peers`, which runs what rank 0 broadcasts until it calls
-:meth:`CriticService.close`.
+:meth:`CriticService.close`. The rules (run token, exactly once, fencing) are checked on rank 0
+alone, before anything is broadcast, so they hold for every replica at once.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from aligner.critic.exactly_once import AppliedSteps
 from aligner.critic.faults import fault_point
 from aligner.critic.metrics import MetricsWriter, RequestStats
 from aligner.critic.peers import Op, PeerLink
+from aligner.critic.replicas import Layout, Replicas
 from aligner.critic.rewards import (
     RewardFunctionError,
     load_policy_trunk,
@@ -75,6 +80,7 @@ class CriticService:
         self.cfg = cfg
         self.state = state
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.dp_rank, self.dp_size = state.dp_rank, state.dp_size
         self.is_rank0 = state.rank == 0
         self.device = state.device
         self.metrics = metrics
@@ -149,16 +155,19 @@ class CriticService:
         )
         if self.is_rank0:
             log.info(
-                "critic ready: %s, init=%s, reward fn=%s, reward model=%s, TP=%d, precision=%s",
+                "critic ready: %s, init=%s, reward fn=%s, reward model=%s, TP=%d, DP=%d, precision=%s",
                 self.model_cfg,
                 self.init_source,
                 cfg.reward.fn,
                 cfg.reward.model_path or cfg.reward.hf_path,
                 self.tp_size,
+                self.dp_size,
                 self.precision,
             )
-        # Last: on rank 0 of a TP world this starts the heartbeat.
+        layout = Layout.gather(state)  # collective: before the heartbeat can broadcast
+        # On rank 0 of a world of several ranks this starts the heartbeat.
         self.peers = PeerLink(state, self._lock)
+        self.replicas = Replicas(state, layout, self.peers, self.update)
         self.checkpoints = CriticCheckpoints(
             self.checkpoint_root,
             cfg.checkpoint.keep_last,
@@ -167,6 +176,7 @@ class CriticService:
             self.model_cfg,
             state,
             self.peers,
+            layout,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -252,11 +262,20 @@ class CriticService:
                 "model": self.rm_cfg.to_dict() if self.rm_cfg is not None else None,
             },
             model=self.model_cfg.to_dict(),
-            parallel={"tensor_model_parallel_size": self.tp_size, "pipeline_model_parallel_size": 1},
+            parallel={
+                "tensor_model_parallel_size": self.tp_size,
+                "pipeline_model_parallel_size": 1,
+                "data_parallel_size": self.dp_size,
+            },
             last_saved_step=self.last_saved_step,
             checkpoint_steps=self.checkpoints.steps(),
             instance_id=self.instance_id,
             run_token_required=self.run_token is not None,
+            batching={
+                "dynamic_batching": c.server.dynamic_batching,
+                "max_queue_delay_us": c.server.max_queue_delay_us,
+                **self.request_stats.batching(P.INFER),
+            },
             extra={
                 "init_source": self.init_source,
                 "pid": os.getpid(),
@@ -289,7 +308,8 @@ class CriticService:
 
     def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse | RewardFunctionError]:
         """Score several *validated* requests (e.g. merged by Triton's batcher) in as few forwards
-        as possible: requests of the same padded length share one forward.
+        as possible: requests of the same padded length share one forward, whose rows are split
+        across the data-parallel replicas.
 
         A request whose samples the reward function fails on gets its
         :class:`~aligner.critic.rewards.RewardFunctionError` in its place; the others get their
@@ -306,7 +326,7 @@ class CriticService:
                 tokens = np.concatenate([requests[i].tokens for i in idx])  # [b, s]
                 lengths = np.concatenate([requests[i].lengths for i in idx])  # [b]
                 self.peers.broadcast(Op.INFER, tokens, lengths)
-                values, scores = self.update.forward(tokens, lengths)
+                values, scores = self.replicas.forward(tokens, lengths)
                 computed.append((idx, values, scores))
             fault_point("infer", self.critic_step)
             self.peers.touch()
@@ -491,7 +511,7 @@ class CriticService:
         self.applied.restore(P.critic_step_after_load(int(meta["step"])), meta["results"])
 
     # ------------------------------------------------------------------------------------------
-    # Peers (TP ranks > 0)
+    # Peers (every rank but 0)
     # ------------------------------------------------------------------------------------------
 
     def serve_peers(self) -> None:
@@ -499,12 +519,12 @@ class CriticService:
         assert not self.is_rank0
         for r in self.peers.operations():
             if r.op == Op.INFER:
-                self.update.forward(*r.arrays)
+                self.replicas.forward(*r.arrays)
             elif r.op == Op.TRAIN:
                 try:
                     self.applied.record(r.step, self.update.train_step(P.TrainRequest(*r.arrays, r.step)))
                 except CriticServiceError as e:  # rank 0 fails the same way and reports it
-                    log.warning("TP rank %d: %s", self.state.rank, e)
+                    log.warning("rank %d: %s", self.state.rank, e)
             elif r.op == Op.SAVE:
                 self.checkpoints.send_shards()
             elif r.op == Op.LOAD:

@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from aligner.critic import protocol as P
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import fault_point
-from aligner.distributed import ParallelState
+from aligner.critic.replicas import row_slices
+from aligner.distributed import ParallelState, comm_device
 from aligner.models.gpt import sequence_scores, token_values
 from aligner.rl import explained_variance, loss_start, value_loss
 
@@ -106,25 +108,69 @@ class ValueUpdate:
         st = self.state
         return self.optimizer.clip_grad_norm(max_norm, st.tp_group, st.tp_size, st.tp_rank)
 
+    def _share(self, mask: torch.Tensor, idx: torch.Tensor, mine: torch.Tensor) -> tuple[float, float]:
+        """This replica's share of a minibatch ``idx`` (its rows ``mine``): of its loss (tokens
+        for ``token_mean``, rows for ``seq_mean_token_mean``; every row has a response token)
+        and of its tokens (what ``value_clipfrac`` is a mean over)."""
+        tokens_all = float(mask[idx].sum())
+        tokens_mine = float(mask[mine].sum()) if mine.numel() else 0.0
+        token_share = tokens_mine / tokens_all if tokens_all > 0 else 0.0
+        if self.optim.loss_agg == "token_mean":
+            return token_share, token_share
+        return mine.numel() / idx.numel(), token_share
+
+    def _sum_over_replicas(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum the master gradients and ``stats`` (a 1-D float64 tensor) over the data-parallel
+        group, in one collective; every replica gets the same bits. A replica without rows in
+        this minibatch adds zeros."""
+        st = self.state
+        opt = self.optimizer
+        opt.copy_grads_to_master()
+        grads = []
+        for m in opt.master_params:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            grads.append(m.grad)
+        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads] + [stats.to(torch.float64)])
+        flat = flat.to(comm_device())
+        dist.all_reduce(flat, group=st.dp_group)
+        flat = flat.to(grads[0].device)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return flat[offset:]
+
     def train_step(self, req: P.TrainRequest) -> P.TrainResult:
         """Apply ``req`` (validated): every epoch and minibatch, on every TP rank alike.
+
+        Under data parallelism every rank receives the whole batch; in each minibatch replica
+        ``r`` takes its rows (:func:`~aligner.critic.replicas.row_slices` of the minibatch's
+        rows), and the gradients are summed over the replicas weighted by their share of the
+        minibatch's loss (:meth:`_share`), in fp64: the step equals the DP=1 step on the whole
+        minibatch up to float rounding, and is the same on every replica.
 
         A non-finite loss or gradient norm skips that optimiser step; in the first minibatch it
         fails the step with nothing applied (:class:`CriticServiceError`).
         """
         o = self.optim
-        dev = self.state.device
+        st = self.state
+        dev = st.device
         tokens = torch.from_numpy(np.ascontiguousarray(req.tokens)).to(dev)  # [b, s]
         returns = torch.from_numpy(np.ascontiguousarray(req.returns)).to(dev)  # [b, s-1]
         old_values = torch.from_numpy(np.ascontiguousarray(req.old_values)).to(dev)  # [b, s-1]
         mask = torch.from_numpy(np.ascontiguousarray(req.mask)).to(dev)  # [b, s-1]
         b = tokens.shape[0]
-        # Same permutation on every TP rank: the generator depends on (seed, step, epoch) only.
+        replicated = st.dp_size > 1
+        # Same permutation on every rank: the generator depends on (seed, step, epoch) only.
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + req.step)
-        kept = self._take_kept(req.tokens) if o.num_minibatches == 1 else None
+        kept = None
+        if o.num_minibatches == 1:  # the first minibatch is every row in order: this replica's slice
+            kept = self._take_kept(req.tokens[row_slices(b, st.dp_size)[st.dp_rank]])
         # Values before the first masked position feed no loss: after the first pass the last
         # layer starts there. The first pass is the infer forward (kept or recomputed the same
-        # way, so that reusing it changes nothing), which covers every position.
+        # way, so that reusing it changes nothing), which covers every position. Taken over the
+        # whole batch, so that every replica computes the positions DP=1 computes.
         start = loss_start(mask)
         if kept is not None:
             self.reused_forwards += 1
@@ -136,31 +182,46 @@ class ValueUpdate:
             for idx in torch.tensor_split(perm, o.num_minibatches):
                 if idx.numel() == 0:
                     continue
-                if epoch == 0 and kept is not None:  # one minibatch: idx is every row, in order
-                    values = kept
-                else:
-                    values = token_values(self.critic, tokens[idx], start if epoch else 0)  # [mb, s-1]
-                loss, stats = value_loss(
-                    values,
-                    old_values[idx],
-                    returns[idx],
-                    mask[idx],
-                    clip_eps=o.value_clip_eps,
-                    agg=o.loss_agg,
-                )
-                if epoch == 0:
-                    first_pass_values[idx] = values.detach()
+                mine = idx[row_slices(idx.numel(), st.dp_size)[st.dp_rank]]  # this replica's rows
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss_share, token_share = self._share(mask, idx, mine) if replicated else (1.0, 1.0)
+                loss = clipfrac = torch.zeros((), dtype=torch.float32, device=dev)
+                if mine.numel():
+                    if epoch == 0 and kept is not None:  # one minibatch: mine is this replica's slice
+                        values = kept
+                    else:
+                        values = token_values(self.critic, tokens[mine], start if epoch else 0)  # [mb, s-1]
+                    loss, stats = value_loss(
+                        values,
+                        old_values[mine],
+                        returns[mine],
+                        mask[mine],
+                        clip_eps=o.value_clip_eps,
+                        agg=o.loss_agg,
+                    )
+                    clipfrac = stats["value_clipfrac"]
+                    if epoch == 0:
+                        first_pass_values[mine] = values.detach()
+                    # At DP=1 the share is 1 and the loss is left as it is (bit for bit).
+                    (loss * loss_share if replicated else loss).backward()
                 fault_point("train", req.step)  # tests only: a crash mid-step (aligner.critic.faults)
+                loss_value, clipfrac_value = loss.item(), float(clipfrac)
+                if replicated:
+                    # The minibatch's loss and clip fraction: the replicas' shares of them, summed.
+                    summed = self._sum_over_replicas(
+                        torch.tensor(
+                            [loss_value * loss_share, clipfrac_value * token_share], dtype=torch.float64
+                        )
+                    )
+                    loss_value, clipfrac_value = float(summed[0]), float(summed[1])
                 norm = self._grad_norm_and_clip(o.grad_clip or None)
-                if not (math.isfinite(norm) and math.isfinite(loss.item())):
-                    # Every TP rank sees the same (all-reduced) norm and loss, so all skip together.
+                if not (math.isfinite(norm) and math.isfinite(loss_value)):
+                    # Every rank sees the same (all-reduced) norm and loss, so all skip together.
                     self.optimizer.zero_grad(set_to_none=True)
                     if not losses:
                         self.critic.eval()
                         raise CriticServiceError(
-                            f"train step {req.step}: non-finite loss {loss.item()} or gradient norm {norm}; "
+                            f"train step {req.step}: non-finite loss {loss_value} or gradient norm {norm}; "
                             "nothing was applied"
                         )
                     log.warning(
@@ -170,11 +231,15 @@ class ValueUpdate:
                     )
                     continue
                 self.optimizer.step()
-                losses.append(loss.item())
+                losses.append(loss_value)
                 norms.append(norm)
-                clipfracs.append(float(stats["value_clipfrac"]))
+                clipfracs.append(clipfrac_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.critic.eval()
+        if replicated:  # each replica filled its own rows; the others are zero
+            first_pass_values = first_pass_values.to(comm_device())
+            dist.all_reduce(first_pass_values, group=st.dp_group)
+            first_pass_values = first_pass_values.to(dev)
         ev = float(explained_variance(first_pass_values, returns, mask))
         return P.TrainResult(
             loss=float(np.mean(losses)),

@@ -188,7 +188,8 @@ class ServerInfo:
     model: dict[str, Any] = field(default_factory=dict)
     """The critic's ModelConfig."""
     parallel: dict[str, int] = field(default_factory=dict)
-    """Tensor/pipeline parallel sizes."""
+    """Tensor, pipeline and data parallel sizes (``data_parallel_size``: the critic's replicas
+    behind this one address; absent from servers older than it, which had one)."""
     last_saved_step: int = -1
     """Newest step this server saved or loaded (-1: none)."""
     checkpoint_steps: list[int] = field(default_factory=list)
@@ -197,6 +198,11 @@ class ServerInfo:
     """A random hex id made once per server process start: another one means another process."""
     run_token_required: bool = False
     """Whether critic_train, critic_save and critic_load need the run token."""
+    batching: dict[str, Any] = field(default_factory=dict)
+    """How Triton merged critic_infer requests since start-up (empty from servers older than
+    it): ``dynamic_batching``, ``max_queue_delay_us``, ``executions``, ``requests``, ``rows``,
+    ``requests_per_execution_mean`` and ``_max``, and ``requests_per_execution``, a histogram
+    (requests in one execution, as a string -> executions that merged that many)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else (pid, start time, optimizer settings)."""
 

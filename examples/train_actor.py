@@ -73,6 +73,7 @@ def run(cfg: ActorConfig) -> dict:
 
     state = distributed.initialize(cfg.parallel, seed=cfg.seed)
     tune_allocator(state.device.type)  # keep freed activations in the heap on CPU runs
+    engine = None
     try:
         log = state.is_logging_rank
         critic = RemoteCriticClient(
@@ -118,18 +119,37 @@ def run(cfg: ActorConfig) -> dict:
         )
         # Decided before anything is logged; a fresh start resets a trained server's critic.
         resume_dir = checkpointer.resolve_resume()
-        engine = NativeEngine(
-            policy,
-            tokenizer,
-            parallel_state=state,
-            vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
-            num_threads=cfg.generation.num_threads,
-            decode_step=cfg.generation.decode_step,
-            # Its own layout and dtype (None: the training TP, the policy's dtype); any other
-            # than the training one makes the engine own a copy that each refit reshards into.
-            generation_tp=cfg.generation.tensor_parallel_size,
-            dtype=cfg.generation.dtype,
-        )
+        if cfg.generation.engine == "trtllm":
+            from aligner.generation.trtllm import TrtllmEngine
+
+            # Group rank 0 of each tensor-parallel group owns an engine on the group's GPUs; the
+            # other ranks send it their weights and receive its outputs.
+            engine = TrtllmEngine(
+                cfg.model,
+                pad_id=tokenizer.pad_id,
+                eos_id=tokenizer.eos_id,
+                dp_rank=state.dp_rank,
+                tensor_parallel_size=state.tp_size,
+                group=state.tp_group if state.tp_size > 1 else None,
+                config=cfg.generation.trtllm,
+                workdir=cfg.logging.run_dir,
+                tokenizer=tokenizer,
+                sample_vocab_size=getattr(tokenizer, "sample_vocab_size", None),
+                device=state.device,
+            )
+        else:
+            engine = NativeEngine(
+                policy,
+                tokenizer,
+                parallel_state=state,
+                vocab_size=getattr(tokenizer, "sample_vocab_size", tokenizer.vocab_size),
+                num_threads=cfg.generation.num_threads,
+                decode_step=cfg.generation.decode_step,
+                # Its own layout and dtype (None: the training TP, the policy's dtype); any other
+                # than the training one makes the engine own a copy that each refit reshards into.
+                generation_tp=cfg.generation.tensor_parallel_size,
+                dtype=cfg.generation.dtype,
+            )
         balance = cfg.data.balance_dp and state.dp_size > 1
         sampler = PromptSampler(
             prompts,
@@ -231,6 +251,9 @@ def run(cfg: ActorConfig) -> dict:
             dist.barrier()
         return summary
     finally:
+        close = getattr(engine, "close", None)  # an engine in processes of its own (TensorRT-LLM)
+        if close is not None:
+            close()
         distributed.destroy()
 
 

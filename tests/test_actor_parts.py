@@ -182,6 +182,31 @@ def test_a_restarted_error_crosses_to_other_ranks_as_json():
     assert CriticRestartedError("u", None, None, call="c", reason="r").critic_step is None
 
 
+def test_generation_engine_and_layout_are_checked_against_the_parallel_layout():
+    def problems(**over):
+        cfg = ActorConfig()
+        for key, value in over.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return "\n".join(cfg.problems())
+
+    assert "generation.engine='vllm': expected one of ['native', 'trtllm']" in problems(
+        generation__engine="vllm"
+    )
+    msg = problems(generation__engine="trtllm", parallel__pipeline_model_parallel_size=2)
+    assert "generation.engine='trtllm': expected 'native' with parallel.pipeline_model_parallel_size=2" in msg
+    msg = problems(generation__engine="trtllm", generation__tensor_parallel_size=2)
+    assert "generation.tensor_parallel_size=2: expected null or 1 with generation.engine=trtllm" in msg
+    msg = problems(generation__tensor_parallel_size=3, parallel__tensor_model_parallel_size=2)
+    assert "generation.tensor_parallel_size=3" in msg
+    # The TensorRT-LLM engine's own settings are checked only when it is chosen.
+    bad = ActorConfig()
+    bad.generation.trtllm.bucket_mb = -1
+    assert not any("trtllm" in m for m in bad.problems())
+    bad.generation.engine = "trtllm"
+    assert any(m.startswith("generation.trtllm.bucket_mb=-1") for m in bad.problems())
+
+
 # -- prompts -----------------------------------------------------------------------------------
 
 

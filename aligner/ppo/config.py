@@ -14,8 +14,12 @@ from typing import Any
 from aligner.config_checks import Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.engine import DECODE_STEPS, SamplingParams, sampling_problems
+from aligner.generation.trtllm import TrtllmConfig
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
 from aligner.optim import OptimConfig
+
+ENGINES = ("native", "trtllm")
+"""The generation engines ``generation.engine`` names."""
 
 __all__ = [
     "ActorConfig",
@@ -113,6 +117,12 @@ class GenerationConfig:
     dtype: str | None = None
     """The dtype the engine generates in: 'bf16' or 'fp32' (another than the policy's makes the
     engine own a copy of the weights); null: the policy's compute dtype."""
+    engine: str = "native"
+    """'native': the KV-cache decoder over the policy's weights or its own copy (CPU and GPU);
+    'trtllm': TensorRT-LLM's PyTorch backend, refitted from the weight stream every step (CUDA
+    and NVIDIA's container only: docs/trtllm.md)."""
+    trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
+    """The TensorRT-LLM engine's settings (read with ``engine: trtllm``)."""
 
     def _sampling_fields(self) -> dict[str, Any]:
         """The fields this config shares with :class:`SamplingParams`, by name."""
@@ -141,6 +151,9 @@ class GenerationConfig:
             self.dtype,
             f"one of {list(ENGINE_DTYPES)}, or null for the policy's dtype",
         )
+        p.expect(self.engine in ENGINES, f"{prefix}.engine", self.engine, f"one of {list(ENGINES)}")
+        if self.engine == "trtllm":
+            p += self.trtllm.problems(f"{prefix}.trtllm")
         return p
 
     def layout_problems(
@@ -489,6 +502,21 @@ class ActorConfig:
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         e += [f"model: {m}" for m in self.model.problems(tp, pp)]
         e += self.generation.layout_problems(self.parallel, self.model)
+        if self.generation.engine == "trtllm":
+            g = self.generation
+            e.expect(
+                pp == 1,
+                "generation.engine",
+                g.engine,
+                f"'native' with parallel.pipeline_model_parallel_size={pp} (the TensorRT-LLM engine spans "
+                "one tensor-parallel group; pipeline-parallel actors generate with the native engine)",
+            )
+            e.expect(
+                g.tensor_parallel_size in (None, tp),
+                "generation.tensor_parallel_size",
+                g.tensor_parallel_size,
+                f"null or {tp} with generation.engine=trtllm (its engine spans the training TP group)",
+            )
         return e
 
     def parallel_problems(self, world_size: int) -> Problems:

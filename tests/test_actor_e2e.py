@@ -1,8 +1,10 @@
 """The actor end to end against a real critic/reward server (PyTriton on a free loopback port).
 
-Learning is tested for real: copy and reverse must reach a mean reward of 0.9; the same run
-with the policy-gradient sign flipped must stay near chance; a larger KL coefficient must end
-with a smaller KL. Each run gets a fresh server (step ids restart at 1 with every run).
+Learning is tested for real: copy (through the command line at DP=2, and at PP=2 generating in
+a layout of its own) and reverse must reach a mean reward of 0.85-0.9 from under 0.3; the same
+run with the policy-gradient sign flipped must stay near chance; a larger KL coefficient must end
+with a smaller KL. TP=2 x DP=2 on four processes rolls out as DP=2 does. Each run gets a fresh
+server (step ids restart at 1 with every run).
 """
 
 from __future__ import annotations
@@ -69,6 +71,40 @@ def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]
     return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
 
 
+def _torchrun(nproc: int, url: str, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    from aligner.distributed import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "examples" / "train_actor.py"),
+        f"critic.url={url}",
+        f"logging.run_dir={run_dir}",
+        *overrides,
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=str(ROOT),
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
+
+
+def _critic_step(url: str) -> int:
+    from aligner.critic.client import RemoteCriticClient
+
+    with RemoteCriticClient(url, timeout_s=30) as c:
+        return int(c.server_info().critic_step)
+
+
 def _check_hf_export(folder: Path, task: str) -> None:
     """transformers loads the exported policy and, greedily, answers the task."""
     import torch
@@ -100,22 +136,26 @@ def _best_window(rows: list[dict], n: int = 5) -> float:
 @pytest.mark.slow
 @pytest.mark.server
 @pytest.mark.subprocess
+@pytest.mark.multiprocess
 def test_copy_is_learned_through_the_entry_point(tmp_path):
-    """The real command line: a subprocess running examples/train_actor.py."""
+    """The real command line at DP=2: torchrun runs examples/train_actor.py on two processes,
+    each generating half of every step's prompts; the critic's batch is gathered and sent once
+    per step (the server's critic step ends equal to the actor's)."""
     with _server(tmp_path, "copy") as server:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [
-            sys.executable,
-            str(ROOT / "examples" / "train_actor.py"),
-            f"critic.url={server.url}",
-            f"logging.run_dir={tmp_path / 'run'}",
-            "data.task=copy",
-            "ppo.num_steps=120",
-            f"checkpoint.export_hf={tmp_path / 'hf'}",
-            *FAST,
-        ]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(ROOT))
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        out = _torchrun(
+            2,
+            server.url,
+            tmp_path / "run",
+            [
+                "data.task=copy",
+                "ppo.num_steps=120",
+                f"checkpoint.export_hf={tmp_path / 'hf'}",
+                *FAST,
+                "ppo.micro_batch_size=32",
+            ],
+        )
+        assert _critic_step(server.url) == 120
+    assert "TP=1, PP=1, DP=2" in out.stdout
     all_rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     rows = [r for r in all_rows if "objective/scores" in r]
     assert len(rows) == 120
@@ -128,7 +168,8 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     assert (ckpt / "best").is_symlink()
     _check_hf_export(tmp_path / "hf", task="copy")
     assert rows[0]["objective/scores"] < 0.3
-    assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
+    # From ~0.06 to a plateau of 0.8-0.9 within the budget (DP=2 runs measured 0.92 at best).
+    assert _best_window(rows) >= 0.85, [round(r["objective/scores"], 3) for r in rows[::10]]
     assert "reward at end" in out.stdout and (tmp_path / "run" / "reward_kl.png").is_file()
     for key in (
         "objective/kl",
@@ -291,118 +332,6 @@ def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
 @pytest.mark.slow
 @pytest.mark.server
 @pytest.mark.multiprocess
-def test_tensor_parallel_actor_runs_against_the_server(tmp_path):
-    """TP=2 on two processes: same seed, TP-invariant weights and per-DP-rank sampling streams,
-    so its first rollout is the TP=1 rollout and scores the same."""
-    from aligner.distributed import free_port
-
-    small = [
-        "data.task=copy",
-        "ppo.num_steps=3",
-        "ppo.global_batch_size=64",
-        "ppo.mini_batch_size=32",
-        "ppo.micro_batch_size=32",
-        "precision=fp32",  # bit-equal TP=1 and TP=2 rollouts need fp32 arithmetic
-        *FAST[:2],
-        *FAST[5:],
-    ]
-    runs = {}
-    for tp in (1, 2):
-        with _server(tmp_path / f"tp{tp}", "copy") as server:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={tp}",
-                "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}",
-                str(ROOT / "examples" / "train_actor.py"),
-                f"critic.url={server.url}",
-                f"logging.run_dir={tmp_path / f'run{tp}'}",
-                f"parallel.tensor_model_parallel_size={tp}",
-                *small,
-            ]
-            out = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                cwd=str(ROOT),
-                env=dict(os.environ, OMP_NUM_THREADS="1"),
-            )
-            assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-        rows = read_metrics(str(tmp_path / f"run{tp}" / "metrics.jsonl"))
-        runs[tp] = [r for r in rows if "objective/scores" in r]
-    assert len(runs[2]) == 3
-    assert "TP=2" in out.stdout
-    assert abs(runs[1][0]["objective/scores"] - runs[2][0]["objective/scores"]) < 1e-6
-    assert max(r["rollout/logprob_mismatch_max"] for r in runs[2]) < 1e-3
-
-
-def _torchrun(nproc: int, url: str, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    from aligner.distributed import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(ROOT / "examples" / "train_actor.py"),
-        f"critic.url={url}",
-        f"logging.run_dir={run_dir}",
-        *overrides,
-    ]
-    out = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=str(ROOT),
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out
-
-
-def _critic_step(url: str) -> int:
-    from aligner.critic.client import RemoteCriticClient
-
-    with RemoteCriticClient(url, timeout_s=30) as c:
-        return int(c.server_info().critic_step)
-
-
-@pytest.mark.slow
-@pytest.mark.server
-@pytest.mark.multiprocess
-def test_data_parallel_actor_learns_copy(tmp_path):
-    """DP=2 on two processes: each rank generates half of every step's prompts, the critic's
-    batch is gathered and sent once per step (the server's critic step equals the actor's),
-    and copy is learned as at DP=1 (test_copy_is_learned_through_the_entry_point)."""
-    with _server(tmp_path, "copy") as server:
-        _torchrun(
-            2,
-            server.url,
-            tmp_path / "run",
-            [
-                "data.task=copy",
-                "ppo.num_steps=120",
-                *FAST,
-                "ppo.micro_batch_size=32",
-                "checkpoint.save_interval=0",
-            ],
-        )
-        assert _critic_step(server.url) == 120
-    rows = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "objective/scores" in r]
-    assert len(rows) == 120 and rows[0]["objective/scores"] < 0.3
-    # From ~0.06 to a plateau of 0.8-0.9 within the budget (runs measured 0.92 at best).
-    assert _best_window(rows) >= 0.85, [round(r["objective/scores"], 3) for r in rows[::10]]
-
-
-@pytest.mark.slow
-@pytest.mark.server
-@pytest.mark.multiprocess
 def test_pipeline_parallel_actor_learns_copy_generating_in_its_own_layout(tmp_path):
     """PP=2 on two processes, generating at TP=2 (the two stages' ranks form the generation
     group, and each holds half of every layer after each refit): the policy trains through
@@ -439,8 +368,9 @@ def test_pipeline_parallel_actor_learns_copy_generating_in_its_own_layout(tmp_pa
 @pytest.mark.server
 @pytest.mark.multiprocess
 def test_tensor_and_data_parallel_actor_on_four_processes(tmp_path):
-    """TP=2 x DP=2 on four processes: TP-invariant weights and per-DP-rank sampling streams,
-    so its first rollout is the DP=2 (TP=1) run's, and the critic is trained once per step."""
+    """TP=2 x DP=2 on four processes against DP=2 on two: TP-invariant weights and per-DP-rank
+    sampling streams, so the TP=2 run's first rollout is the TP=1 run's (fp32), and the critic is
+    trained once per step in both."""
     small = [
         "data.task=copy",
         "ppo.num_steps=3",

@@ -311,6 +311,20 @@ def test_two_rank_run_resumes_exactly(server, tmp_path, layout):
         assert "pipeline_model_parallel_size" in out.stderr and "2 stage(s)" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
+def test_a_one_rank_checkpoint_goes_on_at_two_data_parallel_ranks(server, continuous, tmp_path):
+    """The optimizer state is the same on every data-parallel rank, so a DP=1 checkpoint goes on
+    at DP=2 (where the global batch divides), without the random states of a layout it never had."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints", symlinks=True)
+    out = _run(server, run_dir, f"ppo.num_steps={STEPS + 1}", "ppo.micro_batch_size=16", nproc=2)
+    assert f"resuming from step {STEPS}" in out.stdout, out.stdout[-2000:]
+    assert "(DP=1), this run has 2 (DP=2): random states are not restored" in out.stdout
+    assert read_metrics(str(run_dir / "metrics.jsonl"))[-1]["step"] == STEPS + 1
+
+
 def test_any_checkpoint_exports_to_hugging_face(continuous, tmp_path):
     """On demand: a step's policy folder goes through aligner-convert to a folder transformers
     loads, with the same next-token logits as our checkpoint."""

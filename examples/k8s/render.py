@@ -6,8 +6,10 @@
 
 The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, and actor-job.yaml for
 one actor node or actor-pytorchjob.yaml for several) hold ``${name}`` placeholders for the keys
-of values.yaml. ``run_token`` left null is a new random token (the Secret both roles read), made
-on each render: what one render prints is one run's set of manifests.
+of values.yaml, and for two keys computed from them: ``actor_workers`` (actor_nodes - 1) and
+``critic_gpus`` (critic_tensor_parallel x critic_data_parallel, the server's processes). ``run_token``
+left null is a new random token (the Secret both roles read), made on each render: what one render
+prints is one run's set of manifests.
 Rendering is text substitution, so YAML reads a value as it would read it typed in place: a
 placeholder in quotes stays a string, a bare one takes the value's type (``replicas: ${n}`` is a
 number), a mapping or list becomes a flow collection. Two rules beyond that:
@@ -41,7 +43,12 @@ _SPLICE = re.compile(r"^(\s*)- \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _NULLABLE_FIELD = re.compile(r"^\s*[A-Za-z0-9_.\-/]+: \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Keys whose value is computed from others; a values file may not set them.
-DERIVED = ("actor_workers",)
+DERIVED = {
+    "actor_workers": "actor_nodes - 1",
+    "critic_gpus": "critic_tensor_parallel x critic_data_parallel",
+}
+# Keys whose null default stands for "the default of the role": an integer or null.
+OPTIONAL_INTS = ("actor_generation_tensor_parallel",)
 MIN_TOKEN_CHARS = 16
 
 
@@ -61,7 +68,7 @@ def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict[str,
             raise RenderError(f"{f}: expected a mapping of values, got {type(data).__name__}")
         for k, v in data.items():
             if k not in defaults:
-                errors.append(f"{f}: unknown key {k!r}; expected one of {sorted(defaults)}")
+                errors.append(f"{f}: {_unknown(k, defaults)}")
             values[k] = v
     for s in sets:
         if "=" not in s:
@@ -69,12 +76,18 @@ def load_values(files: list[str | Path] = (), sets: list[str] = ()) -> dict[str,
             continue
         k, v = s.split("=", 1)
         if k not in defaults:
-            errors.append(f"--set {k}: unknown key; expected one of {sorted(defaults)}")
+            errors.append(f"--set {s}: {_unknown(k, defaults)}")
         values[k] = yaml.safe_load(v) if v else ""
     if errors:
         raise RenderError("\n".join(errors))
     check_values(values, defaults)
     return values
+
+
+def _unknown(key: str, defaults: dict[str, Any]) -> str:
+    if key in DERIVED:
+        return f"{key!r} is computed ({DERIVED[key]}); set those instead"
+    return f"unknown key {key!r}; expected one of {sorted(defaults)}"
 
 
 def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -83,7 +96,10 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
     e: list[str] = []
     for k, default in defaults.items():
         v = values.get(k)
-        if default is None:
+        if k in OPTIONAL_INTS:
+            ok = v is None or (isinstance(v, int) and not isinstance(v, bool))
+            want = "an integer or null"
+        elif default is None:
             ok = v is None or (isinstance(v, str) and v != "")
             want = "a non-empty string or null"
         elif isinstance(default, bool):
@@ -110,17 +126,7 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
             f"run_name={name!r}: expected a DNS label of at most 40 characters (lowercase letters, "
             "digits and '-', starting with a letter): it prefixes every object's name"
         )
-    for k in ("critic_gpus", "actor_nodes", "actor_gpus_per_node", "actor_tensor_parallel"):
-        if values[k] < 1:
-            e.append(f"{k}={values[k]}: expected >= 1")
-    if (
-        values["actor_tensor_parallel"] >= 1
-        and values["actor_gpus_per_node"] % values["actor_tensor_parallel"]
-    ):
-        e.append(
-            f"actor_tensor_parallel={values['actor_tensor_parallel']} does not divide "
-            f"actor_gpus_per_node={values['actor_gpus_per_node']}: a tensor-parallel group stays on one node"
-        )
+    e += _layout_problems(values)
     token = values["run_token"]
     if token is not None and (len(token) < MIN_TOKEN_CHARS or not token.isprintable() or " " in token):
         e.append(
@@ -136,6 +142,38 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
             e.append(f"{k}: {bad!r} are not Hydra overrides (key=value)")
     if e:
         raise RenderError("invalid values:\n  " + "\n  ".join(e))
+
+
+def _layout_problems(values: dict[str, Any]) -> list[str]:
+    """The two roles' parallel layouts: the critic runs critic_tensor_parallel x
+    critic_data_parallel processes in its pod; the actor's world (actor_nodes x
+    actor_gpus_per_node) is TP x PP x DP, and it generates at a divisor of TP x PP."""
+    critic = ("critic_tensor_parallel", "critic_data_parallel")
+    actor = ("actor_nodes", "actor_gpus_per_node", "actor_tensor_parallel", "actor_pipeline_parallel")
+    gen_tp = values["actor_generation_tensor_parallel"]
+    e = [f"{k}={values[k]}: expected >= 1" for k in (*critic, *actor) if values[k] < 1]
+    if gen_tp is not None and gen_tp < 1:
+        e.append(f"actor_generation_tensor_parallel={gen_tp}: expected >= 1, or null for the training TP")
+    if any(values[k] < 1 for k in actor) or (gen_tp is not None and gen_tp < 1):
+        return e  # the checks below divide by these
+    tp, pp = values["actor_tensor_parallel"], values["actor_pipeline_parallel"]
+    nodes, per_node = values["actor_nodes"], values["actor_gpus_per_node"]
+    if per_node % tp:
+        e.append(
+            f"actor_tensor_parallel={tp} does not divide actor_gpus_per_node={per_node}: "
+            "a tensor-parallel group stays on one node"
+        )
+    if (nodes * per_node) % (tp * pp):
+        e.append(
+            f"actor_nodes={nodes} x actor_gpus_per_node={per_node} = {nodes * per_node} actor processes "
+            f"are not divisible by actor_tensor_parallel={tp} x actor_pipeline_parallel={pp} = {tp * pp}"
+        )
+    if gen_tp is not None and (tp * pp) % gen_tp:
+        e.append(
+            f"actor_generation_tensor_parallel={gen_tp} does not divide actor_tensor_parallel={tp} x "
+            f"actor_pipeline_parallel={pp} = {tp * pp}: each generation group holds the whole model"
+        )
+    return e
 
 
 def _strings(v: Any) -> list[str]:
@@ -193,6 +231,8 @@ def render(values: dict[str, Any], only: str | None = None) -> str:
     """The manifests to apply, as one multi-document YAML text (checked to parse)."""
     full = dict(values)
     full["actor_workers"] = values["actor_nodes"] - 1
+    # The server runs one process per GPU, on one pod.
+    full["critic_gpus"] = values["critic_tensor_parallel"] * values["critic_data_parallel"]
     # A fresh token per render unless one is given (URL-safe: no quoting needed in YAML).
     full["run_token"] = values["run_token"] or secrets.token_urlsafe(32)
     docs = []

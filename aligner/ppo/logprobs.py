@@ -105,19 +105,30 @@ class PolicyLogprobs:
         *,
         with_entropy: bool = False,
         start: int = 0,
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[b, s-1]`` (and entropy ``[b, s-1]``) of ``tokens [b, s]`` from the
         training forward in eval mode (dropout off: these are the "old" log-probs of the PPO
-        ratio), in micro-batches, without gradient; 0 before ``start``."""
+        ratio), in micro-batches, without gradient; 0 before ``start``.
+
+        Given the rows' ``lengths [b]``, each micro-batch runs only up to its longest row (right
+        padding is never attended to by a real position, so the real positions' values are the
+        same) and reads 0 after it: rows sorted by length, as each data-parallel rank's balanced
+        share of prompts is, then cost what their tokens cost rather than the batch's longest."""
         was_training = model.training
         model.eval()
         out_lp, out_ent = [], []
+        s = tokens.shape[1]
         with torch.no_grad():
             for i in range(0, tokens.shape[0], micro_batch_size):
                 rows = tokens[i : i + micro_batch_size]
+                if lengths is not None:
+                    n = max(int(lengths[i : i + micro_batch_size].max()), start + 1)
+                    rows = rows[:, :n]
                 logits = self.logits(model, rows, start)
-                out_lp.append(self.sequence_logprobs(logits, rows, start))
+                lp = self.sequence_logprobs(logits, rows, start)
+                out_lp.append(F.pad(lp, (0, s - rows.shape[1])))
                 if with_entropy:
-                    out_ent.append(self.entropy(logits, start))
+                    out_ent.append(F.pad(self.entropy(logits, start), (0, s - rows.shape[1])))
         model.train(was_training)
         return torch.cat(out_lp), (torch.cat(out_ent) if with_entropy else None)

@@ -116,7 +116,6 @@ class PPOTrainer:
         self.logprobs = PolicyLogprobs.for_actor(cfg, state, tokenizer)
         # Under pipeline parallelism every forward and backward runs through Megatron's schedule.
         self.pipeline = PipelineSchedule(state, self.logprobs) if state.pp_size > 1 else None
-        self._no_grad = self.pipeline.no_grad if self.pipeline is not None else self.logprobs.no_grad
         p = cfg.ppo
         # The first PPO pass's forward doubles as the rollout log-prob forward when that pass is
         # one forward over the whole batch with the same weights, and the forward ignores
@@ -249,14 +248,12 @@ class PPOTrainer:
                 ref_logprobs = None
                 if self.reference is not None and beta > 0:
                     with self.reference.on_device() as reference:
-                        ref_logprobs, _ = self._no_grad(reference, tokens, p.micro_batch_size, start=start)
+                        ref_logprobs, _ = self._no_grad(reference, gen, start=start)
                 first = None
                 if self.reuse_rollout_forward:
                     first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
                 else:
-                    old_logprobs, entropy = self._no_grad(
-                        self.policy, tokens, p.micro_batch_size, with_entropy=True, start=start
-                    )
+                    old_logprobs, entropy = self._no_grad(self.policy, gen, with_entropy=True, start=start)
                 if ref_logprobs is None:
                     ref_logprobs = old_logprobs
             with timed("critic_wait"):
@@ -330,14 +327,14 @@ class PPOTrainer:
             self._refit_engine()
             self._wait_before_generating()
             gen = self._generate(self.val_prompts, self.cfg.generation.sampling(greedy=True, seed=0))
-            tokens, mb = gen.tokens, self.cfg.ppo.micro_batch_size
+            tokens = gen.tokens
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
             future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step)
             start = rl.loss_start(mask)
-            logprobs, _ = self._no_grad(self.policy, tokens, mb, start=start)
+            logprobs, _ = self._no_grad(self.policy, gen, start=start)
             if self.reference is not None:
                 with self.reference.on_device() as reference:
-                    ref_logprobs, _ = self._no_grad(reference, tokens, mb, start=start)
+                    ref_logprobs, _ = self._no_grad(reference, gen, start=start)
                 kl = ((logprobs - ref_logprobs) * mask).sum(1)
             else:
                 kl = torch.zeros(tokens.shape[0])
@@ -394,6 +391,19 @@ class PPOTrainer:
         self._engine_stale = True  # the policy's weights were replaced
 
     # -- pieces ----------------------------------------------------------------------------
+
+    def _no_grad(
+        self, model: torch.nn.Module, gen: GenerationOutput, *, with_entropy: bool = False, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model``'s log-probs (and entropy) ``[b, s-1]`` of the generated rows, without
+        gradient, in micro-batches: through the pipeline schedule under PP (one sequence length
+        per call), else each micro-batch cut to its longest row."""
+        mb = self.cfg.ppo.micro_batch_size
+        if self.pipeline is not None:
+            return self.pipeline.no_grad(model, gen.tokens, mb, with_entropy=with_entropy, start=start)
+        return self.logprobs.no_grad(
+            model, gen.tokens, mb, with_entropy=with_entropy, start=start, lengths=gen.lengths
+        )
 
     def _refit_engine(self) -> Any:
         """Give the engine the policy's current weights, once after each change (collective: an

@@ -3,40 +3,12 @@ and run forward + backward through Megatron's pipeline schedule."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from aligner.distributed import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from _torchrun import run_worker
 
 
 def _torchrun(tp: int, pp: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(ROOT / "tests" / "workers" / "dist_check.py"),
-        str(tp),
-        str(pp),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[-1][len("RESULT ") :])
+    return run_worker("dist_check.py", str(tp), str(pp), timeout=180)
 
 
 @pytest.mark.multiprocess

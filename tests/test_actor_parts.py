@@ -195,6 +195,8 @@ def test_generation_engine_and_layout_are_checked_against_the_parallel_layout():
     )
     msg = problems(generation__engine="trtllm", parallel__pipeline_model_parallel_size=2)
     assert "generation.engine='trtllm': expected 'native' with parallel.pipeline_model_parallel_size=2" in msg
+    msg = problems(generation__engine="trtllm", generation__dtype="bf16")
+    assert "generation.dtype='bf16': expected null with generation.engine=trtllm" in msg
     msg = problems(generation__engine="trtllm", generation__tensor_parallel_size=2)
     assert "generation.tensor_parallel_size=2: expected null or 1 with generation.engine=trtllm" in msg
     msg = problems(generation__tensor_parallel_size=3, parallel__tensor_model_parallel_size=2)

@@ -13,15 +13,23 @@ from _torchrun import run_worker
 def test_pipeline_schedule_equals_the_unpipelined_forward_and_backward():
     results = run_worker("pp_schedule.py")
     for rank, result in enumerate(results):
+        # trainable_last_n_layers counts the model's layers, not a stage's, and freezes both
+        # copies of a tied embedding.
+        assert result.pop("frozen") == {"freeze_ok": 1.0}, rank
         for case, d in result.items():
             where = f"rank {rank}, {case} embedding"
+            # bf16: the model computes in bf16 (PP=1's reference in fp32); the optimizer's fp32
+            # masters hold the gradients, and the tied embedding's two copies get the same sum.
+            tol = 0.05 if case.endswith("bf16") else 1e-6
             # Every stage's log-probs and entropies are the last stage's, equal to PP=1's.
-            assert d["logprobs"] < 1e-6 and d["entropy"] < 1e-6, where
-            assert d["stat_keys_equal"] == 1.0 and d["stats"] < 1e-6, where
+            assert d["logprobs"] < tol and d["entropy"] < tol, where
+            assert d["stat_keys_equal"] == 1.0 and d["stats"] < tol, where
             # Each stage's gradients are PP=1's for its tensors (the tied embedding's copy on the
             # last stage included), and every one of them received some.
-            assert d["grads"] < 1e-6 * max(1.0, d["grad_scale"]), where
+            assert d["grads"] < tol * max(1.0, d["grad_scale"]), where
             assert d["all_grads_nonzero"] == 1.0, where
+            if case.startswith("tied"):
+                assert d["tied_copies_equal"] == 1.0, where
             assert d["grad_tensors"] >= 7, where
 
 

@@ -93,6 +93,9 @@ def test_server_info_batching_and_replicas_reach_old_and_new_clients():
         batching={"executions": 2, "requests": 5, "requests_per_execution": {"2": 1, "3": 1}},
     )
     assert P.ServerInfo.from_json(info.to_json()) == info
+    # A client reads past the fields it does not know, as one older than these fields reads them.
+    later = {**json.loads(info.to_json()), "a_later_field": {"x": 1}}
+    assert P.ServerInfo.from_json(json.dumps(later)) == info
     # A server older than these fields: a new client reads empty defaults.
     old = {k: v for k, v in json.loads(info.to_json()).items() if k != "batching"}
     old["parallel"] = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}

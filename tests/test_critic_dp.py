@@ -56,7 +56,7 @@ TOK = build_tokenizer("char")
 # ----------------------------------------------------------------------------------------------
 
 CASES = {
-    # One minibatch, two epochs: the infer forward is the first pass (reused per replica).
+    # One minibatch, two epochs: the infer forward is the first pass (each replica its slice).
     "one_minibatch": {"optim": {"epochs": 2}},
     # Three minibatches of 5 rows (2, 2, 1): the last one leaves replica 1 without rows.
     "minibatches_seq_mean": {"optim": {"num_minibatches": 3, "epochs": 2, "loss_agg": "seq_mean_token_mean"}},
@@ -87,18 +87,26 @@ def _case_batches():
 
 
 def _run_case(svc: CriticService) -> dict:
-    """What the comparison covers: infer (5 rows, then 1 row), train steps 1 and 2, infer after."""
+    """What the comparison covers: infer (1 row, then 5 rows), train steps 1 and 2 each right
+    after the infer of its own rows (so that a case with one minibatch takes that forward as
+    its first pass), infer after; and how many first passes were taken from an infer."""
     (t1, n1, p1, *rest1), (t2, n2, p2, *rest2) = _case_batches()
-    out = {"values0": svc.infer(t1, n1, p1).values, "rewards0": svc.infer(t1, n1, p1).rewards}
-    out["values_one_row"] = svc.infer(t2[:1], n2[:1], p2[:1]).values
+    before = svc.reused_forwards
+    out = {"values_one_row": svc.infer(t2[:1], n2[:1], p2[:1]).values}
+    out["rewards0"] = svc.infer(t1, n1, p1).rewards
+    out["values0"] = svc.infer(t1, n1, p1).values
     out["step1"] = svc.train(t1, n1, *rest1, 1).to_dict()
+    out["values1"] = svc.infer(t2, n2, p2).values
     out["step2"] = svc.train(t2, n2, *rest2, 2).to_dict()
     out["values2"] = svc.infer(t1, n1, p1).values
+    out["reused"] = svc.reused_forwards - before
     return out
 
 
 def _compare(got: dict, want: dict, what: str) -> None:
-    for key in ("values0", "rewards0", "values_one_row"):
+    # The infer forward is the first pass of both steps with one minibatch, at DP=1 as at DP=2.
+    assert got["reused"] == want["reused"] == (2 if "one_minibatch" in what else 0), (what, got["reused"])
+    for key in ("values0", "rewards0", "values_one_row", "values1"):
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-5, err_msg=f"{what}: {key}")
     for step in ("step1", "step2"):
         g, w = got[step], want[step]

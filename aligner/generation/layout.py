@@ -6,7 +6,9 @@ training TP). ``g`` must divide the replica's model-parallel size ``TP x PP``: t
 model-parallel group (Megatron's ``get_model_parallel_group()``, its ranks in order) is cut
 into consecutive chunks of ``g`` ranks, and each chunk is one generation TP group. Every
 generation group of a replica generates the same prompts with the same seed (seeded by the
-data-parallel rank only), so every rank of the replica ends with the same tokens.
+data-parallel rank only), so every group draws the same tokens; the replica's first rank's
+output is then broadcast over the replica (:meth:`GenerationLayout.share`), so that every rank
+of it continues the step with exactly the same tensors.
 
 When ``PP == 1`` and ``g == TP`` the generation groups are the training TP groups and the
 engine may generate with the training module's own tensors (zero-copy); any other layout needs
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.distributed import ParallelState, comm_device
+from aligner.generation.engine import GenerationOutput
 from aligner.models.config import ModelConfig
 from aligner.models.layout import ParallelLayout
 
@@ -91,6 +94,45 @@ class GenerationLayout:
         """The generation groups are the training TP groups: the training module can generate
         with its own tensors."""
         return self.train_pp == 1 and self.size == self.train_tp
+
+    @property
+    def groups_per_replica(self) -> int:
+        """How many generation groups of this replica decode the same prompts."""
+        if self.replica_group is None:
+            return 1
+        return dist.get_world_size(self.replica_group) // self.size
+
+    def share(self, out: GenerationOutput) -> GenerationOutput:
+        """The replica's first rank's ``out`` on every rank of the replica, when more than one
+        generation group decoded it. The groups draw the same tokens by construction (the same
+        weights, prompts and seed); the broadcast makes that a guarantee, so that no kernel's
+        nondeterminism can give two pipeline stages of one replica different rollouts."""
+        if self.groups_per_replica == 1:
+            return out
+        group, dev = self.replica_group, comm_device()
+        src = dist.get_global_rank(group, 0)
+        shape = torch.tensor(list(out.tokens.shape), dtype=torch.int64, device=dev)
+        dist.broadcast(shape, src=src, group=group)
+        b, s = (int(x) for x in shape.tolist())
+        mine = dist.get_rank() == src
+        parts = [
+            (out.tokens, (b, s), torch.int64),
+            (out.lengths, (b,), torch.int64),
+            (out.prompt_lengths, (b,), torch.int64),
+            (out.logprobs, (b, s - 1), torch.float32),
+            (out.ended, (b,), torch.uint8),
+        ]
+        got = []
+        for t, shp, dtype in parts:
+            buf = (
+                t.to(device=dev, dtype=dtype).contiguous()
+                if mine
+                else torch.empty(shp, dtype=dtype, device=dev)
+            )
+            dist.broadcast(buf, src=src, group=group)
+            got.append(buf.to(out.tokens.device))
+        tokens, lengths, plen, logprobs, ended = got
+        return GenerationOutput(tokens, lengths, plen, logprobs.to(out.logprobs.dtype), ended.bool())
 
     def parallel_layout(self) -> ParallelLayout:
         """The :class:`ParallelLayout` that shards a full tensor for this generation rank."""

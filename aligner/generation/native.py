@@ -330,9 +330,10 @@ class NativeEngine:
         generator = None if sampling.greedy else self._generator(sampling.seed)
         with _EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
             tokens, lengths, logprobs, ended, plen = self._decode(prompts, prompt_lens, sampling, generator)
-        return build_output(
+        out = build_output(
             tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
         )
+        return self.layout.share(out)
 
     # -- internals ------------------------------------------------------------------------
 

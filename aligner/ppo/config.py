@@ -512,6 +512,12 @@ class ActorConfig:
                 "one tensor-parallel group; pipeline-parallel actors generate with the native engine)",
             )
             e.expect(
+                g.dtype is None,
+                "generation.dtype",
+                g.dtype,
+                "null with generation.engine=trtllm (its dtype is generation.trtllm.dtype)",
+            )
+            e.expect(
                 g.tensor_parallel_size in (None, tp),
                 "generation.tensor_parallel_size",
                 g.tensor_parallel_size,

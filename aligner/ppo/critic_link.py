@@ -83,8 +83,11 @@ class CriticLink:
 
             group = mpu.get_model_parallel_group()
             src = min(dist.get_process_group_ranks(group))  # TP rank 0 of the first stage
+            # On the collectives' device (NCCL takes CUDA tensors only), then back.
+            values, scores = values.to(comm_device()), scores.to(comm_device())
             dist.broadcast(values, src, group=group)
             dist.broadcast(scores, src, group=group)
+            values, scores = values.cpu(), scores.cpu()
         return values, scores
 
     # -- critic_train ------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ class PolicyLogprobs:
 
         Given the rows' ``lengths [b]``, each micro-batch runs only up to its longest row (right
         padding is never attended to by a real position, so the real positions' values are the
-        same) and reads 0 after it: rows sorted by length, as each data-parallel rank's balanced
+        same up to float rounding: the matrix shapes differ) and reads 0 after it: rows sorted by length, as each data-parallel rank's balanced
         share of prompts is, then cost what their tokens cost rather than the batch's longest."""
         was_training = model.training
         model.eval()

@@ -54,14 +54,24 @@ def set_schedule_position(scheduler: Schedule, optimizer: torch.optim.Optimizer,
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None) -> None:
-    """Train only the last ``n`` transformer layers plus the final norm and LM head (all when None)."""
+def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None, num_layers: int | None = None) -> None:
+    """Train only the model's last ``n`` transformer layers plus the final norm and LM head (all
+    when None). ``num_layers``: the whole model's, for a pipeline stage that holds some of them
+    (its layers are numbered from its stage's offset); default the layers this module holds.
+    An LM head tied to the embedding is frozen with it, on every stage that holds a copy."""
     if n is None:
         return
     m = gpt.unwrap(model)
-    num_layers = len(m.decoder.layers)
+    local = len(m.decoder.layers)
+    total = num_layers if num_layers is not None else local
+    offset = 0
+    if total != local:
+        from megatron.core import parallel_state as mpu
+
+        offset = mpu.get_pipeline_model_parallel_rank() * local
+    tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
     for name, param in m.named_parameters():
-        keep = name.startswith("decoder.final_layernorm") or name.startswith("output_layer")
+        keep = name.startswith("decoder.final_layernorm") or (name.startswith("output_layer") and not tied)
         if name.startswith("decoder.layers."):
-            keep = int(name.split(".")[2]) >= num_layers - n
+            keep = offset + int(name.split(".")[2]) >= total - n
         param.requires_grad_(keep)

@@ -10,9 +10,10 @@ has logits, computes what the caller asks of them:
   mode and without gradients, then broadcast from the last stage to every stage of the pipeline,
   so that every rank of a data-parallel replica continues the step with the same tensors;
 - :meth:`PipelineSchedule.train`: a loss per micro-batch (the clipped surrogate); the schedule
-  runs each stage's backward, the stages' gradients of a tied embedding are summed over
-  Megatron's embedding group (first and last stage) as its optimizer would, and the loss's
-  statistics, averaged over the micro-batches, reach every stage.
+  runs each stage's backward, and the loss's statistics, averaged over the micro-batches, reach
+  every stage. The stages' gradients of a tied embedding are then summed over Megatron's
+  embedding group (first and last stage) by :func:`allreduce_tied_embedding_grads`, on the
+  optimizer's fp32 masters under mixed precision, as Megatron's optimizer does.
 
 The loss a micro-batch returns is divided by the number of micro-batches before its backward
 (the schedule's convention), as the unpipelined path divides it, so the gradients of one
@@ -38,10 +39,15 @@ __all__ = ["PipelineSchedule", "allreduce_tied_embedding_grads"]
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def allreduce_tied_embedding_grads(model: torch.nn.Module) -> None:
+def allreduce_tied_embedding_grads(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Sum the gradient of the word embedding tied to the LM head over the first and the last
-    pipeline stage (each holds a copy; Megatron's ``_allreduce_word_embedding_grads``), in fp32.
-    A no-op without pipeline parallelism or tied weights; collective over the embedding group."""
+    pipeline stage (each holds a copy; Megatron's ``_allreduce_word_embedding_grads``), in fp32,
+    so that both copies take the same step. With a mixed-precision ``optimizer`` (its fp32
+    masters collect the gradients during backward) the master's gradient is the one summed.
+    A no-op without pipeline parallelism, tied weights or a trained embedding; collective over
+    the embedding group, whose two stages agree on all three."""
     from megatron.core import parallel_state as mpu
 
     m = gpt.unwrap(model)
@@ -52,10 +58,14 @@ def allreduce_tied_embedding_grads(model: torch.nn.Module) -> None:
     weight = m.shared_embedding_or_output_weight()
     if weight is None or not weight.requires_grad:
         return
-    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    target = weight
+    if optimizer is not None and hasattr(optimizer, "master_params"):
+        optimizer.copy_grads_to_master()
+        target = next(mt for p, mt in zip(optimizer.model_params, optimizer.master_params) if p is weight)
+    grad = target.grad if target.grad is not None else torch.zeros_like(target)
     total = grad.float()
     dist.all_reduce(total, group=mpu.get_embedding_group())
-    weight.grad = total.to(grad.dtype)
+    target.grad = total.to(grad.dtype)
 
 
 class PipelineSchedule:
@@ -114,7 +124,8 @@ class PipelineSchedule:
     ) -> dict[str, float]:
         """Forward and backward of every micro-batch of ``tokens [b, s]`` (``b`` divisible by
         ``micro_batch_size``), accumulating gradients into the stage's parameters; returns the
-        mean of each statistic ``loss_fn`` reports, on every stage."""
+        mean of each statistic ``loss_fn`` reports, on every stage. A tied embedding's two copies
+        still hold their own stage's gradient: :func:`allreduce_tied_embedding_grads` sums them."""
         if tokens.shape[0] % micro_batch_size:
             raise ValueError(f"{tokens.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
         n = tokens.shape[0] // micro_batch_size
@@ -126,7 +137,6 @@ class PipelineSchedule:
             return loss, {k: torch.as_tensor(v).detach().float().clone() for k, v in stats.items()}
 
         parts = self._run(model, tokens, micro_batch_size, with_stats, start, forward_only=False)
-        allreduce_tied_embedding_grads(model)
         stats: dict[str, float] = {}
         if self.state.is_last_stage:
             for part in parts:

@@ -5,8 +5,8 @@ epoch with the run's seed; the position is part of a checkpoint, so a resumed ru
 prompts the uninterrupted run would have. Every data-parallel rank keeps its share of the step's
 prompts: a contiguous slice, or, given the prompts' token counts (``data.balance_dp``), a share
 dealt so that every rank gets the same mix of lengths: the step's prompts sorted longest first
-and dealt in a snake order (0, 1, ..., n-1, n-1, ..., 0, ...), as OpenRLHF and verl balance
-their ranks' tokens. The slowest rank sets every step's pace, and a rank that drew the long
+and dealt in a snake order (0, 1, ..., n-1, n-1, ..., 0, ...): the simplest form of the
+sequence-length balancing that verl (a Karmarkar-Karp partition) does across its ranks. The slowest rank sets every step's pace, and a rank that drew the long
 prompts generates, scores and trains on more tokens than the others.
 """
 

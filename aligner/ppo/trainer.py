@@ -46,7 +46,7 @@ from aligner.ppo.config import ActorConfig
 from aligner.ppo.critic_link import CriticLink
 from aligner.ppo.logprobs import PolicyLogprobs
 from aligner.ppo.optimizer import freeze_all_but_last_layers, make_optimizer, set_schedule_position
-from aligner.ppo.pipeline import PipelineSchedule
+from aligner.ppo.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
 from aligner.ppo.prompts import PromptSampler
 from aligner.ppo.reference import ReferenceModel
 from aligner.ppo.rollout import Rollout, StepRecord, global_mean
@@ -92,7 +92,7 @@ class PPOTrainer:
         self.on_rollback = on_rollback
         self.checkpointer = checkpointer
         self.val_prompts = list(val_prompts) if val_prompts else []
-        freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers)
+        freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers)
         self.precision = mp.resolve_precision(cfg.precision, state.device)
         self.optimizer, self.scheduler = make_optimizer(policy, cfg, self.precision)
         # After the optimizer: it casts the policy to its compute dtype, the dtype the engine
@@ -558,6 +558,8 @@ class PPOTrainer:
         def loss_fn(logits: torch.Tensor, rows: torch.Tensor):
             return self._micro_loss(r, idx[rows], logits)
 
-        return self.pipeline.train(
+        stats = self.pipeline.train(
             self.policy, r.tokens[idx], self.cfg.ppo.micro_batch_size, loss_fn, r.start
         )
+        allreduce_tied_embedding_grads(self.policy, self.optimizer)
+        return stats

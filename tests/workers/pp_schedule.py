@@ -19,7 +19,8 @@ from aligner.models import gpt
 from aligner.models.config import ModelConfig
 from aligner.models.layout import ParallelLayout, iter_megatron_tensors, load_megatron_tensors
 from aligner.ppo.logprobs import PolicyLogprobs
-from aligner.ppo.pipeline import PipelineSchedule
+from aligner.ppo.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
+from aligner.precision import make_optimizer
 
 
 def _loss_fn(logprobs: PolicyLogprobs, tokens, old, adv, mask, start):
@@ -33,17 +34,20 @@ def _loss_fn(logprobs: PolicyLogprobs, tokens, old, adv, mask, start):
     return loss_fn
 
 
-def _grads_by_name(model, cfg) -> dict[str, torch.Tensor]:
+def _grads_by_name(model, cfg, optimizer=None) -> dict[str, torch.Tensor]:
+    """Each tensor's gradient by canonical name (the optimizer's fp32 master's when given)."""
     lay = ParallelLayout.current()
     params = dict(gpt.unwrap(model).named_parameters())
+    masters = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params)} if optimizer else {}
     out = {}
     for spec, local in lay.targets(cfg, "lm"):
         key = spec.name if local == spec.name or not local.startswith("output_layer") else "tied:" + spec.name
-        out[key] = params[local].grad.detach().clone()
+        p = params[local]
+        out[key] = masters.get(id(p), p).grad.detach().float().clone()
     return out
 
 
-def case(tie: bool) -> dict[str, float]:
+def case(tie: bool, bf16: bool = False) -> dict[str, float]:
     from megatron.core import parallel_state as mpu
 
     cfg = ModelConfig(
@@ -85,8 +89,11 @@ def case(tie: bool) -> dict[str, float]:
     pipe = PipelineSchedule(state, lp_)
     got_lp, got_ent = pipe.no_grad(policy, tokens[:3], mbs, with_entropy=True, start=start)
     policy.train()
+    # Under bf16 the optimizer's fp32 masters collect the gradients during backward.
+    opt = make_optimizer(policy, lr=1e-3, precision="bf16") if bf16 else None
     got_stats = pipe.train(policy, tokens, mbs, loss_fn, start)
-    got_grads = _grads_by_name(policy, cfg)
+    allreduce_tied_embedding_grads(policy, opt)
+    got_grads = _grads_by_name(policy, cfg, opt)
     diffs = {
         "logprobs": float((got_lp - want_lp).abs().max()),
         "entropy": float((got_ent - want_ent).abs().max()),
@@ -96,14 +103,62 @@ def case(tie: bool) -> dict[str, float]:
         "grad_tensors": float(len(got_grads)),
         "grad_scale": max(float(g.abs().max()) for g in got_grads.values()),
     }
+    if tie:
+        # The two stages' copies of the tied embedding take the same (summed) gradient.
+        mine = got_grads.get(
+            "embedding.word_embeddings.weight", got_grads.get("tied:embedding.word_embeddings.weight")
+        )
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine.contiguous(), group=state.pp_group)
+        diffs["tied_copies_equal"] = float(torch.equal(both[0], both[1]))
     # A stage that did not receive its gradients through the schedule would have none.
     diffs["all_grads_nonzero"] = float(all(float(g.abs().sum()) > 0 for g in got_grads.values()))
     mpu.destroy_model_parallel()
     return diffs
 
 
+def freeze_case() -> dict[str, float]:
+    """``optim.trainable_last_n_layers=1`` at PP=2 with a tied embedding: the model's last layer
+    trains (on the last stage), every other layer and both copies of the tied embedding are
+    frozen, and the tied-gradient sum is skipped on both stages alike (no lone collective)."""
+    from megatron.core import parallel_state as mpu
+
+    from aligner.ppo.optimizer import freeze_all_but_last_layers
+
+    cfg = ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=16,
+        max_seq_len=16,
+        tie_embeddings=True,
+    )
+    state = distributed.initialize(distributed.ParallelConfig(1, 2), seed=11)
+    policy = gpt.build_policy(cfg)
+    freeze_all_but_last_layers(policy, 1, cfg.num_layers)
+    lay = ParallelLayout.current()
+    params = dict(gpt.unwrap(policy).named_parameters())
+    trained = sorted(spec.name for spec, local in lay.targets(cfg, "lm") if params[local].requires_grad)
+    allreduce_tied_embedding_grads(policy)  # returns on both stages: a hang would time the test out
+    gathered = [None] * state.pp_size
+    dist.all_gather_object(gathered, trained, group=state.pp_group)
+    mpu.destroy_model_parallel()
+    want = sorted(
+        ["decoder.final_layernorm.weight"]
+        + [n for n in _layer_names(cfg) if n.startswith("decoder.layers.3.")]
+    )
+    return {"freeze_ok": float(sorted(sum(gathered, [])) == want)}
+
+
+def _layer_names(cfg: ModelConfig) -> list[str]:
+    from aligner.models.layout import megatron_tensor_specs
+
+    return [s.name for s in megatron_tensor_specs(cfg, "lm")]
+
+
 def main() -> None:
-    results = {"untied": case(False), "tied": case(True)}
+    results = {"untied": case(False), "tied": case(True), "tied_bf16": case(True, bf16=True)}
+    results["frozen"] = freeze_case()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

@@ -42,3 +42,12 @@ def test_invalid_parallel_config_names_field():
         ParallelConfig(tensor_model_parallel_size=0)
     with pytest.raises(ValueError, match="backend='mpi'"):
         ParallelConfig(backend="mpi")
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_ranks_save_and_export_without_racing_the_writer(tmp_path):
+    """Two data-parallel ranks, the second late: every rank checks the output folder before the
+    writer creates it, so neither sees the other's finished folder as one in the way."""
+    result = run_worker("dp_save.py", str(tmp_path), timeout=180)
+    assert result["errors"] == [[], []]
+    assert result["files"] == ["hf/model.safetensors", "policy/model.safetensors"]

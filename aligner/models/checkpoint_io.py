@@ -79,6 +79,9 @@ def save_model_checkpoint(
     wire = dtype or next(iter(m.parameters())).dtype
     out_dir = Path(out_dir)
     check_output_dir(out_dir, overwrite)
+    # Every rank has checked before the writer can create the folder: a stream with no collective
+    # in it (data-parallel ranks at TP=PP=1) lets the writer finish before a slower rank checks.
+    barrier()
     meta: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,

@@ -156,6 +156,7 @@ def export_hf(
     check_output_dir(out_dir, overwrite)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ConversionError(f"tokenizer folder {tokenizer_dir} does not exist")
+    barrier()  # every rank has checked before the writer can create the folder
     entries = [(n, s, wire) for n, s in hf_tensor_specs(cfg, full_arch, head)]
     stream = iter_hf_tensors(m, cfg, full_arch, dtype=wire)
     if is_writer():

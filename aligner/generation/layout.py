@@ -28,9 +28,36 @@ from aligner.generation.engine import GenerationOutput
 from aligner.models.config import ModelConfig
 from aligner.models.layout import ParallelLayout
 
-__all__ = ["GenerationLayout", "generation_tp_problems"]
+__all__ = ["GenerationLayout", "broadcast_output", "generation_tp_problems"]
 
 KEY = "generation.tensor_parallel_size"
+
+
+def broadcast_output(out: GenerationOutput | None, group: Any, device: torch.device) -> GenerationOutput:
+    """Group rank 0's ``out`` on every member of ``group`` (the others pass None or their own),
+    returned on ``device``. Collective over ``group``."""
+    dev = comm_device()
+    src = dist.get_global_rank(group, 0)
+    mine = dist.get_rank() == src
+    shape = torch.tensor(list(out.tokens.shape) if mine else [0, 0], dtype=torch.int64, device=dev)
+    dist.broadcast(shape, src=src, group=group)
+    b, s = (int(x) for x in shape.tolist())
+    parts = [
+        (None if out is None else out.tokens, (b, s), torch.int64),
+        (None if out is None else out.lengths, (b,), torch.int64),
+        (None if out is None else out.prompt_lengths, (b,), torch.int64),
+        (None if out is None else out.logprobs, (b, s - 1), torch.float32),
+        (None if out is None else out.ended, (b,), torch.uint8),
+    ]
+    got = []
+    for t, shp, dtype in parts:
+        buf = (
+            t.to(device=dev, dtype=dtype).contiguous() if mine else torch.empty(shp, dtype=dtype, device=dev)
+        )
+        dist.broadcast(buf, src=src, group=group)
+        got.append(buf.to(device))
+    tokens, lengths, plen, logprobs, ended = got
+    return GenerationOutput(tokens, lengths, plen, logprobs, ended.bool())
 
 
 def _divisors(n: int) -> list[int]:
@@ -109,30 +136,7 @@ class GenerationLayout:
         nondeterminism can give two pipeline stages of one replica different rollouts."""
         if self.groups_per_replica == 1:
             return out
-        group, dev = self.replica_group, comm_device()
-        src = dist.get_global_rank(group, 0)
-        shape = torch.tensor(list(out.tokens.shape), dtype=torch.int64, device=dev)
-        dist.broadcast(shape, src=src, group=group)
-        b, s = (int(x) for x in shape.tolist())
-        mine = dist.get_rank() == src
-        parts = [
-            (out.tokens, (b, s), torch.int64),
-            (out.lengths, (b,), torch.int64),
-            (out.prompt_lengths, (b,), torch.int64),
-            (out.logprobs, (b, s - 1), torch.float32),
-            (out.ended, (b,), torch.uint8),
-        ]
-        got = []
-        for t, shp, dtype in parts:
-            buf = (
-                t.to(device=dev, dtype=dtype).contiguous()
-                if mine
-                else torch.empty(shp, dtype=dtype, device=dev)
-            )
-            dist.broadcast(buf, src=src, group=group)
-            got.append(buf.to(out.tokens.device))
-        tokens, lengths, plen, logprobs, ended = got
-        return GenerationOutput(tokens, lengths, plen, logprobs.to(out.logprobs.dtype), ended.bool())
+        return broadcast_output(out, self.replica_group, out.tokens.device)
 
     def parallel_layout(self) -> ParallelLayout:
         """The :class:`ParallelLayout` that shards a full tensor for this generation rank."""

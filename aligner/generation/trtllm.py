@@ -65,6 +65,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from aligner.config_checks import Problems
 from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.generation.layout import broadcast_output
 from aligner.generation.sampling import build_output, check_prompts
 from aligner.models.config import ModelConfig
 from aligner.models.hf import iter_hf_tensors
@@ -530,35 +531,6 @@ def _all_gather_text(text: str, group: Any) -> list[str]:
     return [bytes(p[: int(s)].cpu().tolist()).decode() for p, s in zip(parts, sizes)]
 
 
-def _broadcast_output(out: GenerationOutput | None, b: int, group: Any, device: torch.device):
-    """The owner's (group rank 0's) output on every member of ``group``."""
-    dev = _comm_device(group)
-    src = dist.get_global_rank(group, 0)
-    s = torch.tensor([0 if out is None else out.tokens.shape[1]], dtype=torch.int64, device=dev)
-    dist.broadcast(s, src=src, group=group)
-    n = int(s)
-    if out is None:
-        parts = [
-            torch.empty((b, n), dtype=torch.int64, device=dev),
-            torch.empty((b,), dtype=torch.int64, device=dev),
-            torch.empty((b,), dtype=torch.int64, device=dev),
-            torch.empty((b, n - 1), dtype=torch.float32, device=dev),
-            torch.empty((b,), dtype=torch.uint8, device=dev),
-        ]
-    else:
-        parts = [
-            out.tokens.to(dev).contiguous(),
-            out.lengths.to(dev).contiguous(),
-            out.prompt_lengths.to(dev).contiguous(),
-            out.logprobs.to(dev).contiguous(),
-            out.ended.to(device=dev, dtype=torch.uint8).contiguous(),
-        ]
-    for t in parts:
-        dist.broadcast(t, src=src, group=group)
-    tokens, lengths, plen, logprobs, ended = (t.to(device) for t in parts)
-    return GenerationOutput(tokens, lengths, plen, logprobs, ended.bool())
-
-
 # ----------------------------------------------------------------------------------------------
 # The engine
 # ----------------------------------------------------------------------------------------------
@@ -744,7 +716,7 @@ class TrtllmEngine:
         prompts = check_prompts(prompts, self.max_seq_len, self.vocab_size)
         out = self._generate_here(prompts, sampling) if self.is_owner else None
         if self.group is not None:
-            out = _broadcast_output(out, len(prompts), self.group, self.device)
+            out = broadcast_output(out, self.group, self.device)
         assert out is not None
         return out
 

@@ -1,5 +1,5 @@
-"""Run metrics: one JSONL line per step, TensorBoard scalars and text, and a console line; and
-the step's timers (``timers/<part>``).
+"""Run metrics: one JSONL line per step, TensorBoard scalars and text, Weights & Biases (when
+configured), and a console line; and the step's timers (``timers/<part>``).
 
 Only the logging rank constructs an enabled logger; every other rank gets a disabled one, so
 who logs is decided in one place (the entry point).
@@ -10,12 +10,33 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MetricsLogger", "Timers", "read_metrics", "format_console"]
+from aligner.config_checks import Problems
+
+__all__ = [
+    "MetricsLogger",
+    "Timers",
+    "WandbConfig",
+    "WandbMissingError",
+    "import_wandb",
+    "read_metrics",
+    "format_console",
+]
+
+WANDB_MODES = ("online", "offline", "disabled")
+"""What ``logging.wandb.mode`` may say."""
+WANDB_ID_FILE = "wandb_run_id.txt"
+"""The W&B run id of a run directory (``<run_dir>/wandb_run_id.txt``): a resumed run continues it."""
+WANDB_INSTALL = "pip install 'aligner[wandb]'"
+SAMPLE_COLUMNS = ("prompt", "response", "score", "step")
+"""The columns of the validation samples table (``val/samples``) in W&B."""
 
 # The metrics shown on the console line and progress bar, in this order.
 CONSOLE_KEYS = ("objective/scores", "objective/kl", "policy/clipfrac", "loss/value", "timers/step")
@@ -42,10 +63,88 @@ class Timers:
             self.seconds[key] += time.perf_counter() - t
 
 
+@dataclass
+class WandbConfig:
+    """Weights & Biases: a third sink beside metrics.jsonl and TensorBoard, with the same metric
+    names at the same (PPO) steps, the validation samples as a table, and the run's config."""
+
+    enabled: bool = False
+    """Log to W&B (needs the wandb package: ``pip install 'aligner[wandb]'``)."""
+    project: str = "aligner"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B entity (user or team); None: W&B's default for the logged-in user."""
+    run_name: str | None = None
+    """The run's display name; None: the name of the run directory."""
+    mode: str = "online"
+    """'online' (sync as it runs), 'offline' (write under ``dir``; ``wandb sync`` uploads it later)
+    or 'disabled' (no W&B at all; the package is not needed)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+    dir: str | None = None
+    """Where W&B writes its files (a ``wandb/`` folder inside); None: the run directory."""
+
+    def problems(self, prefix: str = "logging.wandb") -> Problems:
+        """The values that cannot work, and a missing wandb package when W&B is on."""
+        e = Problems()
+        e.expect(self.mode in WANDB_MODES, f"{prefix}.mode", self.mode, f"one of {list(WANDB_MODES)}")
+        e.expect(
+            isinstance(self.project, str) and bool(self.project.strip()),
+            f"{prefix}.project",
+            self.project,
+            "a non-empty project name",
+        )
+        tags = list(self.tags) if isinstance(self.tags, list | tuple) else None
+        e.expect(
+            tags is not None and all(isinstance(t, str) and t for t in tags),
+            f"{prefix}.tags",
+            self.tags,
+            "a list of non-empty strings",
+        )
+        if self.active:
+            try:
+                import_wandb()
+            except WandbMissingError:
+                e.append(
+                    f"{prefix}.enabled=True: the wandb package is not installed ({WANDB_INSTALL}); "
+                    f"or set {prefix}.enabled=false"
+                )
+        return e
+
+    @property
+    def active(self) -> bool:
+        """Whether a run is logged to W&B (enabled, and a mode other than 'disabled')."""
+        return bool(self.enabled) and self.mode != "disabled"
+
+
+class WandbMissingError(ImportError):
+    """W&B logging was asked for and the wandb package is not installed."""
+
+
+def import_wandb() -> Any:
+    """The ``wandb`` module, imported on first use; a :class:`WandbMissingError` naming the
+    install command when it is not installed."""
+    try:
+        import wandb
+    except ImportError as err:
+        raise WandbMissingError(
+            f"logging.wandb.enabled=true needs the wandb package, which is not installed: {WANDB_INSTALL} "
+            f"(or set logging.wandb.enabled=false) [{type(err).__name__}: {err}]"
+        ) from err
+    return wandb
+
+
 class MetricsLogger:
     """``resume_step``: the run continues after this step (a resume): rows of later steps, written
     before the run stopped, are dropped from the JSONL files and from TensorBoard's view, so the
-    curves of a resumed run read as one run."""
+    curves of a resumed run read as one run. ``-1`` is a fresh start in a run directory that may
+    hold an earlier run's rows (dropped, and a new W&B run); None appends to what is there.
+
+    ``wandb`` (a :class:`WandbConfig`) adds Weights & Biases with ``run_config`` (a plain dict, the
+    run's whole config) as the W&B config. The W&B run id is kept in ``<run_dir>/wandb_run_id.txt``:
+    a resume continues the same W&B run. W&B takes only increasing steps, so rows of steps it has
+    already been sent (the steps a resume or a rollback redoes) go to the JSONL files and
+    TensorBoard only, which the console says once."""
 
     def __init__(
         self,
@@ -55,6 +154,8 @@ class MetricsLogger:
         enabled: bool = True,
         resume_step: int | None = None,
         print_fn: Any = print,
+        wandb: WandbConfig | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
@@ -62,11 +163,20 @@ class MetricsLogger:
         self._jsonl = None
         self._samples = None
         self._tb = None
+        self._wandb: _WandbSink | None = None
         if not self.enabled:
             return
+        if wandb is not None and wandb.active:
+            import_wandb()  # not installed: a WandbMissingError naming the install command
+            wandb.problems().raise_if_any("W&B logging config")
         os.makedirs(run_dir, exist_ok=True)
         jsonl = os.path.join(run_dir, "metrics.jsonl")
         samples = os.path.join(run_dir, "val_samples.jsonl")
+        if wandb is not None and wandb.active:
+            # Before the JSONL rows are truncated: their last step is the last step W&B was sent
+            # (every row goes to the JSONL file first).
+            logged = max(_last_step(jsonl), _last_step(samples))
+            self._wandb = _WandbSink(wandb, run_dir, run_config, resume_step, logged, print_fn)
         if resume_step is not None:
             for path in (jsonl, samples):
                 _truncate_after(path, resume_step)
@@ -87,6 +197,8 @@ class MetricsLogger:
             for k, v in clean.items():
                 if math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, clean)
 
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled and self._tb is not None:
@@ -101,6 +213,8 @@ class MetricsLogger:
             self._samples.write(json.dumps({"step": step, **r}) + "\n")
         table = format_samples(rows)
         self.text(step, "val/samples", table)
+        if self._wandb is not None:
+            self._wandb.samples(step, rows)
         if self.print_fn is not None:
             self.print_fn(f"validation samples at step {step}:\n{table}")
 
@@ -115,6 +229,107 @@ class MetricsLogger:
             self._tb.flush()
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
+
+
+class _WandbSink:
+    """One W&B run of a run directory, continued by id across resumes and rollbacks; sends only
+    steps above every step it was sent before (``logged``: the last step of the JSONL rows before
+    a resume truncated them)."""
+
+    def __init__(
+        self,
+        cfg: WandbConfig,
+        run_dir: str,
+        run_config: dict[str, Any] | None,
+        resume_step: int | None,
+        logged: int,
+        print_fn: Any,
+    ) -> None:
+        wandb = import_wandb()
+        self.print_fn = print_fn
+        id_path = os.path.join(run_dir, WANDB_ID_FILE)
+        run_id = None
+        if resume_step != -1 and os.path.isfile(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip() or None
+        # Steps <= floor are in the W&B run already; a new W&B run has none.
+        self.floor = logged if run_id is not None else -1
+        if run_id is None:
+            run_id = _new_run_id()
+            tmp = f"{id_path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(run_id + "\n")
+            os.replace(tmp, id_path)
+        wandb_dir = cfg.dir or run_dir
+        os.makedirs(wandb_dir, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.run_name or os.path.basename(os.path.abspath(run_dir)),
+            mode=cfg.mode,
+            tags=list(cfg.tags) or None,
+            dir=wandb_dir,
+            id=run_id,
+            resume="allow",
+        )
+        if run_config:
+            # A resume may change some values (the learning rate, the step budget): the newest win.
+            self.run.config.update(run_config, allow_val_change=True)
+        # An online run resumed by W&B knows its own last step (starting_step is the next one).
+        self.floor = max(self.floor, int(getattr(self.run, "starting_step", 0) or 0) - 1)
+        self.last = self.floor
+        self._warned = False
+        self._table = wandb.Table
+
+    def _accept(self, step: int) -> bool:
+        """Whether W&B takes a row of ``step``: above every earlier run's step, and not below this
+        run's last (rows of one step may come in several calls)."""
+        if step > self.floor and step >= self.last:
+            self.last = step
+            return True
+        if not self._warned and self.print_fn is not None:
+            self._warned = True
+            self.print_fn(
+                f"W&B: run {self.run.id} already has step {max(self.last, self.floor)}; rows of steps up "
+                "to it (redone after a resume or rollback) go to metrics.jsonl and TensorBoard only "
+                "(W&B takes steps in increasing order)"
+            )
+        return False
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._accept(step):
+            self.run.log(metrics, step=step)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if self._accept(step):
+            data = [[str(r["prompt"]), str(r["response"]), float(r["score"]), int(step)] for r in rows]
+            self.run.log({"val/samples": self._table(columns=list(SAMPLE_COLUMNS), data=data)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _new_run_id() -> str:
+    """A W&B run id of the kind W&B draws itself: 8 lowercase letters and digits."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def _last_step(path: str) -> int:
+    """The largest step of the JSONL rows of ``path`` (-1 when there is none)."""
+    last = -1
+    if not os.path.isfile(path):
+        return last
+    with open(path) as f:
+        for line in f:
+            try:
+                last = max(last, int(json.loads(line).get("step", -1)))
+            except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+                continue
+    return last
 
 
 def _truncate_after(path: str, step: int) -> None:

@@ -8,7 +8,15 @@ import json
 import os
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Tokenizer", "CharTokenizer", "HFTokenizer", "build_tokenizer", "DIGITS"]
+__all__ = [
+    "Tokenizer",
+    "CharTokenizer",
+    "HFTokenizer",
+    "build_tokenizer",
+    "resolve_tokenizer_spec",
+    "has_tokenizer_files",
+    "DIGITS",
+]
 
 DIGITS = "0123456789"
 
@@ -77,6 +85,14 @@ class CharTokenizer:
     def fingerprint(self) -> str:
         return "char:" + hashlib.sha256(self.alphabet.encode()).hexdigest()[:16]
 
+    def has_chat_template(self) -> bool:
+        """Always false: a character vocabulary has no chat format."""
+        return False
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Refused: there is no template to apply."""
+        raise ValueError(f"{self!r} has no chat template: use a HF tokenizer folder that has one")
+
     def __repr__(self) -> str:
         return f"CharTokenizer(alphabet={self.alphabet!r})"
 
@@ -108,6 +124,20 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+    def has_chat_template(self) -> bool:
+        """Whether the folder's tokenizer carries a chat template (chat and instruct models do)."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` ([{"role": ..., "content": ...}, ...]) as the text of a prompt that ends
+        where the assistant's reply begins (the template's generation prompt); encode it with
+        :meth:`encode`, whose special tokens the text already holds."""
+        if not self.has_chat_template():
+            raise ValueError(
+                f"{self!r} has no chat template (its tokenizer_config.json sets no chat_template)"
+            )
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def fingerprint(self) -> str:
         vocab = self.hf.get_vocab()
         blob = json.dumps(sorted(vocab.items()), separators=(",", ":")).encode()
@@ -117,8 +147,27 @@ class HFTokenizer:
         return f"HFTokenizer({self.path!r})"
 
 
-def build_tokenizer(spec: str) -> Tokenizer:
-    """``char`` (digits plus ':' and ','), ``char:<alphabet>``, or a path to a HF tokenizer folder."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Files of which any one marks a folder as holding a Hugging Face tokenizer."""
+
+
+def has_tokenizer_files(folder: str | os.PathLike | None) -> bool:
+    """Whether ``folder`` holds a Hugging Face tokenizer's files."""
+    return bool(folder) and any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
+def resolve_tokenizer_spec(spec: str, model_folder: str | os.PathLike | None = None) -> str:
+    """``auto``: ``model_folder``'s tokenizer when it holds one (a policy's ``init_from``), else
+    ``char``; any other spec as it is."""
+    if spec != "auto":
+        return spec
+    return str(model_folder) if has_tokenizer_files(model_folder) else "char"
+
+
+def build_tokenizer(spec: str, model_folder: str | os.PathLike | None = None) -> Tokenizer:
+    """``char`` (digits plus ':' and ','), ``char:<alphabet>``, a path to a HF tokenizer folder, or
+    ``auto`` (:func:`resolve_tokenizer_spec` with ``model_folder``)."""
+    spec = resolve_tokenizer_spec(spec, model_folder)
     if spec == "char":
         return CharTokenizer()
     if spec.startswith("char:"):
@@ -126,5 +175,5 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if os.path.isdir(spec):
         return HFTokenizer(spec)
     raise ValueError(
-        f"tokenizer={spec!r}: expected 'char', 'char:<alphabet>' or an existing HF tokenizer folder"
+        f"tokenizer={spec!r}: expected 'char', 'char:<alphabet>', 'auto' or an existing HF tokenizer folder"
     )

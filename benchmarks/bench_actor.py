@@ -104,7 +104,7 @@ def _no_cache_tokens_per_s(cfg, batch: int) -> float:
     from aligner.tasks import get_task
     from aligner.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(cfg.tokenizer)
+    tok = build_tokenizer(cfg.tokenizer, cfg.init_from)
     distributed.initialize(cfg.parallel, seed=cfg.seed)
     try:
         model = gpt.build_policy(cfg.model)

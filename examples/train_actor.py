@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -20,14 +21,19 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from aligner.checkpoint import read_json  # noqa: E402
+from aligner.checkpoint import read_json, write_json  # noqa: E402
 from aligner.cpu_memory import tune_allocator  # noqa: E402
 from aligner.ppo.config import ActorConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from aligner.ppo.datasets import PromptSet
 
 ConfigStore.instance().store(name="actor_schema", node=ActorConfig)
 
 
-def run(cfg: ActorConfig) -> dict:
+def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
+    """Train; ``model_keys``: the ``model.*`` keys named on the command line (checked against
+    ``init_from``'s architecture, see :mod:`aligner.ppo.model_source`)."""
     import torch.distributed as dist
 
     from aligner import distributed
@@ -38,29 +44,48 @@ def run(cfg: ActorConfig) -> dict:
     from aligner.models import gpt
     from aligner.ppo.checkpointing import ActorCheckpointer, weights_fingerprint
     from aligner.ppo.config import ConfigError, validate_actor_config
-    from aligner.ppo.prompts import PromptSampler, load_prompts
+    from aligner.ppo.datasets import training_prompt_set
+    from aligner.ppo.model_source import resolve_model_config
+    from aligner.ppo.prompts import PromptSampler
     from aligner.ppo.trainer import PPOTrainer
     from aligner.report import format_summary, plot_run, summarize
     from aligner.tasks import get_task
-    from aligner.tokenizers import build_tokenizer
+    from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
 
-    # Everything that can be checked without a model is checked first.
+    # Everything that can be checked without a model is checked first. With init_from, the folder
+    # decides the architecture and (tokenizer: auto) the tokenizer.
+    cfg.model, applied = resolve_model_config(cfg.model, cfg.init_from, model_keys or ())
+    cfg.tokenizer = resolve_tokenizer_spec(cfg.tokenizer, cfg.init_from)
     tokenizer = build_tokenizer(cfg.tokenizer)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_actor_config(cfg, world_size=world, vocab_size=tokenizer.vocab_size)
     url = resolve_critic_url(cfg.critic.url)
     run_token = resolve_run_token(cfg.critic.run_token_file, "critic.run_token_file")
-    if cfg.data.prompt_file:
-        prompts = load_prompts(
-            cfg.data.prompt_file, tokenizer, cfg.model.max_seq_len - cfg.generation.max_new_tokens
-        )
+    # Every rank reads the prompts (before process groups exist); the first one tells what it kept.
+    first_rank = int(os.environ.get("RANK", "0")) == 0
+    max_prompt = cfg.model.max_seq_len - cfg.generation.max_new_tokens
+    train_set = None  # the built-in task: prompts without extras or token counts
+    if cfg.data.dataset is not None or cfg.data.prompt_file is not None:
+        train_set = training_prompt_set(cfg.data, tokenizer, max_prompt)
+        prompts, train_extras = train_set.prompts, train_set.extras
     else:
         prompts = get_task(cfg.data.task, cfg.data.num_digits).prompts(cfg.data.num_prompts, seed=cfg.seed)
-    val_prompts = (
-        _validation_prompts(cfg, tokenizer, prompts)
-        if cfg.validation.interval or cfg.validation.before_train
-        else []
-    )
+        train_extras = None
+    val_prompts: list[str] = []
+    val_extras: list[str] | None = None  # aligned with val_prompts: each row's extra columns (JSON)
+    val_set = None
+    if cfg.validation.interval or cfg.validation.before_train:
+        val_prompts, val_extras, val_set = _validation_prompts(cfg, tokenizer, train_set)
+    if first_rank and (train_set is not None or val_set is not None):
+        sets = {"train": train_set, "validation": val_set}
+        for label, prompt_set in zip(("data", "validation data"), sets.values()):
+            if prompt_set is not None:
+                print(prompt_set.summary(label), flush=True)
+        os.makedirs(cfg.logging.run_dir, exist_ok=True)
+        write_json(
+            os.path.join(cfg.logging.run_dir, "data_stats.json"),
+            {k: x.stats if x is not None else None for k, x in sets.items()},
+        )
     dp = max(
         world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size), 1
     )
@@ -158,13 +183,25 @@ def run(cfg: ActorConfig) -> dict:
             state.dp_size,
             cfg.seed,
             cfg.data.shuffle,
-            lengths=[len(tokenizer.encode(x)) for x in prompts] if balance else None,
+            lengths=(
+                (train_set.lengths if train_set is not None else [len(tokenizer.encode(x)) for x in prompts])
+                if balance
+                else None
+            ),
+            extras=train_extras,
         )
         resume_step = -1  # a fresh start: rows of an earlier run in this run_dir are dropped
         if resume_dir is not None:
             resume_step = int(read_json(resume_dir / "actor" / "trainer_state.json")["trainer"]["step"])
+        # W&B (logging.wandb): the same metrics, with the whole config as the run's config.
+        run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True) if log else None
         logger = MetricsLogger(
-            cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log, resume_step=resume_step
+            cfg.logging.run_dir,
+            tensorboard=cfg.logging.tensorboard,
+            enabled=log,
+            resume_step=resume_step,
+            wandb=cfg.logging.wandb,
+            run_config=run_config,
         )
         if log:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
@@ -173,6 +210,14 @@ def run(cfg: ActorConfig) -> dict:
                 f"DP={state.dp_size}), critic at {url}, run dir {cfg.logging.run_dir}",
                 flush=True,
             )
+            if cfg.init_from:
+                m = cfg.model
+                print(
+                    f"policy: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+                    f"({m.kv_heads} kv), vocab {m.vocab_size}, context {m.max_seq_len}, from {cfg.init_from}"
+                    + (f" (overrides: {', '.join(applied)})" if applied else ""),
+                    flush=True,
+                )
 
         bar = None
         if log and cfg.logging.progress_bar:
@@ -192,7 +237,12 @@ def run(cfg: ActorConfig) -> dict:
             nonlocal logger
             logger.close()
             logger = MetricsLogger(
-                cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard, enabled=log, resume_step=step
+                cfg.logging.run_dir,
+                tensorboard=cfg.logging.tensorboard,
+                enabled=log,
+                resume_step=step,
+                wandb=cfg.logging.wandb,
+                run_config=run_config,
             )
             trainer.logger = logger
             if bar is not None:
@@ -225,6 +275,7 @@ def run(cfg: ActorConfig) -> dict:
             on_step,
             checkpointer=checkpointer,
             val_prompts=val_prompts[state.dp_rank :: state.dp_size],
+            val_extras=val_extras[state.dp_rank :: state.dp_size] if val_extras is not None else None,
             on_rollback=on_rollback,
         )
         if resume_dir is not None:
@@ -257,19 +308,24 @@ def run(cfg: ActorConfig) -> dict:
         distributed.destroy()
 
 
-def _validation_prompts(cfg: ActorConfig, tokenizer, train_prompts: list[str]) -> list[str]:
-    """The fixed evaluation prompts: validation.prompt_file, else the training prompt file's first
-    lines, else the built-in task drawn with validation.seed. Never depends on batch sizes."""
-    from aligner.ppo.prompts import load_prompts
+def _validation_prompts(
+    cfg: ActorConfig, tokenizer, train_set: PromptSet | None
+) -> tuple[list[str], list[str] | None, PromptSet | None]:
+    """The fixed evaluation prompts, their extras (or None) and the prompt set they come from (or
+    None): data.val_split, else validation.prompt_file, else the training data set's first
+    prompts, else the built-in task drawn with validation.seed. Never depends on batch sizes."""
+    from aligner.ppo.datasets import validation_prompt_set
     from aligner.tasks import get_task
 
     v = cfg.validation
     max_prompt = cfg.model.max_seq_len - cfg.generation.max_new_tokens
-    if v.prompt_file:
-        return load_prompts(v.prompt_file, tokenizer, max_prompt)[: v.num_prompts]
-    if cfg.data.prompt_file:
-        return train_prompts[: v.num_prompts]
-    return get_task(cfg.data.task, cfg.data.num_digits).prompts(v.num_prompts, seed=v.seed)
+    val_set = validation_prompt_set(cfg.data, v.prompt_file, v.num_prompts, tokenizer, max_prompt)
+    if val_set is not None:
+        return val_set.prompts, val_set.extras, val_set
+    if train_set is not None:
+        head = train_set.head(v.num_prompts)
+        return head.prompts, head.extras, None
+    return get_task(cfg.data.task, cfg.data.num_digits).prompts(v.num_prompts, seed=v.seed), None, None
 
 
 def _export(cfg: ActorConfig, policy, log: bool) -> None:
@@ -294,8 +350,12 @@ def _export(cfg: ActorConfig, policy, log: bool) -> None:
 
 @hydra.main(config_path="pkg://aligner.configs", config_name="actor", version_base=None)
 def main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from aligner.ppo.model_source import model_keys_named
+
     cfg: ActorConfig = OmegaConf.to_object(dcfg)
-    run(cfg)
+    run(cfg, model_keys_named(HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":

@@ -35,15 +35,25 @@ def _setup(rank: int, world_size: int, port: int, tp: int, pp: int):
 
 
 def tp_worker(
-    rank: int, world_size: int, port: int, hf_dir: str, rm_dir: str, out_dir: str, tokens: list[list[int]]
+    rank: int,
+    world_size: int,
+    port: int,
+    hf_dir: str,
+    rm_dir: str,
+    out_dir: str,
+    tokens: list[list[int]],
+    more: dict[str, str] | None = None,
 ) -> None:
-    """TP=2: policy logits (vocab-parallel, gathered), export, checkpoint; reward-model scores."""
+    """TP=2: policy logits (vocab-parallel, gathered), export, checkpoint; reward-model scores.
+    ``more``: name -> HF folder of further policies or sequence classifiers (their role from
+    the folder's architecture), each run through Megatron's forward and the fused one and
+    exported (``out_dir/<name>``), their outputs saved as ``<name>.megatron``/``<name>.fused``."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     from aligner import distributed
-    from aligner.models import checkpoint_io, gpt, hf
+    from aligner.models import checkpoint_io, gpt, hf, hf_config
 
     state = _setup(rank, world_size, port, tp=2, pp=1)
     out = Path(out_dir)
@@ -66,14 +76,68 @@ def tp_worker(
         with torch.no_grad():
             scores = gpt.sequence_scores(rm, tok, lengths)
         hf.export_hf(rm, rm_cfg, out / "rm_tp2", "llama", hf_config=rm_dir)
+        results = {"logits": full.contiguous(), "scores": scores.contiguous()}
+        for name, folder in (more or {}).items():
+            arch = hf_config.hf_architecture(folder)
+            role = "policy" if hf_config.resolve_architecture(arch)[1] == "lm" else "reward"
+            m, m_cfg = hf.import_hf(folder, role, make_vocab_size_divisible_by=8)
+            m.eval()
+            for mode in ("megatron", "fused"):
+                assert gpt.set_forward(m, mode, tensor_parallel_size=2) == (mode, None), (name, mode)
+                with torch.no_grad():
+                    if role == "reward":
+                        got = gpt.sequence_scores(m, tok, lengths)
+                    else:
+                        got = gpt.policy_logits(m, tok)
+                        parts = [torch.empty_like(got) for _ in range(state.tp_size)]
+                        dist.all_gather(parts, got.contiguous(), group=state.tp_group)
+                        got = torch.cat(parts, dim=-1)[..., : m_cfg.vocab_size]
+                results[f"{name}.{mode}"] = got.contiguous()
+                if role == "policy" and m_cfg.qk_layernorm:
+                    results.update(_qk_norm_grads(m, m_cfg, tok, state, f"{name}.{mode}"))
+            hf.export_hf(m, m_cfg, out / name, arch, hf_config=folder)
         if rank == 0:
-            save_file(
-                {"logits": full.contiguous(), "scores": scores.contiguous()},
-                str(out / "tp_results.safetensors"),
-            )
+            save_file(results, str(out / "tp_results.safetensors"))
         dist.barrier()
     finally:
         distributed.destroy()
+
+
+def qk_norm_loss_weights(b: int, s: int, vocab: int):
+    """The weights of the test loss ``sum(logits * w)``, one per logit of the real vocabulary."""
+    import torch
+
+    return torch.linspace(0.5, 1.5, b * s * vocab).view(b, s, vocab)
+
+
+def _qk_norm_grads(model, cfg, tok, state, prefix: str) -> dict:
+    """The gradients of the q/k norm weights (under their HF names) of the loss
+    ``sum(logits * w)`` at TP=2, after checking every TP rank holds the same (the whole model's,
+    not its own heads' share)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    b, s = tok.shape
+    w = qk_norm_loss_weights(b, s, cfg.vocab_size)
+    w = F.pad(w, (0, cfg.padded_vocab_size(state.tp_size) - cfg.vocab_size))
+    w = w.chunk(state.tp_size, dim=-1)[dist.get_rank(state.tp_group)]
+    model.zero_grad(set_to_none=True)
+    from aligner.models import gpt
+
+    (gpt.policy_logits(model, tok) * w).sum().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        if "_layernorm." in name and ("q_layernorm" in name or "k_layernorm" in name):
+            parts = [torch.empty_like(p.grad) for _ in range(state.tp_size)]
+            dist.all_gather(parts, p.grad.contiguous(), group=state.tp_group)
+            assert all(torch.equal(parts[0], x) for x in parts), f"{prefix}: {name} differs across TP"
+            layer = name.split(".")[2]
+            which = "q_norm" if "q_layernorm" in name else "k_norm"
+            out[f"{prefix}.grad.model.layers.{layer}.self_attn.{which}.weight"] = p.grad.clone()
+    assert out, "no q/k norm parameters"
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def pp_worker(

@@ -188,6 +188,21 @@ def generation_cfg():
     )
 
 
+def qk_norm_cfg():
+    """Qwen3-style: heads 32 wide (not 64 / 4) with per-head q/k norms (replicated, one head
+    wide, in the stream), two groups (one per rank at generation TP=2), llama3-scaled RoPE for
+    an original context of 8 (generation runs past it)."""
+    import dataclasses
+
+    return dataclasses.replace(
+        generation_cfg(),
+        kv_channels=32,
+        qk_layernorm=True,
+        rope_scaling="llama3",
+        rope_original_max_position=8,
+    )
+
+
 def _greedy():
     from aligner.generation import SamplingParams
 
@@ -250,8 +265,9 @@ def _check_generation(model, cfg, refs: dict, g: int, tol: float, ps=None):
 
 def generation_worker(rank: int, world: int, port: int) -> None:
     """Train at PP=2 / generate at TP=1, train at TP=2 / generate at TP=1, train at TP=1 x PP=2 /
-    generate at TP=2: greedy tokens equal the TP=1 zero-copy engine's on the same weights and
-    log-probs agree to ``FP32_LOGPROB_TOL``; a bf16 engine from the fp32 PP=2 policy equals the
+    generate at TP=2 (there also a model with q/k norms, :func:`qk_norm_cfg`): greedy tokens
+    equal the TP=1 zero-copy engine's on the same weights and log-probs agree to
+    ``FP32_LOGPROB_TOL``; a bf16 engine from the fp32 PP=2 policy equals the
     TP=1 bf16 zero-copy engine exactly. After a policy update, the engine (not yet refitted)
     still generates the old weights' tokens, which differ from the new weights' reference, so a
     refit that moved nothing fails; after the refit it generates the new reference's tokens."""
@@ -267,14 +283,19 @@ def generation_worker(rank: int, world: int, port: int) -> None:
         k: v + 0.15 * torch.randn(v.shape, generator=torch.Generator().manual_seed(99))
         for k, v in old.items()
     }
+    qk_cfg = qk_norm_cfg()
+    qk_weights = random_weights(qk_cfg, seed=8)
     try:
         refs = _references(cfg, old, new)
         assert not torch.equal(refs["old"].tokens, refs["new"].tokens)  # the update changes the tokens
+        qk_refs = _references(qk_cfg, qk_weights)
         for tp, pp, g in ((1, 2, 1), (2, 1, 1), (1, 2, 2)):
             what = f"train TP {tp} x PP {pp}, generate TP {g}"
             ps = _layout(tp, pp)
             model = _policy(cfg, old)
             engine = _check_generation(model, cfg, refs, g, FP32_LOGPROB_TOL, ps)
+            if g == 2:  # q/k norms replicated and 32-wide heads cut by group in the owned layout
+                _check_generation(_policy(qk_cfg, qk_weights), qk_cfg, qk_refs, g, FP32_LOGPROB_TOL, ps)
             lay = ParallelLayout(tp=g, tp_rank=engine.layout.rank)
             shard_bytes = sum(
                 4 * torch.Size(lay.shard_shape(s, cfg)).numel() for s in megatron_tensor_specs(cfg)

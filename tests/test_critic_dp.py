@@ -46,6 +46,7 @@ from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import build_reward_model
+from aligner.ppo.critic_link import sample_texts
 from aligner.tokenizers import build_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.multiprocess]
@@ -57,7 +58,9 @@ TOK = build_tokenizer("char")
 
 CASES = {
     # One minibatch, two epochs: the infer forward is the first pass (each replica its slice).
-    "one_minibatch": {"optim": {"epochs": 2}},
+    # The reward model reads text with a tokenizer of its own (another alphabet than the
+    # policy's): its second forward is split across the replicas too.
+    "one_minibatch": {"optim": {"epochs": 2}, "reward": {"tokenizer": "char:9876543210:,"}},
     # Three minibatches of 5 rows (2, 2, 1): the last one leaves replica 1 without rows.
     "minibatches_seq_mean": {"optim": {"num_minibatches": 3, "epochs": 2, "loss_agg": "seq_mean_token_mean"}},
 }
@@ -65,12 +68,13 @@ CASES = {
 
 def _case_config(root: Path, case: str, tp: int = 1) -> dict:
     """The case's server config; at TP > 1 with checkpoints of its own (they hold TP shards)."""
-    cfg = tiny_config(
-        root / case,
-        reward={"model_path": str(root / "rm"), "fn": "aligner.tasks.digits:sort_reward"},
-        parallel={"tensor_model_parallel_size": tp},
-        **CASES[case],
-    )
+    sections = {k: dict(v) for k, v in CASES[case].items()}
+    reward = {
+        "model_path": str(root / "rm"),
+        "fn": "aligner.tasks.digits:sort_reward",
+        **sections.pop("reward", {}),
+    }
+    cfg = tiny_config(root / case, reward=reward, parallel={"tensor_model_parallel_size": tp}, **sections)
     if tp > 1:
         cfg["checkpoint"]["dir"] = str(root / case / f"ckpt_tp{tp}")
     cfg["precision"] = "fp32"  # DP=2 is compared with DP=1 to float rounding
@@ -86,19 +90,29 @@ def _case_batches():
     return out
 
 
+def _infer(svc: CriticService, tokens, lengths, prompt_lengths):
+    """``svc.infer``, with the samples' texts when its reward model reads text."""
+    texts = {}
+    if svc.required_inputs:
+        prompts, responses = sample_texts(TOK, tokens, lengths, prompt_lengths)
+        texts = {"prompt_texts": prompts, "response_texts": responses}
+    return svc.infer(tokens, lengths, prompt_lengths, **texts)
+
+
 def _run_case(svc: CriticService) -> dict:
     """What the comparison covers: infer (1 row, then 5 rows), train steps 1 and 2 each right
     after the infer of its own rows (so that a case with one minibatch takes that forward as
     its first pass), infer after; and how many first passes were taken from an infer."""
     (t1, n1, p1, *rest1), (t2, n2, p2, *rest2) = _case_batches()
     before = svc.reused_forwards
-    out = {"values_one_row": svc.infer(t2[:1], n2[:1], p2[:1]).values}
-    out["rewards0"] = svc.infer(t1, n1, p1).rewards
-    out["values0"] = svc.infer(t1, n1, p1).values
+    out = {"values_one_row": _infer(svc, t2[:1], n2[:1], p2[:1]).values}
+    out["rewards_one_row"] = _infer(svc, t2[:1], n2[:1], p2[:1]).rewards
+    out["rewards0"] = _infer(svc, t1, n1, p1).rewards
+    out["values0"] = _infer(svc, t1, n1, p1).values
     out["step1"] = svc.train(t1, n1, *rest1, 1).to_dict()
-    out["values1"] = svc.infer(t2, n2, p2).values
+    out["values1"] = _infer(svc, t2, n2, p2).values
     out["step2"] = svc.train(t2, n2, *rest2, 2).to_dict()
-    out["values2"] = svc.infer(t1, n1, p1).values
+    out["values2"] = _infer(svc, t1, n1, p1).values
     out["reused"] = svc.reused_forwards - before
     return out
 
@@ -106,7 +120,7 @@ def _run_case(svc: CriticService) -> dict:
 def _compare(got: dict, want: dict, what: str) -> None:
     # The infer forward is the first pass of both steps with one minibatch, at DP=1 as at DP=2.
     assert got["reused"] == want["reused"] == (2 if "one_minibatch" in what else 0), (what, got["reused"])
-    for key in ("values0", "rewards0", "values_one_row", "values1"):
+    for key in ("values0", "rewards0", "values_one_row", "rewards_one_row", "values1"):
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-5, err_msg=f"{what}: {key}")
     for step in ("step1", "step2"):
         g, w = got[step], want[step]
@@ -152,7 +166,7 @@ def _dp2_worker(rank: int, port: int, root: str, tp: int, errors) -> None:
                 (t1, n1, p1, *rest1) = _case_batches()[0]
                 svc.train(t1, n1, *rest1, 3)
                 svc.load(2)
-                np.testing.assert_array_equal(svc.infer(t1, n1, p1).values, got["values2"])
+                np.testing.assert_array_equal(_infer(svc, t1, n1, p1).values, got["values2"])
                 svc.close()
                 continue
             # The DP=1 run's step-1 checkpoint (with its Adam moments): step 2 as at DP=1.
@@ -182,7 +196,7 @@ def test_dp2_updates_equal_dp1_updates(tmp_path):
             svc = CriticService(build_config(_case_config(tmp_path, case)), state)
             svc.save(0)
             (t1, n1, p1, *rest1) = _case_batches()[0]
-            svc.infer(t1, n1, p1)
+            _infer(svc, t1, n1, p1)
             svc.train(t1, n1, *rest1, 1)
             svc.save(1)
             svc.load(0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -78,6 +80,59 @@ def test_bad_infer_requests_name_the_field(change, field, words):
     msg = str(e.value)
     assert msg.startswith(P.ERROR_MARK) and f"field {field!r}" in msg and words in msg, msg
     assert P.extract_error("Traceback ...\\n ProtocolError: " + msg + "\\n\\nAt: x") == msg
+
+
+def test_optional_infer_inputs_pass_typed_and_go_on_the_wire_per_row():
+    tokens, lengths, pl = _good()
+    texts = {"prompt_text": ["12:", "45:"], "response_text": ["Ω,", ""], "extras": ['{"answer":"1"}', "{}"]}
+    req = P.validate_infer(tokens, lengths, pl, LIM, **texts)
+    assert (req.prompt_texts, req.response_texts, req.extras) == tuple(texts.values())
+    wire = req.to_wire()
+    for name, rows in texts.items():  # BYTES [b, 1] of UTF-8, as Triton hands them to the server
+        assert wire[name].shape == (2, 1) and wire[name].dtype == np.object_
+        assert [x.decode("utf-8") for x in wire[name].ravel()] == rows
+    back = P.validate_infer(
+        *(wire[k] for k in ("tokens", "lengths", "prompt_lengths")), LIM, **{k: wire[k] for k in texts}
+    )
+    assert back.texts() == texts
+    # A chunk of a request takes its rows of every input; inputs left out stay out.
+    one = req.rows(1, 2)
+    assert one.tokens.shape == (1, 6) and one.texts() == {k: v[1:] for k, v in texts.items()}
+    plain = P.validate_infer(tokens, lengths, pl, LIM)
+    assert plain.texts() == {} and set(plain.to_wire()) == {"tokens", "lengths", "prompt_lengths"}
+    assert set(P.OPTIONAL_INFER_INPUTS) == {t.name for t in P.MODELS[P.INFER].inputs if t.optional}
+    assert set(P.TEXT_INPUTS) < set(P.OPTIONAL_INFER_INPUTS)
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("extras", ["{}"], "2 rows (one string per sample, shape [2, 1])"),
+        ("extras", np.array([[b"{}", b"{}"]], np.object_), "shape [2, 1]"),
+        ("extras", ["{}", '{"a": 1'], "row 1: invalid JSON"),
+        ("extras", ["[1, 2]", "{}"], "row 0: a JSON list"),
+        ("extras", ["{}", '"text"'], "row 1: a JSON str"),
+        ("prompt_text", np.array([[b"ok"], [b"\xff\xfe"]], np.object_), "valid UTF-8 in every row"),
+        ("response_text", ["ok", 3], "row 1: int 3"),
+    ],
+)
+def test_bad_optional_infer_inputs_name_the_input_and_the_row(name, value, words):
+    tokens, lengths, pl = _good()
+    with pytest.raises(P.ProtocolError) as e:
+        P.validate_infer(tokens, lengths, pl, LIM, **{name: value})
+    assert e.value.field == name and words in str(e.value), str(e.value)
+
+
+def test_an_input_the_server_needs_is_refused_when_left_out_saying_why():
+    tokens, lengths, pl = _good()
+    why = "this server's reward model reads text with its own tokenizer"
+    require = dict.fromkeys(P.TEXT_INPUTS, why)
+    with pytest.raises(P.ProtocolError) as e:
+        P.validate_infer(tokens, lengths, pl, LIM, prompt_text=["a", "b"], require=require)
+    assert e.value.field == "response_text" and why in str(e.value) and "a request without it" in str(e.value)
+    P.validate_infer(
+        tokens, lengths, pl, LIM, prompt_text=["a", "b"], response_text=["c", "d"], require=require
+    )
 
 
 def _with(i, value):
@@ -188,15 +243,28 @@ def test_validation_accepts_torch_tensors():
 
 def test_server_info_round_trip_ignores_unknown_fields():
     info = P.ServerInfo(
-        P.PROTOCOL_VERSION, 14, 32, "char", "char:abc", -1, 8, 16, instance_id="ab12", run_token_required=True
+        P.PROTOCOL_VERSION,
+        14,
+        32,
+        "char",
+        "char:abc",
+        -1,
+        8,
+        16,
+        instance_id="ab12",
+        run_token_required=True,
+        infer_inputs=["extras", "prompt_text", "response_text"],
     )
     blob = info.to_json().replace(b"{", b'{"future_field": 1, ', 1)
     back = P.ServerInfo.from_json(blob)
     assert back == info and back.limits == P.Limits(14, 32, 8, 16)
+    old = json.loads(info.to_json())
+    del old["infer_inputs"]  # a server older than protocol 3 needs none
+    assert P.ServerInfo.from_json(json.dumps(old)).infer_inputs == []
 
 
 def test_every_model_spec_is_consistent():
-    assert P.PROTOCOL_VERSION == 2
+    assert P.PROTOCOL_VERSION == 3
     assert set(P.MODELS) == set(P.MODEL_NAMES)
     assert [m for m, s in P.MODELS.items() if s.batched] == [P.INFER]
     assert P.MODELS[P.TRAIN].input("step").shape == (1, 1)
@@ -299,6 +367,71 @@ def test_config_reward_and_init_sources(tmp_path):
         build_config(tiny_config(tmp_path, reward={"model_path": "/does/not/exist"}))
     with pytest.raises(ConfigError, match="model.vocab_size=8 is smaller than the tokenizer"):
         build_config(tiny_config(tmp_path, model={"vocab_size": 8}))
+
+
+def test_config_reward_function_forms_kwargs_and_where_it_is_found(tmp_path, monkeypatch):
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "h3_cfg_rewards.py").write_text(
+        "def trlx(samples, **kwargs):\n    return [0.0] * len(samples)\n"
+        "def ours(prompts, responses, clf=None):\n    return [0.0] * len(prompts)\n"
+        "def lone(texts):\n    return [0.0] * len(texts)\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what the loader puts in front goes away after
+
+    def check(fn, **reward):
+        return build_config(tiny_config(tmp_path, reward={"fn": fn, **reward})).reward
+
+    with pytest.raises(ConfigError, match="cannot import module 'h3_cfg_rewards'"):
+        check("h3_cfg_rewards:trlx")
+    assert check("h3_cfg_rewards:trlx", python_path=[str(mods)]).python_path == [str(mods)]
+    assert check("h3_cfg_rewards:ours", python_path=[str(mods)], fn_kwargs={"clf": "/m"}).fn_kwargs == {
+        "clf": "/m"
+    }
+    with pytest.raises(ConfigError) as e:
+        check("h3_cfg_rewards:lone", python_path=[str(mods)])
+    msg = str(e.value)
+    assert "reward.fn='h3_cfg_rewards:lone'" in msg and "signature lone(texts) cannot take a batch" in msg
+    assert "fn(prompts, responses, **kwargs)" in msg and "fn(samples, prompts, outputs, **kwargs)" in msg
+    with pytest.raises(ConfigError, match=r"fn_kwargs key 'model' is not a parameter of reward function"):
+        check("h3_cfg_rewards:ours", python_path=[str(mods)], fn_kwargs={"model": "/m"})
+    with pytest.raises(ConfigError, match=r"python_path names folders that do not exist: \['/no/such'\]"):
+        check("h3_cfg_rewards:ours", python_path=["/no/such"])
+    # The server's working directory is searched too: no PYTHONPATH needed.
+    monkeypatch.chdir(mods)
+    assert check("h3_cfg_rewards:ours").fn == "h3_cfg_rewards:ours"
+
+
+def test_config_reward_tokenizer_and_policy_sources(tmp_path):
+    with pytest.raises(ConfigError, match="reward.tokenizer='char:abc': set without a reward model"):
+        build_config(tiny_config(tmp_path, reward={"tokenizer": "char:abc"}))
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "meta.json").write_text("{}")
+    with pytest.raises(ConfigError, match="reward.chat_template=true: only a reward model that reads text"):
+        build_config(
+            tiny_config(tmp_path, reward={"model_path": str(tmp_path / "rm"), "chat_template": True})
+        )
+    with pytest.raises(
+        ConfigError, match="reward.chat_template=true: the reward tokenizer 'char:abc' has no chat"
+    ):
+        build_config(
+            tiny_config(
+                tmp_path,
+                reward={"model_path": str(tmp_path / "rm"), "tokenizer": "char:abc", "chat_template": True},
+            )
+        )
+    with pytest.raises(
+        ConfigError, match="reward.tokenizer='/no/tok': cannot load the reward model's tokenizer"
+    ):
+        build_config(
+            tiny_config(tmp_path, reward={"model_path": str(tmp_path / "rm"), "tokenizer": "/no/tok"})
+        )
+    # init.policy_path: our checkpoint folder or a HF folder.
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert build_config(tiny_config(tmp_path, init={"policy_path": str(tmp_path / "hf")})).init.policy_path
+    with pytest.raises(ConfigError, match="neither meta.json nor config.json"):
+        build_config(tiny_config(tmp_path, init={"policy_path": str(tmp_path)}))
 
 
 def test_client_error_classes():

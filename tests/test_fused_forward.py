@@ -6,7 +6,8 @@ which can change its summation order); every parameter's
 gradient must agree to fp32 round-off in fp32 and to bf16 round-off in bf16 (gradient sums
 run in another order). Covered: LM, value and reward heads; Llama-style (RMSNorm, SwiGLU,
 RoPE), grouped-query attention, GPT-2-style (LayerNorm, GELU, learned positions, biases, tied
-embeddings); the compiled variant; TP=2 in two processes against the TP=2 Megatron forward.
+embeddings), Qwen3-style (heads of their own width, q/k norms, llama3-scaled RoPE); the
+compiled variant; TP=2 in two processes against the TP=2 Megatron forward.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ ARCHS = {
         add_bias_linear=True,
         tie_embeddings=True,
     ),
+    # Qwen3-style: heads 32 wide (not 64 / 4), per-head q/k RMSNorm, and Llama 3.1's RoPE
+    # scaling with an original context of 8 (the tokens run past it).
+    "qwen3": dict(
+        num_query_groups=2,
+        kv_channels=32,
+        qk_layernorm=True,
+        rope_scaling="llama3",
+        rope_original_max_position=8,
+    ),
 }
 HEADS = {"lm": gpt.build_policy, "value": gpt.build_critic, "reward": gpt.build_reward_model}
 TOKENS = torch.randint(0, 40, (3, 17), generator=torch.Generator().manual_seed(0))
@@ -48,6 +58,18 @@ def _cfg(**kw) -> ModelConfig:
         init_method_std=0.1,
         **kw,
     )
+
+
+def _build(head: str, arch: str, dtype: torch.dtype = torch.float32):
+    """``head``'s model of ``arch`` (seeded); q/k norm weights moved away from 1, so a norm
+    read from the wrong tensor shows."""
+    torch.manual_seed(0)
+    model = HEADS[head](_cfg(**ARCHS[arch]), params_dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def _output(model, head: str, tokens=TOKENS) -> torch.Tensor:
@@ -102,8 +124,7 @@ def _world():
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("head", list(HEADS))
 def test_fused_equals_megatron(arch, head, dtype):
-    torch.manual_seed(0)
-    model = HEADS[head](_cfg(**ARCHS[arch]), params_dtype=dtype)
+    model = _build(head, arch, dtype)
     _compare(model, head, "fused", grad_tol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
@@ -153,8 +174,7 @@ def test_last_layer_from_start_changes_nothing_it_keeps(arch, head, dtype):
     round-off, as :func:`_same_output`), for both Megatron's forward (sliced) and the fused
     one, and a loss that ignores the positions before it gets the same gradients to round-off
     (the weight gradients sum fewer rows)."""
-    torch.manual_seed(0)
-    model = HEADS[head](_cfg(**ARCHS[arch]), params_dtype=dtype)
+    model = _build(head, arch, dtype)
     start = 6
     fwd = {"lm": gpt.policy_logits, "value": gpt.token_values}[head]
     first = start if head == "lm" else 0  # token_values pads its [b, s-1] with zeros instead
@@ -307,9 +327,8 @@ def _tp_worker(rank: int, port: int) -> None:
         distributed.initialize(distributed.ParallelConfig(tensor_model_parallel_size=2), seed=5)
         # 40 tokens split 20/20; 4 heads in 2 groups: one group per rank.
         for head in ("lm", "value", "reward"):
-            for arch in ("gqa", "gpt2"):
-                torch.manual_seed(0)
-                model = HEADS[head](_cfg(**ARCHS[arch]))
+            for arch in ("gqa", "gpt2", "qwen3"):
+                model = _build(head, arch)
                 gpt.set_forward(model, "megatron")
                 out0, g0 = _run(model, head)
                 assert gpt.set_forward(model, "fused", tensor_parallel_size=2) == ("fused", None)

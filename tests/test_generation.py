@@ -106,6 +106,22 @@ def test_greedy_kv_cache_equals_full_recompute(model, ps, backend):
         assert alone.tokens[0].tolist() == out.tokens[i, : alone.tokens.shape[1]].tolist()
 
 
+# Qwen3-style: heads 32 wide (not 64 / 4) with per-head q/k norms. Llama 3.1-style: RoPE
+# frequencies scaled (llama3) for an original context of 16, which generation runs past, and
+# heads 24 wide.
+QWEN3 = dict(num_query_groups=2, kv_channels=32, qk_layernorm=True)
+LLAMA3_ROPE = dict(kv_channels=24, rope_scaling="llama3", rope_original_max_position=16)
+
+
+def _with_qk_norms_moved(m):
+    """q/k norm weights away from 1, so a norm read from the wrong tensor shows."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
 @pytest.mark.parametrize(
     "arch",
     [
@@ -118,17 +134,49 @@ def test_greedy_kv_cache_equals_full_recompute(model, ps, backend):
             add_bias_linear=True,
             tie_embeddings=True,
         ),
+        QWEN3,
+        LLAMA3_ROPE,
     ],
-    ids=["gqa", "mqa_qkv_bias", "gpt2_like"],
+    ids=["gqa", "mqa_qkv_bias", "gpt2_like", "qwen3", "llama3_rope"],
 )
 def test_lean_path_matches_recompute_on_other_architectures(ps, arch):
-    m = _model(1, **arch)
+    m = _with_qk_norms_moved(_model(1, **arch))
     assert unsupported_reason(m) is None
     sp = SamplingParams(max_new_tokens=16, greedy=True)
     out = _engine(m, ps, "lean").generate(PROMPTS, sp)
     ref = _reference(m, PROMPTS, sp)
     assert torch.equal(out.tokens, ref.tokens)
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", [QWEN3, LLAMA3_ROPE], ids=["qwen3", "llama3_rope"])
+def test_lean_decoder_logits_equal_the_full_forward(ps, arch):
+    """Every step's logits, teacher-forced past the llama3 scaling's original context: the
+    eager and the fixed-shape decode step, over the module's own tensors and over owned copies
+    (what a refit streams), equal the full forward's at that position."""
+    from aligner.generation.weights import OwnedWeights
+    from aligner.models.layout import ParallelLayout, iter_megatron_tensors
+
+    m = _with_qk_norms_moved(_model(2, **arch)).eval()
+    b, n = 2, 5
+    tokens = torch.randint(2, TOK.vocab_size, (b, 40), generator=torch.Generator().manual_seed(0))
+    full = _full_logits(m, tokens)  # [b, 40, v]
+    owned = OwnedWeights(m, ParallelLayout())
+    owned.load(iter_megatron_tensors(m))
+    with torch.inference_mode():
+        for source in (m, owned):
+            for static in (False, True):
+                lean = LeanDecoder(source)
+                lean.begin(b, MAX_LEN)
+                torch.testing.assert_close(lean.prefill(tokens[:, :n]), full[:, n - 1], atol=1e-5, rtol=0)
+                for pos in range(n, tokens.shape[1]):
+                    tok = tokens[:, pos : pos + 1]
+                    if static:
+                        got = lean.decode_static(tok, torch.tensor([pos]))
+                    else:
+                        got = lean.decode(tok, pos)
+                    torch.testing.assert_close(got, full[:, pos], atol=1e-5, rtol=0)
+                lean.end()
 
 
 def test_engine_options_do_not_change_results(model, ps):

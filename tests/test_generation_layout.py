@@ -7,8 +7,10 @@ against a bf16 policy holding the same rounded weights), a refit moves the weigh
 layout and config errors name their field. In two gloo processes (one launch,
 ``tests/_layout_workers.py``): train at PP=2 / generate at TP=1, train at TP=2 / generate at
 TP=1, train at TP=1 x PP=2 / generate at TP=2, each against a TP=1 zero-copy engine on the same
-weights, before and after a policy update. TP=2 x PP=2 training with generation groups of 2
-and 1 runs in ``tests/test_weight_stream.py``'s four-process launch.
+weights, before and after a policy update; and a Qwen3-style model (q/k norms, heads of their
+own width, llama3-scaled RoPE) trained at TP=1 x PP=2 and generated at TP=2. TP=2 x PP=2
+training with generation groups of 2 and 1 runs in ``tests/test_weight_stream.py``'s
+four-process launch.
 
 Tolerances: fp32 greedy tokens are equal and log-probs agree to 1e-5 (at ``g`` = 1 they are
 bit-equal, the same ops on the same tensors; at ``g`` = 2 the row-parallel all-reduces add the
@@ -48,6 +50,14 @@ ARCHS = {
         add_bias_linear=True,
         tie_embeddings=True,
     ),
+    # Qwen3-style heads (32 wide, q/k norms) with llama3-scaled RoPE past its original context.
+    "qwen3_llama3_rope": dict(
+        num_query_groups=2,
+        kv_channels=32,
+        qk_layernorm=True,
+        rope_scaling="llama3",
+        rope_original_max_position=8,
+    ),
 }
 
 
@@ -69,7 +79,12 @@ def _engine(model, ps, **kw):
 
 def _policy(seed: int, dtype=torch.float32, **arch):
     torch.manual_seed(seed)
-    return build_policy(_cfg(**arch), params_dtype=dtype).eval()
+    model = build_policy(_cfg(**arch), params_dtype=dtype).eval()
+    with torch.no_grad():  # q/k norm weights away from 1, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def _copy(model, dtype):

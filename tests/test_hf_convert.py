@@ -3,7 +3,9 @@ reward models, our checkpoint format, the CLI, and the errors for bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 
@@ -12,9 +14,10 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from aligner import distributed
-from aligner.models import checkpoint_io, convert_cli, gpt, hf, hf_config, hf_names, model_files
+from aligner.models import checkpoint_io, convert_cli, gpt, hf, hf_config, hf_names, model_files, rope
 from aligner.models.config import ConversionError, ModelConfig
 
 VOCAB = 100
@@ -53,6 +56,20 @@ _LLAMA_LIKE = dict(
     rms_norm_eps=1e-5,
 )
 _GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32)
+# Llama 3.1's RoPE scaling on a tiny model: with heads 16 wide and theta 1e4 the wavelengths
+# are 6.3, 19.9, 62.8, ...; an original context of 32 keeps the first (< 32/4), smooths the
+# second and divides the rest by the factor (at width 32: keeps 1, smooths 2); sequences of 48
+# run past 32.
+_LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
+# Heads 32 wide, not hidden_size / heads = 16.
+_WIDE_HEADS = dict(_LLAMA_LIKE, head_dim=32, max_position_embeddings=64)
 
 CASES = {
     # name: (config class, model class, config kwargs)
@@ -71,7 +88,35 @@ CASES = {
     ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2)),
     "gpt2_untied": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT2, tie_word_embeddings=False, n_inner=96)),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_LLAMA_LIKE, max_position_embeddings=64, rope_parameters=_LLAMA3_ROPE),
+    ),
+    "llama_head_dim": ("LlamaConfig", "LlamaForCausalLM", dict(_WIDE_HEADS)),
+    # Qwen2.5 as released: tied embeddings on small sizes, a sliding window that is present but
+    # unused (shorter than the context, so a wrong cap would show), max_window_layers.
+    "qwen2_5": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            _LLAMA_LIKE,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            sliding_window=16,
+            max_window_layers=1,
+            rope_theta=1000000.0,
+        ),
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_WIDE_HEADS, tie_word_embeddings=True)),
+    "qwen3_llama3_rope": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_WIDE_HEADS, tie_word_embeddings=False, rope_parameters=_LLAMA3_ROPE),
+    ),
 }
+# Sequence lengths: past the llama3 scaling's original context where the model allows it.
+SEQ = {"llama3_rope": 48, "llama_head_dim": 48, "qwen3": 48, "qwen3_llama3_rope": 48}
 
 
 def _hf_model(case: str, seed: int = 0, model_class: str | None = None, **extra):
@@ -118,14 +163,16 @@ def llama_dir(tmp_path_factory):
 def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
     ref = _hf_model(case)
     src = _save(ref, tmp_path / "src")
-    tokens = _tokens()
+    tokens = _tokens(s=SEQ.get(case, 12))
     expected = _logits(ref, tokens)
 
     model, cfg = hf.import_hf(src, make_vocab_size_divisible_by=16)
     assert cfg.padded_vocab_size() == 112  # the Megatron embedding has padded rows
-    ours = _our_logits(model, tokens)
-    assert ours.shape[-1] == 112
-    assert (ours[..., :VOCAB] - expected).abs().max().item() < TOL
+    for mode in ("megatron", "fused"):  # Megatron's own forward and ours over its parameters
+        assert gpt.set_forward(model, mode) == (mode, None)
+        ours = _our_logits(model, tokens)
+        assert ours.shape[-1] == 112
+        assert (ours[..., :VOCAB] - expected).abs().max().item() < TOL, mode
 
     out = hf.export_hf(model, cfg, tmp_path / "out", CASES[case][1], hf_config=src)
     # The padded vocabulary is trimmed, and the files hold exactly what transformers saved.
@@ -136,6 +183,91 @@ def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
         assert torch.equal(exported[name], t), name
     reloaded = getattr(transformers, CASES[case][1]).from_pretrained(out, attn_implementation="eager").eval()
     assert (_logits(reloaded, tokens) - expected).abs().max().item() < TOL
+    # The exported config describes the same model (head width, q/k norms, RoPE, no window).
+    assert hf_config.model_config_from_hf(out, make_vocab_size_divisible_by=16) == cfg
+
+
+def test_new_families_import_what_they_are(tmp_path):
+    """What each family's config sets: the head width only when it is one of its own, q/k norms
+    for Qwen3, the llama3 scaling's four parameters, and no sliding-window cap for Qwen2.5."""
+    got = {case: hf_config.model_config_from_hf(_hf_model(case).config) for case in CASES}
+    assert got["llama_head_dim"].kv_channels == 32 and got["llama_head_dim"].head_dim == 32
+    assert got["llama"].kv_channels is None and got["llama"].head_dim == 16
+    assert got["qwen3"].qk_layernorm and got["qwen3"].head_dim == 32 and got["qwen3"].tie_embeddings
+    assert not any(got[c].qk_layernorm for c in ("llama", "qwen2", "qwen2_5", "llama_head_dim"))
+    q = got["qwen2_5"]
+    assert q.max_seq_len == 32 and q.tie_embeddings and q.add_qkv_bias and q.rotary_base == 1e6
+    r = got["llama3_rope"]
+    assert (r.rope_scaling, r.rope_scaling_factor, r.rope_low_freq_factor, r.rope_high_freq_factor) == (
+        "llama3",
+        8.0,
+        1.0,
+        4.0,
+    )
+    assert r.rope_original_max_position == 32 and r.max_seq_len == 64
+    assert got["llama"].rope_scaling is None
+    # An older config says rope_scaling (and 'type'): the same model config.
+    old = {**_LLAMA_LIKE, "max_position_embeddings": 64, "architectures": ["LlamaForCausalLM"]}
+    old["rope_scaling"] = {k: v for k, v in _LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    old["rope_scaling"]["type"] = "llama3"
+    assert hf_config.model_config_from_hf(old) == r
+    # Without original_max_position_embeddings, transformers takes max_position_embeddings.
+    short = {**old, "rope_scaling": {**old["rope_scaling"]}}
+    del short["rope_scaling"]["original_max_position_embeddings"]
+    assert hf_config.model_config_from_hf(short).rope_original_max_position == 64
+
+
+def _naive_llama3(d, base, factor, low, high, original):
+    """transformers' llama3 formula written out one frequency at a time, in Python floats."""
+    out = []
+    for i in range(0, d, 2):
+        f = 1.0 / base ** (i / d)
+        wavelen = 2 * math.pi / f
+        if wavelen < original / high:
+            out.append(f)
+        elif wavelen > original / low:
+            out.append(f / factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def test_llama3_frequencies_against_the_formula():
+    cfg = hf_config.model_config_from_hf(_hf_model("llama3_rope").config)
+    mine = rope.inverse_frequencies(cfg)
+    naive = _naive_llama3(16, 1e4, 8.0, 1.0, 4.0, 32)
+    plain = _naive_llama3(16, 1e4, 1.0, 1.0, 4.0, 32)  # factor 1: nothing scaled
+    torch.testing.assert_close(mine, torch.tensor(naive, dtype=torch.float32), rtol=1e-6, atol=0)
+    # All three regimes occur: kept, smoothed, divided by the factor.
+    ratios = [a / b for a, b in zip(naive, plain)]
+    assert ratios[0] == 1.0 and 1 / 8 < ratios[1] < 1 and ratios[2:] == [1 / 8] * 6
+    # At width 32 (Qwen3 case): one kept, two smoothed.
+    wide = rope.inverse_frequencies(hf_config.model_config_from_hf(_hf_model("qwen3_llama3_rope").config))
+    torch.testing.assert_close(
+        wide, torch.tensor(_naive_llama3(32, 1e4, 8.0, 1.0, 4.0, 32)), rtol=1e-6, atol=0
+    )
+    # Bit for bit what transformers computes, and what the built model's rotary embedding holds.
+    hf_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](_hf_model("llama3_rope").config, "cpu")
+    assert torch.equal(mine, hf_freq) and scale == 1.0
+    model = gpt.build_policy(cfg)
+    assert torch.equal(model.rotary_pos_emb.inv_freq, mine)
+    plain_model = gpt.build_policy(hf_config.model_config_from_hf(_hf_model("llama").config))
+    assert torch.equal(
+        plain_model.rotary_pos_emb.inv_freq, rope.inverse_frequencies(plain_model.aligner_config)
+    )
+
+
+def test_llama3_scaling_changes_the_logits(tmp_path):
+    """The parity above is not vacuous: the same weights with plain RoPE give logits further
+    from transformers' than its tolerance."""
+    ref = _hf_model("llama3_rope")
+    model, cfg = hf.import_hf(_save(ref, tmp_path / "src"))
+    plain = gpt.build_policy(dataclasses.replace(cfg, rope_scaling=None))
+    gpt.load_state_dict_strict(plain, gpt.tensor_state_dict(model))
+    tokens = _tokens(s=48)
+    diff = (_our_logits(plain, tokens) - _logits(ref, tokens)).abs().max().item()
+    assert diff > 10 * TOL, diff
 
 
 def test_padded_vocab_rows_are_zero(llama_dir):
@@ -250,14 +382,21 @@ def test_export_copies_tokenizer_files(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case,cls", [("llama", "LlamaForSequenceClassification"), ("qwen2", "Qwen2ForSequenceClassification")]
+    "case,cls",
+    [
+        ("llama", "LlamaForSequenceClassification"),
+        ("qwen2", "Qwen2ForSequenceClassification"),
+        ("llama3_rope", "LlamaForSequenceClassification"),
+        ("qwen3", "Qwen3ForSequenceClassification"),
+    ],
 )
 def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     ref = _hf_model(case, model_class=cls, num_labels=1, pad_token_id=0)
     src = _save(ref, tmp_path / "rm")
     # Right-padded samples of different lengths: HF reads the last non-pad token.
-    tokens = _tokens(b=3, s=10)
-    lengths = torch.tensor([10, 7, 4])
+    n = SEQ.get(case, 10)
+    tokens = _tokens(b=3, s=n)
+    lengths = torch.tensor([n, n - 3, 4])
     for i, n in enumerate(lengths.tolist()):
         tokens[i, n:] = 0
     with torch.no_grad():
@@ -268,11 +407,13 @@ def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     assert torch.equal(state["output_layer.weight"], ref.score.weight.detach())
     assert torch.count_nonzero(state["output_layer.bias"]) == 0
     model.eval()
-    with torch.no_grad():
-        scores = gpt.sequence_scores(model, tokens, lengths)
-    assert (scores - expected).abs().max().item() < TOL
+    for mode in ("megatron", "fused"):
+        gpt.set_forward(model, mode)
+        with torch.no_grad():
+            scores = gpt.sequence_scores(model, tokens, lengths)
+        assert (scores - expected).abs().max().item() < TOL, mode
 
-    out = hf.export_hf(model, cfg, tmp_path / "out", case, hf_config=src)
+    out = hf.export_hf(model, cfg, tmp_path / "out", cls, hf_config=src)
     assert json.loads((out / "config.json").read_text())["architectures"] == [cls]
     reloaded = getattr(transformers, cls).from_pretrained(out, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -282,7 +423,7 @@ def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     with torch.no_grad():
         model.output_layer.bias.fill_(0.5)
     with pytest.raises(ConversionError, match=r"output_layer\.bias"):
-        hf.export_hf(model, cfg, tmp_path / "biased", case)
+        hf.export_hf(model, cfg, tmp_path / "biased", cls)
     assert not (tmp_path / "biased").exists()
 
 
@@ -477,13 +618,111 @@ def test_unknown_architecture(llama_dir, tmp_path):
         hf.import_hf(d)
 
 
-def test_unsupported_rope_scaling(llama_dir, tmp_path):
+_PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+            r"rope_parameters\.rope_type='linear' \(rope scaling\) is not supported; "
+            r"supported: 'default', 'llama3'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 10000.0,
+                    "original_max_position_embeddings": 8,
+                }
+            },
+            r"rope_type='yarn' .*supported: 'default', 'llama3'",
+        ),
+        (  # an older config's rope_scaling with 'type'
+            {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+            r"rope_type='dynamic' .*supported: 'default', 'llama3'",
+        ),
+        (
+            {"rope_parameters": {**_PLAIN_ROPE, "partial_rotary_factor": 0.5}},
+            r"partial_rotary_factor=0\.5 is not supported \(rotary on the full head only\)",
+        ),
+        (
+            {"rope_parameters": {"full_attention": _PLAIN_ROPE, "sliding_attention": _PLAIN_ROPE}},
+            r"rope_parameters per layer type \['full_attention', 'sliding_attention'\] are not supported",
+        ),
+    ],
+    ids=["linear", "yarn", "dynamic_rope_scaling", "partial_rotary", "per_layer_type"],
+)
+def test_unsupported_rope_is_refused(llama_dir, tmp_path, change, message):
     d = _copy_hf(llama_dir[1], tmp_path / "x")
     conf = json.loads(open(os.path.join(d, "config.json")).read())
-    conf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    conf.update(change)
     open(os.path.join(d, "config.json"), "w").write(json.dumps(conf))
-    with pytest.raises(ConversionError, match=r"rope_type='linear'"):
+    with pytest.raises(
+        ConversionError, match=r"(?s)config\.json \(LlamaForCausalLM\) cannot be converted.*" + message
+    ):
         hf.import_hf(d)
+
+
+def test_unsupported_family_settings_are_refused():
+    """Qwen3 with attention biases, a mixture-of-experts Qwen3, and a sliding window that is
+    used (Qwen2/Qwen3 with use_sliding_window on some layers) past max_seq_len."""
+    qwen3 = {**_WIDE_HEADS, "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(
+        ConversionError, match=r"attention_bias=True is not supported for Qwen3.*supported: false"
+    ):
+        hf_config.model_config_from_hf({**qwen3, "attention_bias": True})
+    with pytest.raises(
+        ConversionError, match=r"'Qwen3MoeForCausalLM' is not supported \(mixture-of-experts models are not"
+    ):
+        hf_config.model_config_from_hf({**qwen3, "architectures": ["Qwen3MoeForCausalLM"]})
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        windowed = {
+            **qwen3,
+            "architectures": [arch],
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "max_window_layers": 1,
+        }
+        assert hf_config.model_config_from_hf(windowed).max_seq_len == 16  # within it: full attention
+        with pytest.raises(ConversionError, match=r"max_seq_len=64 is longer than sliding_window=16"):
+            hf_config.model_config_from_hf(windowed, max_seq_len=64)
+        # Every layer below max_window_layers: the window is never used, nothing is capped.
+        assert hf_config.model_config_from_hf({**windowed, "max_window_layers": 2}).max_seq_len == 64
+
+
+def test_export_refuses_what_the_family_cannot_hold():
+    qwen3 = hf_config.model_config_from_hf(_hf_model("qwen3").config)
+    llama = hf_config.model_config_from_hf(_hf_model("llama").config)
+    assert hf_config.export_problems(qwen3, "qwen3") == []
+    for family in ("llama", "qwen2", "mistral"):
+        assert any(
+            p.startswith("qk_layernorm=True: ") and "export as Qwen3ForCausalLM" in p
+            for p in hf_config.export_problems(qwen3, family)
+        ), family
+    assert hf_config.export_problems(llama, "qwen3") == ["qk_layernorm=False: Qwen3 always has q/k norms"]
+    # With no architecture named (a model trained from scratch), the family that fits.
+    defaults = {
+        case: hf_config.default_architecture(hf_config.model_config_from_hf(_hf_model(case).config))
+        for case in ("qwen3", "qwen2", "llama", "llama3_rope", "gpt2")
+    }
+    assert defaults == {
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "llama": "LlamaForCausalLM",
+        "llama3_rope": "LlamaForCausalLM",
+        "gpt2": "GPT2LMHeadModel",
+    }
+    with pytest.raises(ConversionError, match=r"cannot export this model as Qwen3ForCausalLM"):
+        hf_config.hf_config_from_model_config(llama, "qwen3")
+    wide = dataclasses.replace(
+        hf_config.model_config_from_hf(transformers.GPT2Config(**_GPT2)), kv_channels=32
+    )
+    assert "kv_channels=32: GPT-2's heads are hidden_size/n_head wide" in hf_config.export_problems(
+        wide, "gpt2"
+    )
 
 
 def test_tensor_with_wrong_shape(llama_dir, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import transformers
-from _hf_workers import pp_worker, tp_worker
+from _hf_workers import pp_worker, qk_norm_loss_weights, tp_worker
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -80,15 +80,52 @@ def _reload_logits(folder, tokens, cls="LlamaForCausalLM"):
         return m(tokens).logits
 
 
+def _qwen3(tmp_path, name, cls="Qwen3ForCausalLM", **kw):
+    """Qwen3 with heads 32 wide (not 64 / 4), q/k norms, two query groups (one per rank at
+    TP=2) and Llama 3.1's RoPE scaling with an original context of 8 (the tokens run past it)."""
+    torch.manual_seed(11)
+    config = transformers.Qwen3Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8,
+        ),
+        attn_implementation="eager",
+        **kw,
+    )
+    model = getattr(transformers, cls)(config).eval()
+    _randomize(model)
+    path = tmp_path / name
+    model.save_pretrained(path)
+    return model, str(path)
+
+
 def test_tp2_import_export_and_checkpoint(tmp_path):
     ref_model, hf_dir = _llama(tmp_path, "llama")
     rm_ref, rm_dir = _llama(
         tmp_path, "llama_rm", cls="LlamaForSequenceClassification", num_labels=1, pad_token_id=0
     )
+    qwen3, qwen3_dir = _qwen3(tmp_path, "qwen3")
+    qwen3_rm, qwen3_rm_dir = _qwen3(
+        tmp_path, "qwen3_rm", cls="Qwen3ForSequenceClassification", num_labels=1, pad_token_id=0
+    )
     tokens = _tokens()
     out = tmp_path / "out"
     out.mkdir()
-    _spawn(tp_worker, hf_dir, rm_dir, str(out), tokens.tolist())
+    more = {"qwen3": qwen3_dir, "qwen3_rm": qwen3_rm_dir}
+    _spawn(tp_worker, hf_dir, rm_dir, str(out), tokens.tolist(), more)
 
     with torch.no_grad():
         ref = ref_model(tokens).logits
@@ -105,6 +142,34 @@ def test_tp2_import_export_and_checkpoint(tmp_path):
     assert (_reload_logits(out / "hf_tp2", tokens) - ref).abs().max().item() < TOL
     rm_scores = _reload_logits(out / "rm_tp2", tokens, "LlamaForSequenceClassification")[:, 0]
     assert (rm_scores - ref_scores).abs().max().item() < TOL
+
+    # Qwen3 (q/k norms replicated, 32-wide heads sharded by group, llama3 RoPE) at TP=2: both
+    # forwards match transformers, and the TP=2 export holds exactly transformers' tensors.
+    for name, ref_m in (("qwen3", qwen3), ("qwen3_rm", qwen3_rm)):
+        with torch.no_grad():
+            want = ref_m(tokens).logits
+        want = want if name == "qwen3" else want[:, 0]
+        for mode in ("megatron", "fused"):
+            assert (res[f"{name}.{mode}"] - want).abs().max().item() < TOL, (name, mode)
+        if name == "qwen3":
+            # The q/k norms' gradients of one loss: each TP rank holds the whole model's (its own
+            # heads' share summed with the other rank's), equal to transformers'.
+            qwen3.zero_grad(set_to_none=True)
+            (qwen3(tokens).logits * qk_norm_loss_weights(*tokens.shape, VOCAB)).sum().backward()
+            want_grads = {
+                k: p.grad for k, p in qwen3.named_parameters() if "_norm." in k and ".self_attn." in k
+            }
+            assert len(want_grads) == 4
+            for mode in ("megatron", "fused"):
+                for k, g in want_grads.items():
+                    got = res[f"qwen3.{mode}.grad.{k}"]
+                    err = float((got - g).norm() / g.norm())
+                    assert err < 1e-4, (mode, k, err)
+        original = load_file(os.path.join(tmp_path, name, "model.safetensors"))
+        exported = load_file(str(out / name / "model.safetensors"))
+        assert exported.keys() == original.keys(), name
+        for k in original:
+            assert torch.equal(exported[k], original[k]), (name, k)
 
     # Our checkpoint saved at TP=2 loads at TP=1 with the same logits, and holds exactly the
     # tensors a TP=1 save of the same HF model holds.

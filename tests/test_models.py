@@ -38,6 +38,27 @@ def world():
         (dict(position_embedding="alibi"), "position_embedding='alibi'"),
         (dict(hidden_dropout=1.5), "hidden_dropout=1.5"),
         (dict(vocab_size=-3), "vocab_size=-3"),
+        (dict(kv_channels=0), "kv_channels=0: expected a positive integer"),
+        (dict(kv_channels=7), "head dim 7 (kv_channels) must be even for rope"),
+        (dict(qk_layernorm="yes"), "qk_layernorm='yes': expected true or false"),
+        (dict(rope_scaling="yarn"), "rope_scaling='yarn': expected null or one of ('llama3',)"),
+        (
+            dict(rope_scaling="llama3", position_embedding="learned_absolute"),
+            "rope_scaling='llama3' needs position_embedding='rope', got 'learned_absolute'",
+        ),
+        (dict(rope_scaling="llama3", rope_scaling_factor=0.5), "rope_scaling_factor=0.5: expected >= 1"),
+        (
+            dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
+            "rope_high_freq_factor=1.0 must be greater than rope_low_freq_factor=1.0",
+        ),
+        (
+            dict(rope_scaling="llama3", rope_low_freq_factor=-1.0),
+            "rope_low_freq_factor=-1.0: expected a positive",
+        ),
+        (
+            dict(rope_scaling="llama3", rope_original_max_position=0),
+            "rope_original_max_position=0: expected a positive integer",
+        ),
     ],
 )
 def test_config_errors_name_the_field(kwargs, fragment):
@@ -73,6 +94,36 @@ def test_architecture_diff():
     b = ModelConfig(**{**TINY, "hidden_size": 64, "hidden_dropout": 0.1})
     # The derived FFN width changes with the hidden size; dropout does not count.
     assert a.architecture_diff(b) == ["hidden_size: 32 != 64", "ffn_hidden_size: 88 != 176"]
+    # A head width set to what it is anyway is no difference; another one is.
+    assert a.architecture_diff(ModelConfig(**TINY, kv_channels=8)) == []
+    assert a.architecture_diff(ModelConfig(**TINY, kv_channels=16)) == ["kv_channels: 8 != 16"]
+    assert a.architecture_diff(ModelConfig(**TINY, qk_layernorm=True)) == ["qk_layernorm: False != True"]
+    # The llama3 scaling's parameters count only where a scaling is on.
+    assert a.architecture_diff(ModelConfig(**TINY, rope_scaling_factor=4.0)) == []
+    scaled = ModelConfig(**TINY, rope_scaling="llama3")
+    assert a.architecture_diff(scaled) == ["rope_scaling: None != 'llama3'"]
+    assert scaled.architecture_diff(ModelConfig(**TINY, rope_scaling="llama3", rope_scaling_factor=4.0)) == [
+        "rope_scaling_factor: 8.0 != 4.0"
+    ]
+
+
+def test_new_fields_keep_old_configs_and_build_their_shapes():
+    """A model config saved before kv_channels, qk_layernorm and the RoPE scaling existed (an
+    old checkpoint's meta.json) loads as the same model; a head width of its own and q/k norms
+    give the shapes HF's Qwen3 has."""
+    old = {
+        k: v for k, v in ModelConfig(**TINY).to_dict().items() if not k.startswith(("kv_", "qk_", "rope_"))
+    }
+    assert ModelConfig.from_dict(old) == ModelConfig(**TINY)
+    assert ModelConfig(**TINY).head_dim == 8 and ModelConfig(**TINY, kv_channels=16).head_dim == 16
+    # hidden_size 30 is not a multiple of 4 heads: fine with a head width of its own.
+    assert ModelConfig(**{**TINY, "hidden_size": 30}, kv_channels=8).problems() == []
+    cfg = ModelConfig(**TINY, num_query_groups=2, kv_channels=16, qk_layernorm=True)
+    shapes = {k: tuple(v.shape) for k, v in gpt.tensor_state_dict(gpt.build_policy(cfg)).items()}
+    p = "decoder.layers.0.self_attention."
+    assert shapes[p + "linear_qkv.weight"] == ((4 + 2 * 2) * 16, 32)
+    assert shapes[p + "linear_proj.weight"] == (32, 4 * 16)
+    assert shapes[p + "q_layernorm.weight"] == shapes[p + "k_layernorm.weight"] == (16,)
 
 
 def test_padded_vocab():

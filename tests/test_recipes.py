@@ -149,7 +149,9 @@ def actor_config(overrides: list[str], world_size: int):
     from aligner.tokenizers import build_tokenizer
 
     cfg = OmegaConf.to_object(compose("actor", overrides))
-    validate_actor_config(cfg, world_size=world_size, vocab_size=build_tokenizer(cfg.tokenizer).vocab_size)
+    validate_actor_config(
+        cfg, world_size=world_size, vocab_size=build_tokenizer(cfg.tokenizer, cfg.init_from).vocab_size
+    )
     return cfg
 
 

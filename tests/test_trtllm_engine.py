@@ -17,6 +17,7 @@ The test marked ``gpu`` runs the real engine where ``tensorrt_llm`` and CUDA are
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -878,6 +879,7 @@ def test_qwen2_shaped_policies_are_served_as_qwen2():
     cfg = ModelConfig(add_qkv_bias=True, vocab_size=14)
     assert trtllm.default_architecture(cfg) == "Qwen2ForCausalLM"
     assert trtllm.default_architecture(SMALL) == "LlamaForCausalLM"
+    assert trtllm.default_architecture(dataclasses.replace(SMALL, qk_layernorm=True)) == "Qwen3ForCausalLM"
 
 
 def test_generation_tp_needs_a_group_of_that_size(tmp_path):

@@ -7,7 +7,8 @@
   ``train`` is sent only once that train has returned, so it sees the update (the server's
   lock then guarantees the rest). ``save`` waits for pending trains too.
 - Requests are validated with :mod:`aligner.critic.protocol` (against the limits the server
-  advertises in ``server_info``) before anything is sent.
+  advertises in ``server_info``) before anything is sent. Of critic_infer's optional inputs
+  (texts and extras) exactly those the server names in ``infer_inputs`` are sent.
 - Retries with exponential backoff on connection errors, timeouts, "unavailable" and models
   that are (re)loading; before retrying after a connection error the client waits (up to
   ``ready_timeout_s``) for the server to be ready again. Retrying ``train`` is safe because the
@@ -460,16 +461,34 @@ class RemoteCriticClient:
         if self._closed:
             raise CriticError(f"client for {self.url} is closed")
 
-    def infer(self, tokens: Any, lengths: Any, prompt_lengths: Any, step: int | None = None) -> CriticFuture:
+    def infer(
+        self,
+        tokens: Any,
+        lengths: Any,
+        prompt_lengths: Any,
+        step: int | None = None,
+        *,
+        prompt_texts: list[str] | None = None,
+        response_texts: list[str] | None = None,
+        extras: list[str] | None = None,
+    ) -> CriticFuture:
         """Values and rewards of a batch, as a future of ``(values [b, s-1] float32, rewards [b] float32)``.
 
         Args:
             tokens: ``[b, s]`` integer ids (NumPy or torch); lengths, prompt_lengths: ``[b]``.
             step: the caller's step these samples belong to (named in errors and timeouts).
+            prompt_texts, response_texts: each sample's prompt and response as text (the response
+                up to its end-of-sequence, special tokens skipped); sent when the server needs
+                them (``server_info``'s ``infer_inputs``: its reward model reads text).
+            extras: each sample's extra data-set columns as one compact JSON object ('{}' for
+                none); sent when the server has a reward function ('{}' per row when None).
 
-        Raises (immediately): ProtocolError if the batch breaks the contract;
-        CriticRestartedError while a restart the actor has not handled is known. Batches larger
-        than the server's ``max_batch_size`` are split into several requests.
+        Only the optional inputs the server names in ``infer_inputs`` are sent.
+
+        Raises (immediately): ProtocolError if the batch breaks the contract; ValueError when the
+        server needs the texts and they are not given; CriticRestartedError while a restart the
+        actor has not handled is known. Batches larger than the server's ``max_batch_size`` are
+        split into several requests (each with its rows of every input).
         """
         self._check_not_closed()
         self._check_restarted(P.INFER)
@@ -481,7 +500,21 @@ class RemoteCriticClient:
         whole = P.Limits(
             limits.vocab_size, limits.max_seq_len, max(limits.max_batch, b), limits.max_train_batch
         )
-        req = P.validate_infer(tokens, lengths, prompt_lengths, whole)
+        needs = set(self._info.infer_inputs or ())
+        given = {"prompt_text": prompt_texts, "response_text": response_texts, "extras": extras}
+        missing = [n for n in P.TEXT_INPUTS if n in needs and given[n] is None]
+        if missing:
+            text = (self._info.reward or {}).get("text") or {}
+            raise ValueError(
+                f"critic_infer to {self.url}: the server needs {missing} (server_info's infer_inputs): its "
+                f"reward model reads text with a tokenizer of its own ({text.get('tokenizer')!r}, not the "
+                "policy's), so each sample's prompt and response go as text: pass prompt_texts= and "
+                "response_texts="
+            )
+        if "extras" in needs and extras is None:
+            given["extras"] = ["{}"] * b
+        send = {n: given[n] if n in needs else None for n in P.OPTIONAL_INFER_INPUTS}
+        req = P.validate_infer(tokens, lengths, prompt_lengths, whole, **send)
         with self._order_lock:
             after = self._pending_train
         return self._submit(self._pool, P.INFER, step, self._infer_task, req, after, step)
@@ -503,11 +536,7 @@ class RemoteCriticClient:
         n = self.limits.max_batch
         values, rewards = [], []
         for start in range(0, req.tokens.shape[0], n):
-            chunk = P.InferRequest(
-                req.tokens[start : start + n],
-                req.lengths[start : start + n],
-                req.prompt_lengths[start : start + n],
-            )
+            chunk = req.rows(start, start + n)
             out = self._call(P.INFER, chunk.to_wire(), ["values", "rewards", "error"], step=step)
             failed = [m for m in np.asarray(out["error"]).reshape(-1) if m]
             if failed:  # this request's samples failed on their own (in a merged execution)

@@ -150,11 +150,30 @@ class RewardConfig:
     """Where the per-sample reward comes from: a Python function, a reward model, or both (summed)."""
 
     fn: str | None = "aligner.tasks.digits:sort_reward"
-    """Reward function 'module:function', trlx-style fn(prompts, responses, prompt_ids=, response_ids=)."""
+    """Reward function 'module:function': fn(prompts, responses, **kwargs), or trlx's
+    fn(samples, prompts, outputs, **kwargs) when its first parameter is named samples; it gets
+    prompt_ids, response_ids, each extra data-set column (a list over the batch) and fn_kwargs
+    where it accepts them (aligner.critic.rewards.RewardFn)."""
+    fn_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constant keyword arguments of every call of fn (e.g. a classifier's path; the function
+    caches what it loads)."""
+    python_path: list[str] = field(default_factory=list)
+    """Folders put at the front of sys.path (in this order) before fn is imported; the server's
+    working directory always goes there too, so reward.fn=my_reward:score works from the folder
+    that holds my_reward.py, without PYTHONPATH."""
     model_path: str | None = None
     """Reward model: this project's checkpoint folder (meta.json + model.safetensors, e.g. from aligner-convert)."""
     hf_path: str | None = None
     """Reward model: a HF sequence-classification folder, imported with aligner.models.hf.import_hf."""
+    tokenizer: str | None = None
+    """The reward model's tokenizer (a HF tokenizer folder, or 'char...'); null: the tokenizer
+    files of hf_path when it has some, else the policy's. When it is not the policy's tokenizer
+    (another fingerprint) the reward model reads text: actors send prompt_text and response_text,
+    which the server tokenizes with it (special tokens added), cut from the left to the reward
+    model's max_seq_len; the critic keeps the policy's ids."""
+    chat_template: bool = False
+    """With a reward model that reads text: format each sample as a user turn (the prompt) and an
+    assistant turn (the response) with the reward tokenizer's chat template before tokenizing."""
     fn_scale: float = 1.0
     """Multiplies the reward function's score."""
     model_mean: float = 0.0
@@ -166,6 +185,18 @@ class RewardConfig:
     def has_model(self) -> bool:
         return bool(self.model_path or self.hf_path)
 
+    @property
+    def tokenizer_spec(self) -> str | None:
+        """The reward model's own tokenizer, when it names one (``tokenizer``, else the tokenizer
+        files of ``hf_path``); None: the policy's."""
+        if not self.has_model:
+            return None
+        if self.tokenizer:
+            return self.tokenizer
+        from aligner.critic.rewards import tokenizer_folder
+
+        return tokenizer_folder(self.hf_path)
+
 
 @dataclass
 class InitConfig:
@@ -174,7 +205,9 @@ class InitConfig:
     source: str = "auto"
     """'auto' (reward model if any, else policy_path if set, else fresh), 'reward', 'policy' or 'fresh'."""
     policy_path: str | None = None
-    """Policy checkpoint folder (meta.json + model.safetensors): its trunk is copied, the value head is fresh."""
+    """A policy: this project's checkpoint folder (meta.json + model.safetensors) or a HF causal-LM
+    folder (config.json + safetensors). Its trunk is copied, the value head is fresh, and the
+    critic takes its architecture (model.* are then ignored)."""
 
 
 @dataclass
@@ -314,9 +347,11 @@ class CriticServerConfig:
         if r.fn:
             from aligner.critic.rewards import reward_fn_problem
 
-            problem = reward_fn_problem(r.fn)
+            problem = reward_fn_problem(r.fn, list(r.python_path), dict(r.fn_kwargs))
             if problem:
                 e.append(f"reward.fn={r.fn!r}: {problem}")
+        elif r.fn_kwargs:
+            e.append(f"reward.fn_kwargs={dict(r.fn_kwargs)}: set without reward.fn")
         from aligner.critic.rewards import checkpoint_folder_problem
 
         for key in ("model_path", "hf_path"):
@@ -334,7 +369,7 @@ class CriticServerConfig:
             e.append("init.source='reward' needs a reward model: set reward.model_path or reward.hf_path")
         if i.source == "policy" and not i.policy_path:
             e.append("init.source='policy' needs init.policy_path")
-        problem = checkpoint_folder_problem(i.policy_path) if i.policy_path else None
+        problem = checkpoint_folder_problem(i.policy_path, hf=None) if i.policy_path else None
         if problem:
             e.append(f"init.policy_path={i.policy_path!r}: {problem}")
 
@@ -356,17 +391,63 @@ class CriticServerConfig:
         if self.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             e.append(f"log.level={self.log.level!r}: expected DEBUG, INFO, WARNING or ERROR")
 
-        try:
-            from aligner.tokenizers import build_tokenizer
+        from aligner.tokenizers import build_tokenizer
 
+        tok = None
+        try:
             tok = build_tokenizer(self.tokenizer)
         except Exception as exc:  # the tokenizer reports what was wrong
             e.append(f"tokenizer={self.tokenizer!r}: {exc}")
         else:
-            if self.model.vocab_size < tok.vocab_size:
+            i = self.init
+            borrowed = i.source in ("reward", "policy") or (
+                i.source == "auto" and (r.has_model or bool(i.policy_path))
+            )  # the critic takes the architecture of the model it starts from (checked when built)
+            if not borrowed and self.model.vocab_size < tok.vocab_size:
                 e.append(
                     f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
                     f"({tok.vocab_size} for tokenizer={self.tokenizer!r}): expected >= {tok.vocab_size}"
+                )
+        e += self._reward_tokenizer_problems(tok)
+        return e
+
+    def _reward_tokenizer_problems(self, policy_tokenizer: Any) -> list[str]:
+        """``reward.tokenizer`` and ``reward.chat_template``: a tokenizer that loads, for a reward
+        model, with a chat template where one is asked for."""
+        r = self.reward
+        e: list[str] = []
+        if r.tokenizer and not r.has_model:
+            e.append(
+                f"reward.tokenizer={r.tokenizer!r}: set without a reward model (reward.model_path or reward.hf_path)"
+            )
+            return e
+        spec = r.tokenizer_spec
+        reward_tokenizer = None
+        if spec:
+            from aligner.tokenizers import build_tokenizer
+
+            try:
+                reward_tokenizer = build_tokenizer(spec)
+            except Exception as exc:  # the tokenizer reports what was wrong
+                key = "reward.tokenizer" if r.tokenizer else "reward.hf_path"
+                e.append(f"{key}={spec!r}: cannot load the reward model's tokenizer: {exc}")
+                return e
+        if r.chat_template:
+            reads_text = (
+                reward_tokenizer is not None
+                and policy_tokenizer is not None
+                and reward_tokenizer.fingerprint() != policy_tokenizer.fingerprint()
+            )
+            if not reads_text:
+                e.append(
+                    "reward.chat_template=true: only a reward model that reads text uses it (its tokenizer, "
+                    "reward.tokenizer or the tokenizer files of reward.hf_path, differing from "
+                    f"tokenizer={self.tokenizer!r}); set reward.chat_template=false"
+                )
+            elif not getattr(getattr(reward_tokenizer, "hf", None), "chat_template", None):
+                e.append(
+                    f"reward.chat_template=true: the reward tokenizer {spec!r} has no chat template "
+                    "(its tokenizer_config.json sets no chat_template); set reward.chat_template=false"
                 )
         return e
 

@@ -48,11 +48,23 @@ class CriticHandle(Protocol):
         ...
 
     def infer(
-        self, tokens: Any, lengths: Any, prompt_lengths: Any, step: int | None = None
+        self,
+        tokens: Any,
+        lengths: Any,
+        prompt_lengths: Any,
+        step: int | None = None,
+        *,
+        prompt_texts: list[str] | None = None,
+        response_texts: list[str] | None = None,
+        extras: list[str] | None = None,
     ) -> Future[tuple[np.ndarray, np.ndarray]]:
         """Values ``[b, s-1]`` and rewards ``[b]`` (float32) of ``tokens [b, s]`` with ``lengths``
         and ``prompt_lengths [b]``, without waiting; it sees every ``train`` submitted before it.
         ``step``: the actor's step the samples belong to, named in errors and timeouts.
+        ``prompt_texts`` and ``response_texts`` (``b`` strings: the response up to its
+        end-of-sequence, special tokens skipped) are needed by a server whose reward model reads
+        text (``server_info().infer_inputs``; ValueError without them); ``extras`` (``b``
+        compact JSON objects: each sample's extra data-set columns) reach its reward function.
         The future's ``result()`` is bounded in time (CriticTimeoutError)."""
         ...
 

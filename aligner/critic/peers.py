@@ -46,11 +46,13 @@ class Op(enum.IntEnum):
     TRAIN = 3
     SAVE = 4
     LOAD = 5
+    SCORE = 6
+    """The reward model's forward on its own tokenizer's ids (a reward model that reads text)."""
 
 
 def _array_specs(op: Op, b: int, s: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The arrays that follow the header of ``op``, in order."""
-    if op == Op.INFER:  # tokens [b, s], lengths [b]
+    if op in (Op.INFER, Op.SCORE):  # tokens [b, s], lengths [b] (SCORE: the reward tokenizer's ids)
         return [((b, s), torch.int64), ((b,), torch.int64)]
     if op == Op.TRAIN:  # tokens, lengths, then returns, old_values, mask [b, s-1]
         return [((b, s), torch.int64), ((b,), torch.int64)] + [((b, s - 1), torch.float32)] * 3
@@ -64,8 +66,9 @@ class Received:
     Attributes:
         op: what to do.
         step: the train, save or load step (0 otherwise).
-        arrays: INFER: tokens ``[b, s]`` int64, lengths ``[b]`` int64; TRAIN: those and then
-            returns, old_values, mask ``[b, s-1]`` float32; empty otherwise.
+        arrays: INFER: tokens ``[b, s]`` int64, lengths ``[b]`` int64; SCORE: the same of the
+            reward tokenizer's ids; TRAIN: tokens and lengths, then returns, old_values, mask
+            ``[b, s-1]`` float32; empty otherwise.
     """
 
     op: Op

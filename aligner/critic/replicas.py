@@ -10,7 +10,8 @@ sees nothing of the replicas. Rank 0 broadcasts every operation to every rank
 
 - ``critic_infer``: replica ``r`` runs the forward of its contiguous slice of the (merged)
   batch, and its TP rank 0 sends the values (and reward-model scores) to global rank 0, which
-  puts them back in row order (:meth:`Replicas.forward`);
+  puts them back in row order (:meth:`Replicas.forward`); a reward model that reads text gets
+  a second forward of its own tokenizer's ids, split the same way (:meth:`Replicas.score`);
 - ``critic_train``: each replica computes the gradients of its share of every minibatch, and
   the gradients are summed over the replicas weighted by their share of the minibatch's loss
   (:class:`~aligner.critic.value_update.ValueUpdate`), so every replica takes the step the whole
@@ -99,7 +100,7 @@ class Replicas:
         self.layout = layout
         self.peers = peers
         self.update = update
-        self.has_scores = update.reward_model is not None
+        self.has_scores = update.scores_with_values
         self.size = state.dp_size
 
     def forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None] | None:
@@ -137,3 +138,26 @@ class Replicas:
                 scores.append(self.peers.recv((n,), torch.float32, src).numpy())
         # [b, s-1] in row order, [b] or None
         return np.concatenate(values), (np.concatenate(scores) if self.has_scores else None)
+
+    def score(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
+        """The reward model's scores ``[b]`` float32 of ``tokens [b, s]`` (its own tokenizer's
+        ids), ``lengths [b]``, on global rank 0; None on every other rank.
+
+        Split like :meth:`forward`: every rank calls it with the whole batch, each replica scores
+        its contiguous slice of the rows, and each replica's TP rank 0 sends its scores to rank 0."""
+        if self.size == 1:
+            return self.update.score(tokens, lengths)
+        slices = row_slices(tokens.shape[0], self.size)
+        mine = slices[self.state.dp_rank]
+        part = self.update.score(tokens[mine], lengths[mine]) if mine.stop > mine.start else None
+        if self.state.rank != 0:
+            if part is not None and self.state.tp_rank == 0:
+                self.peers.send(torch.from_numpy(np.ascontiguousarray(part, np.float32)), 0)
+            return None
+        assert part is not None  # replica 0 always has rows: the first slices are the longest
+        scores = [part]
+        for r, sl in enumerate(slices[1:], start=1):
+            n = sl.stop - sl.start
+            if n:
+                scores.append(self.peers.recv((n,), torch.float32, self.layout.rank(r, 0)).numpy())
+        return np.concatenate(scores)  # [b] in row order

@@ -29,6 +29,15 @@ they would alone, and the failing one gets its message in its ``error`` output (
 execution, as its error). Training, save and load are never batched, so their errors are their
 own; their run token and fencing are the service's checks.
 
+Optional inputs. critic_infer's ``prompt_text``, ``response_text`` and ``extras`` are bound
+with ``optional=True``: a request may leave them out, and ``server_info``'s ``infer_inputs``
+names those this server needs (:attr:`~aligner.critic.service.CriticService.infer_inputs`).
+Triton's dynamic batcher was seen to keep requests with different sets of inputs in separate
+executions (``tests/test_reward_inputs.py`` sends such requests together); if it merges them,
+the callable still reads each request's own inputs, a request without ``extras`` gives the
+reward function no columns, and one without texts the server needs is refused as any invalid
+request of a merged execution is.
+
 Batching is shown, not assumed. ``critic_infer`` is bound with Triton's dynamic batcher
 (``server.max_queue_delay_us``, ``server.preferred_batch_size``; ``server.dynamic_batching=false``
 binds it without one, so that every request runs alone), and every execution records how many
@@ -78,7 +87,7 @@ from aligner.critic.host import (
     prepare_environment,
     remove_stale_workspaces,
 )
-from aligner.critic.rewards import RewardFunctionError
+from aligner.critic.rewards import RequestRewardError
 from aligner.critic.service import CriticService
 
 __all__ = ["CriticTritonServer", "run_server", "main"]
@@ -88,6 +97,11 @@ log = logging.getLogger("aligner.critic")
 
 def _bytes_array(blob: bytes) -> np.ndarray:
     return np.array([blob], dtype=np.bytes_)
+
+
+def _optional(request: Any, name: str) -> Any:
+    """An optional input of one request (PyTriton's Request or a dict), or None when it was left out."""
+    return request[name] if name in request.keys() else None
 
 
 class CriticTritonServer:
@@ -147,10 +161,20 @@ class CriticTritonServer:
     def _infer(self, requests) -> list[dict[str, np.ndarray]]:
         parsed: list[P.InferRequest] = []
         errors: list[tuple[int, P.ProtocolError]] = []
+        require = self.service.required_inputs
         for i, r in enumerate(requests):
             try:
                 parsed.append(
-                    P.validate_infer(r["tokens"], r["lengths"], r["prompt_lengths"], self.service.limits)
+                    P.validate_infer(
+                        r["tokens"],
+                        r["lengths"],
+                        r["prompt_lengths"],
+                        self.service.limits,
+                        # Each request's own optional inputs: Triton may merge requests that carry
+                        # different sets of them (an absent one is not in that request's dict).
+                        **{name: _optional(r, name) for name in P.OPTIONAL_INFER_INPUTS},
+                        require=require,
+                    )
                 )
             except P.ProtocolError as e:
                 errors.append((i, e))
@@ -168,13 +192,13 @@ class CriticTritonServer:
                 f"this dynamic batch were invalid ({detail}); nothing was run and the valid ones may be retried",
             )
         results = self.service.infer_many(parsed)
-        if len(results) == 1 and isinstance(results[0], RewardFunctionError):
+        if len(results) == 1 and isinstance(results[0], RequestRewardError):
             raise results[0]  # alone in its execution: its own Triton error
         # Merged: a request the reward function failed on gets its message in its `error` output
         # (PyTriton can fail only a whole execution), the others their values and rewards.
         return [
             P.infer_error_wire(str(r), p.tokens.shape[0])
-            if isinstance(r, RewardFunctionError)
+            if isinstance(r, RequestRewardError)
             else r.to_wire()
             for r, p in zip(results, parsed)
         ]
@@ -266,7 +290,10 @@ class CriticTritonServer:
         self.triton = Triton(config=triton_cfg, workspace=workspace)
 
         def tensors(specs) -> list[Any]:
-            return [Tensor(name=t.name, dtype=t.dtype, shape=t.shape) for t in specs]
+            # An optional input may be left out of a request; Triton passes the request on
+            # without it, and the dynamic batcher may merge it with requests that carry it
+            # (the callable reads each request's own, see _infer).
+            return [Tensor(name=t.name, dtype=t.dtype, shape=t.shape, optional=t.optional) for t in specs]
 
         fns = {
             P.INFER: self.infer_fn,

@@ -48,10 +48,14 @@ from aligner.critic.metrics import MetricsWriter, RequestStats
 from aligner.critic.peers import Op, PeerLink
 from aligner.critic.replicas import Layout, Replicas
 from aligner.critic.rewards import (
-    RewardFunctionError,
+    RequestRewardError,
+    RewardTextError,
+    RewardTokens,
     load_policy_trunk,
     load_reward_fn,
     load_reward_model,
+    parse_extras,
+    policy_init_config,
     score_requests,
 )
 from aligner.critic.value_update import ValueUpdate
@@ -96,16 +100,25 @@ class CriticService:
         # Checked at start-up by the config (a bad file is a config error naming the key).
         self.run_token = P.resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
 
-        self.reward_fn = load_reward_fn(cfg.reward.fn) if cfg.reward.fn else None
+        r = cfg.reward
+        self.reward_fn = load_reward_fn(r.fn, dict(r.fn_kwargs), list(r.python_path)) if r.fn else None
         # Every loader below is collective under TP (each rank takes its shard of full tensors).
-        self.reward_model, self.rm_cfg = load_reward_model(cfg.reward.model_path, cfg.reward.hf_path)
+        self.reward_model, self.rm_cfg = load_reward_model(r.model_path, r.hf_path)
+        self.reward_tokens = self._reward_tokens()
+        """The reward model's own tokenizer when it reads text (None: it reads the critic's ids)."""
         self.init_source = self._init_source()
         self.model_cfg = self._critic_config()
-        for what, c in (("critic", self.model_cfg), ("reward model", self.rm_cfg)):
-            if c is not None and c.vocab_size < self.tokenizer.vocab_size:
+        rm_tokenizer = (cfg.tokenizer, self.tokenizer)
+        if self.reward_tokens is not None:
+            rm_tokenizer = (self.reward_tokens.spec, self.reward_tokens.tokenizer)
+        for what, c, (spec, tok) in (
+            ("critic", self.model_cfg, (cfg.tokenizer, self.tokenizer)),
+            ("reward model", self.rm_cfg, rm_tokenizer),
+        ):
+            if c is not None and c.vocab_size < tok.vocab_size:
                 raise CriticServiceError(
-                    f"the {what}'s vocab_size={c.vocab_size} is smaller than tokenizer="
-                    f"{cfg.tokenizer!r}'s {self.tokenizer.vocab_size}: they cannot belong together"
+                    f"the {what}'s vocab_size={c.vocab_size} is smaller than tokenizer "
+                    f"{spec!r}'s {tok.vocab_size}: they cannot belong together"
                 )
         self.precision = resolve_precision(cfg.precision, self.device)
         # Built and initialised in fp32; the optimizer keeps those values as its fp32 master
@@ -141,10 +154,18 @@ class CriticService:
             self.tp_size,
             log if self.is_rank0 else None,
         )
-        self.update = ValueUpdate(self.critic, self.optimizer, self.reward_model, cfg, state)
+        self.update = ValueUpdate(
+            self.critic,
+            self.optimizer,
+            self.reward_model,
+            cfg,
+            state,
+            reward_reads_text=self.reward_tokens is not None,
+        )
+        # A reward model that reads text cuts its own sequences to its length.
         max_len = (
             self.model_cfg.max_seq_len
-            if rm_cfg is None
+            if rm_cfg is None or self.reward_tokens is not None
             else min(self.model_cfg.max_seq_len, rm_cfg.max_seq_len)
         )
         self.limits = P.Limits(
@@ -155,11 +176,12 @@ class CriticService:
         )
         if self.is_rank0:
             log.info(
-                "critic ready: %s, init=%s, reward fn=%s, reward model=%s, TP=%d, DP=%d, precision=%s",
+                "critic ready: %s, init=%s, reward fn=%s, reward model=%s%s, TP=%d, DP=%d, precision=%s",
                 self.model_cfg,
                 self.init_source,
-                cfg.reward.fn,
+                self.reward_fn,
                 cfg.reward.model_path or cfg.reward.hf_path,
+                f" (reads text, tokenizer {self.reward_tokens.spec})" if self.reward_tokens else "",
                 self.tp_size,
                 self.dp_size,
                 self.precision,
@@ -191,6 +213,41 @@ class CriticService:
             return "policy" if self.cfg.init.policy_path else "fresh"
         return source
 
+    def _reward_tokens(self) -> RewardTokens | None:
+        """The reward model's tokenizer, when it has one of its own that is not the policy's (by
+        fingerprint): the reward model then reads the samples' text."""
+        from aligner.tokenizers import build_tokenizer
+
+        r = self.cfg.reward
+        spec = r.tokenizer_spec
+        if self.reward_model is None or spec is None:
+            return None
+        tok = build_tokenizer(spec)
+        if tok.fingerprint() == self.tokenizer.fingerprint():
+            return None
+        try:
+            return RewardTokens(tok, spec, self.rm_cfg.max_seq_len, chat_template=r.chat_template)
+        except ValueError as e:
+            raise CriticServiceError(str(e)) from None
+
+    @property
+    def required_inputs(self) -> dict[str, str]:
+        """critic_infer's optional inputs a request must carry -> why (``extras`` is not among
+        them: a request without it counts as no columns)."""
+        if self.reward_tokens is None:
+            return {}
+        why = (
+            f"this server's reward model reads text with its own tokenizer ({self.reward_tokens.spec!r}, "
+            "not the policy's), so the actor sends each sample's prompt and response text"
+        )
+        return dict.fromkeys(P.TEXT_INPUTS, why)
+
+    @property
+    def infer_inputs(self) -> list[str]:
+        """critic_infer's optional inputs this server reads (``server_info``'s ``infer_inputs``)."""
+        names = ["extras"] if self.reward_fn is not None else []
+        return names + list(self.required_inputs)
+
     def _critic_config(self) -> ModelConfig:
         """The critic's architecture: the reward model's or the policy's when it starts from one."""
         if self.init_source == "reward":
@@ -203,9 +260,7 @@ class CriticService:
                 )
             return self.rm_cfg
         if self.init_source == "policy":
-            from aligner.models.checkpoint_io import read_checkpoint_meta
-
-            return read_checkpoint_meta(self.cfg.init.policy_path)["model_config"]
+            return policy_init_config(self.cfg.init.policy_path)
         return self.cfg.model
 
     # ------------------------------------------------------------------------------------------
@@ -254,13 +309,27 @@ class CriticService:
             max_train_batch=self.limits.max_train_batch,
             reward={
                 "fn": c.reward.fn,
+                "fn_convention": self.reward_fn.convention if self.reward_fn is not None else None,
+                "fn_kwargs": sorted(c.reward.fn_kwargs),
                 "model_path": c.reward.model_path,
                 "hf_path": c.reward.hf_path,
                 "fn_scale": c.reward.fn_scale,
                 "model_mean": c.reward.model_mean,
                 "model_std": c.reward.model_std,
                 "model": self.rm_cfg.to_dict() if self.rm_cfg is not None else None,
+                # A reward model that reads text: its tokenizer, and how many samples it read and
+                # cut from the left to its max_seq_len since start-up.
+                "text": None
+                if self.reward_tokens is None
+                else {
+                    "tokenizer": self.reward_tokens.spec,
+                    "chat_template": self.reward_tokens.chat_template,
+                    "max_len": self.reward_tokens.max_len,
+                    "rows": self.reward_tokens.rows,
+                    "truncated": self.reward_tokens.truncated,
+                },
             },
+            infer_inputs=self.infer_inputs,
             model=self.model_cfg.to_dict(),
             parallel={
                 "tensor_model_parallel_size": self.tp_size,
@@ -289,36 +358,76 @@ class CriticService:
             },
         )
 
-    def infer(self, tokens: Any, lengths: Any, prompt_lengths: Any) -> P.InferResponse:
+    def infer(
+        self,
+        tokens: Any,
+        lengths: Any,
+        prompt_lengths: Any,
+        *,
+        prompt_texts: Any = None,
+        response_texts: Any = None,
+        extras: Any = None,
+    ) -> P.InferResponse:
         """Values and rewards of one batch (validated here).
 
         Args:
             tokens: ``[b, s]`` int64; lengths, prompt_lengths: ``[b]`` or ``[b, 1]`` int64.
+            prompt_texts, response_texts: ``b`` strings each (needed when the reward model reads
+                text: :attr:`required_inputs`); extras: ``b`` JSON objects (the samples' extra
+                data-set columns for the reward function), or None.
 
         Returns:
             values ``[b, s-1]`` float32 and rewards ``[b]`` float32.
 
         Raises:
-            RewardFunctionError: the reward function failed on these samples.
+            RequestRewardError: the reward function (or the reward tokenizer) failed on these samples.
         """
-        out = self.infer_many([P.validate_infer(tokens, lengths, prompt_lengths, self.limits)])[0]
-        if isinstance(out, RewardFunctionError):
+        req = P.validate_infer(
+            tokens,
+            lengths,
+            prompt_lengths,
+            self.limits,
+            prompt_text=prompt_texts,
+            response_text=response_texts,
+            extras=extras,
+            require=self.required_inputs,
+        )
+        out = self.infer_many([req])[0]
+        if isinstance(out, RequestRewardError):
             raise out
         return out
 
-    def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse | RewardFunctionError]:
+    def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse | RequestRewardError]:
         """Score several *validated* requests (e.g. merged by Triton's batcher) in as few forwards
         as possible: requests of the same padded length share one forward, whose rows are split
-        across the data-parallel replicas.
+        across the data-parallel replicas; a reward model that reads text gets a second forward
+        of its own tokenizer's ids of the same rows, split the same way.
 
-        A request whose samples the reward function fails on gets its
-        :class:`~aligner.critic.rewards.RewardFunctionError` in its place; the others get their
+        A request whose samples the reward function (or the reward tokenizer) fails on gets its
+        :class:`~aligner.critic.rewards.RequestRewardError` in its place; the others get their
         values and rewards as an unmerged call would (:func:`~aligner.critic.rewards.score_requests`).
+        Each request's optional inputs are its own: one without ``extras`` gives the reward
+        function no columns.
         """
-        out: list[P.InferResponse | RewardFunctionError | None] = [None] * len(requests)
+        out: list[P.InferResponse | RequestRewardError | None] = [None] * len(requests)
+        # The reward model's own ids, tokenized before the lock (a failing request fails alone).
+        rm_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if self.reward_tokens is not None:
+            for i, r in enumerate(requests):
+                missing = [n for n in P.TEXT_INPUTS if n not in r.texts()]
+                if missing:  # validated requests carry them; an in-process caller may not
+                    raise P.ProtocolError(
+                        P.INFER, missing[0], self.required_inputs[missing[0]], "a request without it"
+                    )
+                try:
+                    rm_inputs[i] = self.reward_tokens.encode(r.prompt_texts, r.response_texts)
+                except RewardTextError as e:
+                    log.warning("critic_infer: %s", e)
+                    out[i] = e
         by_len: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
-            by_len.setdefault(r.tokens.shape[1], []).append(i)
+            if out[i] is None:
+                by_len.setdefault(r.tokens.shape[1], []).append(i)
         computed = []
         with self._lock:
             self._check_open()
@@ -327,20 +436,36 @@ class CriticService:
                 lengths = np.concatenate([requests[i].lengths for i in idx])  # [b]
                 self.peers.broadcast(Op.INFER, tokens, lengths)
                 values, scores = self.replicas.forward(tokens, lengths)
+                if self.reward_tokens is not None:
+                    rm_tokens, rm_lengths = _stack_rows(
+                        [rm_inputs[i] for i in idx], self.reward_tokens.pad_id
+                    )
+                    self.peers.broadcast(Op.SCORE, rm_tokens, rm_lengths)
+                    scores = self.replicas.score(rm_tokens, rm_lengths)
                 computed.append((idx, values, scores))
             fault_point("infer", self.critic_step)
             self.peers.touch()
         # The reward function needs no model: run it outside the lock, so a slow one does not
         # hold up training.
         for idx, values, scores in computed:
-            parts = [(requests[i].tokens, requests[i].lengths, requests[i].prompt_lengths) for i in idx]
+            parts = [
+                (
+                    requests[i].tokens,
+                    requests[i].lengths,
+                    requests[i].prompt_lengths,
+                    None
+                    if requests[i].extras is None
+                    else parse_extras(requests[i].extras, len(requests[i].lengths)),
+                )
+                for i in idx
+            ]
             fn_scores: list = [None] * len(idx)
             if self.reward_fn is not None:
                 fn_scores = score_requests(self.reward_fn, self.cfg.reward.fn, self.tokenizer, parts)
             start = 0
             for i, fn_score in zip(idx, fn_scores):
                 n = requests[i].tokens.shape[0]
-                if isinstance(fn_score, RewardFunctionError):
+                if isinstance(fn_score, RequestRewardError):
                     log.warning("critic_infer: %s", fn_score)
                     out[i] = fn_score
                 else:
@@ -520,6 +645,8 @@ class CriticService:
         for r in self.peers.operations():
             if r.op == Op.INFER:
                 self.replicas.forward(*r.arrays)
+            elif r.op == Op.SCORE:
+                self.replicas.score(*r.arrays)
             elif r.op == Op.TRAIN:
                 try:
                     self.applied.record(r.step, self.update.train_step(P.TrainRequest(*r.arrays, r.step)))
@@ -545,3 +672,13 @@ class CriticService:
         if rm_scores is not None:
             total += (rm_scores.astype(np.float64) - r.model_mean) / r.model_std
         return total.astype(np.float32)
+
+
+def _stack_rows(parts: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate ``(tokens [b_i, s_i], lengths [b_i])`` pairs into ``tokens [b, max s_i]``
+    (right padded with ``pad_id``) and ``lengths [b]``."""
+    s = max(t.shape[1] for t, _ in parts)
+    tokens = np.concatenate(
+        [np.pad(t, ((0, 0), (0, s - t.shape[1])), constant_values=pad_id) for t, _ in parts]
+    )
+    return tokens.astype(np.int64, copy=False), np.concatenate([n for _, n in parts]).astype(np.int64)

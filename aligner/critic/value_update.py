@@ -43,6 +43,8 @@ class ValueUpdate:
             aggregation, gradient clipping) and ``seed`` (with the step id, it seeds each step's
             minibatch permutation).
         state: this rank's place (device, TP group).
+        reward_reads_text: the reward model reads its own tokenizer's ids (:meth:`score`), not
+            the critic's: :meth:`forward` then computes values only.
     """
 
     def __init__(
@@ -52,10 +54,14 @@ class ValueUpdate:
         reward_model: torch.nn.Module | None,
         cfg: CriticServerConfig,
         state: ParallelState,
+        *,
+        reward_reads_text: bool = False,
     ) -> None:
         self.critic = critic
         self.optimizer = optimizer
         self.reward_model = reward_model
+        self.scores_with_values = reward_model is not None and not reward_reads_text
+        """Whether :meth:`forward` scores the critic's tokens with the reward model too."""
         self.optim = optim = cfg.optim
         self.seed = cfg.seed
         self.state = state
@@ -73,7 +79,8 @@ class ValueUpdate:
         """How many train steps took the kept forward as their first pass."""
 
     def forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None).
+        """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None:
+        None without a reward model, or with one that reads text, which :meth:`score` runs).
 
         With ``reuse_infer_forward`` the values are computed with gradients and kept for
         :meth:`train_step` (whatever was kept before is dropped)."""
@@ -84,12 +91,18 @@ class ValueUpdate:
             values = token_values(self.critic, t)  # [b, s-1]
         if self.reuse_infer_forward:
             self.kept = (tokens.copy(), values)
-        scores = None
-        if self.reward_model is not None:
-            with torch.no_grad():
-                n = torch.from_numpy(lengths).to(dev)
-                scores = sequence_scores(self.reward_model, t, n).cpu().numpy()  # [b]
+        scores = self.score(tokens, lengths) if self.scores_with_values else None
         return values.detach().cpu().numpy().astype(np.float32, copy=False), scores
+
+    def score(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The reward model's scores ``[b]`` float32 of ``tokens [b, s]`` (its own vocabulary's
+        ids, right padded) read at each row's last token, ``lengths [b]``."""
+        assert self.reward_model is not None
+        dev = self.state.device
+        with torch.no_grad():
+            t = torch.from_numpy(np.ascontiguousarray(tokens)).to(dev)
+            n = torch.from_numpy(np.ascontiguousarray(lengths)).to(dev)
+            return sequence_scores(self.reward_model, t, n).float().cpu().numpy()  # [b]
 
     def drop_kept(self) -> None:
         """Forget the kept forward (its weights are being replaced)."""

@@ -35,9 +35,10 @@ what ``torch.compile`` turns into one set of fused kernels for every position
 
 Only architectures that :func:`aligner.models.local_spec.unsupported_reason` accepts take
 this path (the local layer spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm,
-RoPE or learned absolute positions, MHA/GQA/MQA, optional biases, gated or plain MLP, tied or
-untied head, TP without sequence parallelism); anything else uses Megatron's own forward. The
-tests compare both with a full-recompute forward, and owned weights with the module's own.
+RoPE (plain or scaled) or learned absolute positions, MHA/GQA/MQA of any head width, optional
+q/k norms per head, optional biases, gated or plain MLP, tied or untied head, TP without
+sequence parallelism); anything else uses Megatron's own forward. The tests compare both with
+a full-recompute forward, and owned weights with the module's own.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class _Layer:
         "w_fc2",
         "b_fc2",
         "scale",
+        "q_norm",
+        "k_norm",
         "k",
         "v",
     )
@@ -199,6 +202,7 @@ class LeanDecoder:
             L.w_fc1, L.b_fc1 = lw.w_fc1, lw.b_fc1
             L.w_fc2, L.b_fc2 = lw.w_fc2, lw.b_fc2
             L.scale = lw.scale
+            L.q_norm, L.k_norm = lw.q_norm, lw.k_norm
             self.layers.append(L)
         self.batch, self.max_len, self.capacity = batch, max_len, 0
         self._allocate(batch * self.groups * max_len * self.d)
@@ -317,6 +321,14 @@ class LeanDecoder:
         probs = torch.softmax(scores.to(dt).float() + mask, dim=-1).to(dt)
         return (probs.float().unsqueeze(-1) * values.float().unsqueeze(1)).sum(2).to(dt)
 
+    def _queries_keys(self, qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
+        """``qkv`` [b, n, g, r+2, d] -> the queries and key of each group [b, n, g, r+1, d],
+        each head through the layer's q/k norm when it has them (before RoPE, as Megatron)."""
+        r = self.r
+        if L.q_norm is None:
+            return qkv[:, :, :, : r + 1]
+        return torch.cat([L.q_norm(qkv[:, :, :, :r]), L.k_norm(qkv[:, :, :, r : r + 1])], dim=3)
+
     def _layer_stack(self, x: torch.Tensor, attend) -> torch.Tensor:
         """The transformer layers on ``x`` [b, n, h]; ``attend(qkv [b, n, g, r+2, d], L)``
         writes the cache and returns the attention context [b, n, heads*d]."""
@@ -364,7 +376,7 @@ class LeanDecoder:
         causal = torch.full((n, n), float("-inf"), device=tokens.device).triu_(1)
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
-            qk = qkv[:, :, :, : r + 1]  # queries and key of each group
+            qk = self._queries_keys(qkv, L)  # queries and key of each group
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
             k, v = qk[:, :, :, r].transpose(1, 2), qkv[:, :, :, r + 1].transpose(1, 2)  # [b, g, n, d]
@@ -396,7 +408,7 @@ class LeanDecoder:
         sin = self.sin[:, start:end] if self.rope else None
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
-            qk = qkv[:, :, :, : r + 1]
+            qk = self._queries_keys(qkv, L)
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
             L.k[:, :, start].copy_(qk[:, 0, :, r])
@@ -432,7 +444,7 @@ class LeanDecoder:
         mask = torch.where(self._t_index[:T] <= pos, self._neg[0], self._neg[-1])  # [T]: 0 / -inf
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
-            qk = qkv[:, :, :, : r + 1]
+            qk = self._queries_keys(qkv, L)
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
             L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]

@@ -485,10 +485,12 @@ def local_device_uuid() -> str:
 
 
 def default_architecture(cfg: ModelConfig) -> str:
-    """The HF architecture a policy of ``cfg`` is exported as when none is configured."""
-    if cfg.add_qkv_bias and not cfg.add_bias_linear:
-        return "Qwen2ForCausalLM"
-    return "LlamaForCausalLM"
+    """The HF architecture a policy of ``cfg`` is exported as when none is configured (the
+    converter's choice: Qwen3 for q/k norms, Qwen2 for q/k/v biases alone, GPT-2 for learned
+    positions, else Llama)."""
+    from aligner.models.hf_config import default_architecture as converter_default
+
+    return converter_default(cfg)
 
 
 def write_hf_config_dir(

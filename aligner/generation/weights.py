@@ -14,9 +14,9 @@ returns :class:`LeanWeights`. Two sources:
   copies the weight stream (:func:`aligner.models.layout.iter_megatron_tensors`: full tensors,
   the same on every rank) into them in place, taking this rank's shard of each with
   :meth:`ParallelLayout.shard <aligner.models.layout.ParallelLayout.shard>` (whole query groups
-  of the fused QKV, the gate and up halves of a gated fc1 each cut ``g`` ways, the padded
-  vocabulary of the generation TP size). Memory: one shard of the model plus the full tensor in
-  flight.
+  of the fused QKV, each head ``kv_channels`` wide, the gate and up halves of a gated fc1 each
+  cut ``g`` ways, the padded vocabulary of the generation TP size; q/k norms, one head wide,
+  replicated). Memory: one shard of the model plus the full tensor in flight.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import config_of, head_of, unwrap
 from aligner.models.layout import ParallelLayout, megatron_tensor_specs, weight_layout_diff
-from aligner.models.local_spec import unsupported_reason
+from aligner.models.local_spec import qk_norms, unsupported_reason
 
 __all__ = ["LayerWeights", "LeanWeights", "ModuleWeights", "OwnedWeights"]
 
@@ -53,6 +53,10 @@ class LayerWeights:
     b_fc2: torch.Tensor | None
     scale: float
     """Attention's softmax scale."""
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The norm over each query head's ``d`` values before RoPE (Qwen3), or None."""
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The same for each key head, or None."""
 
 
 @dataclass
@@ -120,6 +124,7 @@ class ModuleWeights:
         layers = []
         for layer in m.decoder.layers:
             att, mlp = layer.self_attention, layer.mlp
+            qk = qk_norms(att)
             layers.append(
                 LayerWeights(
                     norm1=_norm_fn(layer.input_layernorm),
@@ -133,6 +138,8 @@ class ModuleWeights:
                     w_fc2=mlp.linear_fc2.weight,
                     b_fc2=mlp.linear_fc2.bias,
                     scale=float(att.core_attention.softmax_scale),
+                    q_norm=None if qk is None else _norm_fn(qk[0]),
+                    k_norm=None if qk is None else _norm_fn(qk[1]),
                 )
             )
         return LeanWeights(
@@ -206,6 +213,9 @@ class OwnedWeights:
                 f"an engine that owns its weights needs torch RMSNorm/LayerNorm, got {type(norm).__name__}"
             )
         self._norm = (type(norm), tuple(norm.normalized_shape), norm.eps)
+        qk = qk_norms(layer0.self_attention)
+        # The q and k norms' (kind, shape [d], eps), or None (their weights are tensors below).
+        self._qk_norms = None if qk is None else [(type(n), tuple(n.normalized_shape), n.eps) for n in qk]
         self._scale = float(layer0.self_attention.core_attention.softmax_scale)
         self._act = m.config.activation_func
         self._rotary = m.rotary_pos_emb if cfg.position_embedding == "rope" else None
@@ -247,8 +257,10 @@ class OwnedWeights:
     def bind(self) -> LeanWeights:
         return self._bound
 
-    def _norm_fn(self, prefix: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        kind, shape, eps = self._norm
+    def _norm_fn(self, prefix: str, norm: tuple | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The norm whose tensors are ``prefix.weight`` (and ``.bias``); ``norm``: its (kind,
+        shape, eps), the hidden-state norms' by default."""
+        kind, shape, eps = norm or self._norm
         w = self.tensors[prefix + ".weight"]
         if kind is nn.RMSNorm:
             return lambda x: F.rms_norm(x, shape, w, eps)
@@ -258,6 +270,7 @@ class OwnedWeights:
     def _build(self) -> LeanWeights:
         cfg, lay, t = self.cfg, self.layout, self.tensors
         g = lay.tp
+        qk = self._qk_norms
         layers = []
         for i in range(cfg.num_layers):
             p = f"decoder.layers.{i}."
@@ -274,6 +287,8 @@ class OwnedWeights:
                     w_fc2=t[p + "mlp.linear_fc2.weight"],
                     b_fc2=t.get(p + "mlp.linear_fc2.bias"),
                     scale=self._scale,
+                    q_norm=None if qk is None else self._norm_fn(p + "self_attention.q_layernorm", qk[0]),
+                    k_norm=None if qk is None else self._norm_fn(p + "self_attention.k_layernorm", qk[1]),
                 )
             )
         rows = cfg.padded_vocab_size(g) // g

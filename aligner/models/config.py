@@ -14,6 +14,8 @@ __all__ = ["ModelConfig", "ConfigError", "ConversionError", "FORWARD_MODES"]
 NORMS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("rope", "learned_absolute")
+#: RoPE frequency scalings (``rope_scaling``; None is plain RoPE).
+ROPE_SCALINGS = ("llama3",)
 #: How a model's full-sequence forwards run (``model_forward``; see ``aligner.models.fused``).
 FORWARD_MODES = ("auto", "fused", "compiled", "megatron")
 
@@ -38,6 +40,8 @@ class ModelConfig:
     """Query heads."""
     num_query_groups: int | None = None
     """Key/value heads (grouped-query attention); None means one per query head."""
+    kv_channels: int | None = None
+    """Width of each attention head; None means hidden_size / num_attention_heads (Qwen3 sets its own)."""
     ffn_hidden_size: int | None = None
     """Inner width of the MLP; None means 4 x hidden_size (or 8/3 x, rounded, for SwiGLU)."""
     vocab_size: int = 16
@@ -54,6 +58,18 @@ class ModelConfig:
     """'rope' (rotary) or 'learned_absolute' (GPT-2)."""
     rotary_base: float = 10000.0
     """RoPE theta."""
+    rope_scaling: str | None = None
+    """RoPE frequency scaling: None (plain RoPE) or 'llama3' (Llama 3.1+, the four fields below)."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above rope_original_max_position / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below rope_original_max_position / this are kept."""
+    rope_original_max_position: int = 8192
+    """llama3 scaling: the context length the model was pretrained at."""
+    qk_layernorm: bool = False
+    """A norm (of the model's normalization) over each head's query and key, before RoPE (Qwen3)."""
     tie_embeddings: bool = False
     """Share the input embedding with the LM head."""
     add_bias_linear: bool = False
@@ -96,12 +112,14 @@ class ModelConfig:
             positive("num_query_groups")
         if self.ffn_hidden_size is not None:
             positive("ffn_hidden_size")
+        if self.kv_channels is not None:
+            positive("kv_channels")
         if e:
             return e
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             e.append(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}"
+                f"{self.num_attention_heads} (set kv_channels for a head width of its own)"
             )
         if self.num_attention_heads % self.kv_heads:
             e.append(
@@ -121,7 +139,11 @@ class ModelConfig:
         if self.norm_epsilon <= 0:
             e.append(f"norm_epsilon={self.norm_epsilon!r}: expected > 0")
         if self.position_embedding == "rope" and self.head_dim % 2:
-            e.append(f"head dim {self.head_dim} (hidden_size/num_attention_heads) must be even for rope")
+            what = "kv_channels" if self.kv_channels is not None else "hidden_size/num_attention_heads"
+            e.append(f"head dim {self.head_dim} ({what}) must be even for rope")
+        if not isinstance(self.qk_layernorm, bool):
+            e.append(f"qk_layernorm={self.qk_layernorm!r}: expected true or false")
+        e.extend(self._rope_scaling_problems())
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         if tp > 1:
             if self.num_attention_heads % tp:
@@ -141,6 +163,39 @@ class ModelConfig:
             e.append(f"num_layers={self.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
         return e
 
+    def _rope_scaling_problems(self) -> list[str]:
+        if self.rope_scaling is None:
+            return []
+        if self.rope_scaling not in ROPE_SCALINGS:
+            return [f"rope_scaling={self.rope_scaling!r}: expected null or one of {ROPE_SCALINGS}"]
+        e = []
+        if self.position_embedding != "rope":
+            e.append(
+                f"rope_scaling={self.rope_scaling!r} needs position_embedding='rope', "
+                f"got {self.position_embedding!r}"
+            )
+
+        def number(name: str) -> float | None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                e.append(f"{name}={v!r}: expected a positive number")
+                return None
+            return float(v)
+
+        factor = number("rope_scaling_factor")
+        low, high = number("rope_low_freq_factor"), number("rope_high_freq_factor")
+        if factor is not None and factor < 1.0:
+            e.append(f"rope_scaling_factor={factor!r}: expected >= 1 (it divides the low frequencies)")
+        if low is not None and high is not None and high <= low:
+            e.append(
+                f"rope_high_freq_factor={high!r} must be greater than rope_low_freq_factor={low!r} "
+                "(the smoothing between them divides by their difference)"
+            )
+        v = self.rope_original_max_position
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            e.append(f"rope_original_max_position={v!r}: expected a positive integer")
+        return e
+
     def check_parallel(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
         errors = self.problems(tensor_parallel_size, pipeline_parallel_size)
         if errors:
@@ -152,6 +207,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """The width of one attention head: ``kv_channels``, else hidden_size / heads."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     @property
@@ -181,6 +239,16 @@ class ModelConfig:
     def architecture_diff(self, other: ModelConfig) -> list[str]:
         """Fields that differ in a way that changes the weights' shapes or meaning."""
         ignore = {"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"}
+        if self.rope_scaling is None and other.rope_scaling is None:
+            # The scaling's parameters mean nothing without it.
+            ignore |= {
+                "rope_scaling_factor",
+                "rope_low_freq_factor",
+                "rope_high_freq_factor",
+                "rope_original_max_position",
+            }
+        if self.kv_channels is None and other.kv_channels is None:
+            ignore.add("kv_channels")  # derived from fields compared on their own
         out = []
         for f in dataclasses.fields(self):
             if f.name in ignore:
@@ -190,6 +258,8 @@ class ModelConfig:
                 a, b = self.ffn_size, other.ffn_size
             if f.name == "num_query_groups":
                 a, b = self.kv_heads, other.kv_heads
+            if f.name == "kv_channels":
+                a, b = self.head_dim, other.head_dim
             if a != b:
                 out.append(f"{f.name}: {a!r} != {b!r}")
         return out

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--arch",
         default=None,
-        help="HF architecture or family (default: the one recorded at import, else llama)",
+        help="HF architecture or family (default: the one recorded at import, else the family the "
+        "model's config fits: qwen3 for q/k norms, qwen2 for q/k/v biases, gpt2 for learned "
+        "positions, llama)",
     )
     exp.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied alongside")
     parallel(exp)
@@ -70,7 +72,7 @@ def _run(args: argparse.Namespace) -> None:
 
     from aligner import distributed
     from aligner.models import checkpoint_io, hf
-    from aligner.models.hf_config import hf_architecture, read_hf_config
+    from aligner.models.hf_config import default_architecture, hf_architecture, read_hf_config
 
     dtype = _DTYPES[args.dtype]
     if args.command == "import":
@@ -115,7 +117,7 @@ def _run(args: argparse.Namespace) -> None:
             )
         else:
             model, cfg, meta = checkpoint_io.build_from_checkpoint(args.ckpt_dir, params_dtype=dtype)
-            arch = args.arch or meta.get("hf_architecture") or "llama"
+            arch = args.arch or meta.get("hf_architecture") or default_architecture(cfg)
             hf.export_hf(
                 model,
                 cfg,

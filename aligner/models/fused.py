@@ -117,6 +117,9 @@ class _Spec:
         norm = model.decoder.final_layernorm
         self.rms = isinstance(norm, nn.RMSNorm)
         self.eps = float(norm.eps)
+        # q/k norms over each head (Qwen3): None, or (RMSNorm?, eps) of the q and k norms.
+        qk = local_spec.qk_norms(att)
+        self.qk_norm = None if qk is None else tuple((isinstance(m, nn.RMSNorm), float(m.eps)) for m in qk)
         self.hidden = int(cfg.hidden_size)
         self.rope = model.position_embedding_type == "rope"
         self.head = getattr(model, "aligner_head", "lm")
@@ -133,6 +136,7 @@ class _Spec:
             self.eps,
             self.hidden,
             self.rope,
+            self.qk_norm,
             self.head,
             tp_size,
         )
@@ -147,6 +151,9 @@ def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
         norm = layer.input_layernorm
         out += [norm.weight, getattr(norm, "bias", None)]
         out += [att.linear_qkv.weight, att.linear_qkv.bias, att.linear_proj.weight, att.linear_proj.bias]
+        qk = local_spec.qk_norms(att)
+        for m in qk or (None, None):
+            out += [None, None] if m is None else [m.weight, getattr(m, "bias", None)]
         norm = layer.pre_mlp_layernorm
         out += [norm.weight, getattr(norm, "bias", None)]
         out += [mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias]
@@ -315,6 +322,12 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
             return F.rms_norm(x, (spec.hidden,), w, spec.eps)
         return F.layer_norm(x, (spec.hidden,), w, b, spec.eps)
 
+    def head_norm(x, w, b, kind):  # a q or k norm: over each head's d values
+        rms, eps = kind
+        if rms:
+            return F.rms_norm(x, (d,), w, eps)
+        return F.layer_norm(x, (d,), w, b, eps)
+
     def col(x, w, b):  # column-parallel linear: the input is replicated, its grad all-reduced
         return F.linear(copy_to(x) if tp > 1 else x, w, b)
 
@@ -344,15 +357,20 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
             x = x + p[1][:n]
         i = 2
         for layer in range(spec.layers):
-            n1w, n1b, wqkv, bqkv, wproj, bproj, n2w, n2b, w1, b1, w2, b2 = p[i : i + 12]
-            i += 12
+            n1w, n1b, wqkv, bqkv, wproj, bproj, qw, qb, kw, kb, n2w, n2b, w1, b1, w2, b2 = p[i : i + 16]
+            i += 16
             # The last layer's keys and values are needed at every position, everything else
             # (queries, attention output, MLP, head) only from ``start`` on.
             last = layer == spec.layers - 1
             s0 = start if last else 0
             m = n - s0
             qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
-            qk = qkv[:, :, :, : r + 1]
+            if spec.qk_norm is None:
+                qk = qkv[:, :, :, : r + 1]
+            else:  # each query and key head normalised on its own, before RoPE
+                qn = head_norm(qkv[:, :, :, :r], qw, qb, spec.qk_norm[0])
+                kn = head_norm(qkv[:, :, :, r : r + 1], kw, kb, spec.qk_norm[1])
+                qk = torch.cat([qn, kn], dim=3)
             if spec.rope:
                 qk = apply_rope(qk, cos, sin)
             if rows and last:  # one query per sequence, each under its own row of the mask

@@ -27,6 +27,8 @@ __all__ = [
     "ROLES",
     "ScalarHead",
     "transformer_config",
+    "install_rope_frequencies",
+    "sum_qk_norm_grads_over_tp",
     "build_policy",
     "build_critic",
     "build_reward_model",
@@ -115,6 +117,7 @@ def transformer_config(
         activation_func=_activation(cfg.activation),
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,
+        qk_layernorm=cfg.qk_layernorm,
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
@@ -156,7 +159,9 @@ def _build(
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage()
     tcfg = transformer_config(cfg, tp, pp, params_dtype)
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    # q/k norms: the model's norm over each head's width (torch RMSNorm/LayerNorm of
+    # kv_channels), applied to queries and keys before RoPE, as HF's Qwen3 does.
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
@@ -169,6 +174,8 @@ def _build(
         position_embedding_type=cfg.position_embedding,
         rotary_base=cfg.rotary_base,  # a float theta is used as is
     )
+    if cfg.position_embedding == "rope":
+        install_rope_frequencies(model, cfg)
     if head != "lm" and post_process:
         model.output_layer = ScalarHead(cfg.hidden_size, dtype=params_dtype)
     if params_dtype != torch.float32:
@@ -176,9 +183,59 @@ def _build(
         # params_dtype says; bf16 activations against fp32 norm weights take torch's slow
         # mixed-dtype path. The whole model is one dtype, as Megatron's Float16Module makes it.
         model.to(dtype=params_dtype)
+    if cfg.qk_layernorm and tp > 1:
+        sum_qk_norm_grads_over_tp(model, mpu.get_tensor_model_parallel_group())
     model.aligner_head = head  # "lm", "value" or "reward"
     model.aligner_config = cfg
     return model
+
+
+def install_rope_frequencies(model: nn.Module, cfg: ModelConfig) -> None:
+    """Put ``cfg``'s RoPE frequencies (:func:`aligner.models.rope.inverse_frequencies`, with its
+    ``rope_scaling``) into the model's rotary embedding, where Megatron's forward, the fused
+    forward and the lean decoder all read them (``model.rotary_pos_emb.inv_freq``).
+
+    Megatron computes plain frequencies itself; its own llama3 scaling fixes three of the four
+    parameters, so scaled ones are computed here, as transformers computes them. Call before
+    the model's first forward: its rotary embedding caches its tables per length."""
+    from aligner.models.rope import inverse_frequencies
+
+    rotary = model.rotary_pos_emb
+    mine = inverse_frequencies(cfg, device=rotary.inv_freq.device)
+    if mine.shape != rotary.inv_freq.shape:  # pragma: no cover - partial rotary is never built
+        raise ConversionError(
+            f"rotary embedding has {rotary.inv_freq.numel()} frequencies, the config {mine.numel()}"
+        )
+    if cfg.rope_scaling is not None:
+        rotary.inv_freq = mine
+
+
+def _summed_over(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.detach().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    return hook
+
+
+def sum_qk_norm_grads_over_tp(model: nn.Module, tp_group) -> int:
+    """Make every tensor-parallel rank's gradient of the q/k norm weights the whole model's.
+
+    The q/k norms are replicated (one head's width, shared by every head), but each TP rank
+    applies them to its own heads only, so its backward holds its heads' share of their
+    gradient. A hook on each of these parameters sums the shares over ``tp_group`` as the
+    backward computes them (Megatron does it in ``finalize_model_grads``, which this project's
+    trainers do not call), whichever forward runs (Megatron's, fused); the replicas then stay
+    equal through optimizer steps, and a gradient norm counts them once as it counts every
+    replicated weight. Collective within the backward, in the same place on every TP rank.
+    Returns how many parameters got a hook."""
+    n = 0
+    for name, p in model.named_parameters():
+        if ".q_layernorm." in name or ".k_layernorm." in name:
+            p.register_hook(_summed_over(tp_group))
+            n += 1
+    return n
 
 
 def build_policy(

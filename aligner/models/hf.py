@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-core conversion for the Llama family (Llama, Mistral, Qwen2) and GPT-2.
+"""Hugging Face <-> Megatron-core conversion for the Llama family (Llama, Mistral, Qwen2,
+Qwen3) and GPT-2.
 
 Built on three modules, each written once and shared by every consumer:
 :mod:`aligner.models.layout` (the canonical Megatron tensors, their TP/PP layout and the weight

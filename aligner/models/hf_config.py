@@ -1,11 +1,13 @@
 """Hugging Face architectures and configs, and how they map onto our :class:`ModelConfig`.
 
-Supported: the Llama family (Llama, Mistral, Qwen2) and GPT-2, each as a causal LM (our
-policy) or a sequence classifier (our critic or reward model). :func:`resolve_architecture`
-and :func:`architecture_for` name them; :func:`model_config_from_hf` reads an HF config into a
-:class:`ModelConfig`, rejecting (with every reason at once) what Megatron cannot run as HF
-does; :func:`hf_config_from_model_config` writes one back, keeping what ModelConfig does not
-decide (token ids, a sliding window) from the config the model came from.
+Supported: the Llama family (Llama 2/3.x with or without llama3 RoPE scaling, Mistral,
+Qwen2/Qwen2.5, Qwen3 with its per-head q/k norms; any of them with a head width of its own)
+and GPT-2, each as a causal LM (our policy) or a sequence classifier (our critic or reward
+model). :func:`resolve_architecture` and :func:`architecture_for` name them;
+:func:`model_config_from_hf` reads an HF config into a :class:`ModelConfig`, rejecting (with
+every reason at once) what Megatron cannot run as HF does; :func:`hf_config_from_model_config`
+writes one back, keeping what ModelConfig does not decide (token ids, a sliding window) from
+the config the model came from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "resolve_architecture",
     "architecture_for",
+    "default_architecture",
     "check_hf_folder",
     "read_hf_config",
     "hf_architecture",
@@ -51,6 +54,7 @@ _FAMILIES: dict[str, _Family] = {
     "llama": _Family("llama", "LlamaConfig", "LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mistral": _Family("mistral", "MistralConfig", "MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": _Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": _Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     "gpt2": _Family("gpt2", "GPT2Config", "GPT2LMHeadModel", "GPT2ForSequenceClassification"),
 }
 
@@ -72,6 +76,18 @@ def resolve_architecture(arch: str) -> tuple[str, str]:
         f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)} "
         f"(or a family name: {sorted(_FAMILIES)})"
     )
+
+
+def default_architecture(cfg: ModelConfig) -> str:
+    """The HF causal LM a model of ``cfg`` is written as when no architecture is named: GPT-2
+    for learned positions, Qwen3 for q/k norms, Qwen2 for q/k/v biases alone, else Llama."""
+    if cfg.position_embedding == "learned_absolute":
+        return _FAMILIES["gpt2"].causal_lm
+    if cfg.qk_layernorm:
+        return _FAMILIES["qwen3"].causal_lm
+    if cfg.add_qkv_bias and not cfg.add_bias_linear:
+        return _FAMILIES["qwen2"].causal_lm
+    return _FAMILIES["llama"].causal_lm
 
 
 def architecture_for(arch: str, head: str) -> str:
@@ -126,8 +142,10 @@ def hf_architecture(src: Any) -> str:
             raise ConversionError(f"{where}: field 'architectures'={archs!r}: expected a list of names")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
+            moe = " (mixture-of-experts models are not supported)" if "moe" in arch.lower() else ""
             raise ConversionError(
-                f"{where}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{where}: architecture {arch!r} is not supported{moe}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         return arch
     mt = d.get("model_type")
@@ -164,13 +182,70 @@ def _int_field(c: Any, name: str, where: str) -> int:
     return v
 
 
+#: HF ``rope_parameters`` keys of a llama3 scaling -> ModelConfig fields.
+_LLAMA3_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position",
+}
+
+
+def _rope_fields(c: Any, d: dict, max_pos: int, errors: list[str]) -> dict[str, Any]:
+    """ModelConfig's RoPE fields from an HF config's ``rope_parameters`` (transformers 5.x) or
+    ``rope_scaling`` (older configs), with every unsupported setting appended to ``errors``:
+    rope types other than 'default' and 'llama3', partial rotary, per-layer-type RoPE."""
+    rp = (
+        getattr(c, "rope_parameters", None)
+        or getattr(c, "rope_scaling", None)
+        or d.get("rope_parameters")
+        or d.get("rope_scaling")
+        or {}
+    )
+    if not isinstance(rp, Mapping):
+        errors.append(f"rope_parameters={rp!r}: expected a mapping")
+        rp = {}
+    per_layer = sorted(k for k, v in rp.items() if isinstance(v, Mapping))
+    if per_layer:
+        errors.append(
+            f"rope_parameters per layer type {per_layer} are not supported (one RoPE for every layer only)"
+        )
+        rp = {}
+    theta = rp.get("rope_theta") or getattr(c, "rope_theta", None) or d.get("rope_theta") or 10000.0
+    out: dict[str, Any] = {"rotary_base": float(theta)}
+    prf = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        errors.append(f"partial_rotary_factor={prf!r} is not supported (rotary on the full head only)")
+    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+    if rope_type == "llama3":
+        out["rope_scaling"] = "llama3"
+        for key, field in _LLAMA3_KEYS.items():
+            v = rp.get(key)
+            if v is None and key == "original_max_position_embeddings":
+                v = max_pos  # as transformers does
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                errors.append(f"rope_parameters.{key}={v!r}: expected a number (rope_type 'llama3' needs it)")
+            elif field == "rope_original_max_position" and v != int(v):
+                errors.append(f"rope_parameters.{key}={v!r}: expected an integer")
+            else:  # ModelConfig checks the ranges, naming its own field
+                out[field] = int(v) if field == "rope_original_max_position" else float(v)
+    elif rope_type != "default":
+        errors.append(
+            f"rope_parameters.rope_type={rope_type!r} (rope scaling) is not supported; "
+            "supported: 'default', 'llama3'"
+        )
+    return out
+
+
 def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
     """A :class:`ModelConfig` for an HF folder / ``config.json`` / dict / ``PretrainedConfig``.
 
     ``overrides`` set ModelConfig fields the HF config does not decide (e.g.
     ``make_vocab_size_divisible_by``, dropouts, or a shorter ``max_seq_len`` for rope models).
-    For rope models with a sliding window (Mistral), ``max_seq_len`` is capped at the window:
-    within it, sliding-window attention is full causal attention, which is what Megatron runs.
+    For rope models with a sliding window that is used (Mistral; Qwen2/Qwen3 with
+    ``use_sliding_window``), ``max_seq_len`` is capped at the window: within it, sliding-window
+    attention is full causal attention, which is what Megatron runs. A window present but
+    unused (Qwen2.5's ``use_sliding_window: false``) caps nothing.
     """
     where = _config_where(src)
     d = read_hf_config(src)
@@ -230,31 +305,19 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
         if act not in ("silu", "swish"):
             errors.append(f"hidden_act={act!r} is not supported (the Llama family converts with 'silu' only)")
         head_dim = getattr(c, "head_dim", None)
-        if head_dim is not None and heads and head_dim * heads != H:
-            errors.append(
-                f"head_dim={head_dim} differs from hidden_size/num_attention_heads="
-                f"{H}/{heads}; ModelConfig has no separate head dimension"
-            )
-        rp = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        if rp and all(isinstance(v, dict) for v in rp.values()):
-            errors.append(f"rope_parameters per layer type {sorted(rp)} are not supported")
-            rp = {}
-        rope_type = rp.get("rope_type") or rp.get("type") or "default"
-        if rope_type != "default":
-            errors.append(
-                f"rope_parameters.rope_type={rope_type!r} (rope scaling) is not supported; "
-                "supported: 'default'"
-            )
-        theta = rp.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
-        prf = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0))
-        if prf not in (None, 1, 1.0):
-            errors.append(f"partial_rotary_factor={prf!r} is not supported (rotary on the full head only)")
+        kv_channels = None
+        if head_dim is not None:
+            if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+                errors.append(f"head_dim={head_dim!r}: expected a positive integer")
+            elif head_dim * heads != H:
+                kv_channels = head_dim  # a head width of its own (Qwen3, some Llamas)
         max_pos = _int_field(c, "max_position_embeddings", where)
+        rope = _rope_fields(c, d, max_pos, errors)
         window = getattr(c, "sliding_window", None)
+        # Mistral's window covers every layer; Qwen2/Qwen3 (and transformers' per-layer
+        # configs) name the layers that use it, none unless use_sliding_window is set.
         uses_window = window is not None and (
-            family == "mistral"
-            or getattr(c, "use_sliding_window", False)
-            or "sliding_attention" in (getattr(c, "layer_types", None) or [])
+            family == "mistral" or "sliding_attention" in (getattr(c, "layer_types", None) or [])
         )
         if uses_window and window is not None:
             max_pos = min(max_pos, int(window))
@@ -268,6 +331,12 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
         add_bias_linear, add_qkv_bias = False, False
         if family == "qwen2":
             add_qkv_bias = True  # Qwen2 always has q/k/v biases and no others
+        elif family == "qwen3":
+            if attn_bias:
+                errors.append(
+                    "attention_bias=True is not supported for Qwen3 (it biases q/k/v and o_proj but not "
+                    "the MLP; Megatron's add_bias_linear covers every linear layer); supported: false"
+                )
         elif attn_bias or mlp_bias:
             if attn_bias and mlp_bias:
                 add_bias_linear = True
@@ -288,10 +357,12 @@ def model_config_from_hf(src: Any, **overrides: Any) -> ModelConfig:
             norm_epsilon=float(getattr(c, "rms_norm_eps", 1e-6)),
             activation="swiglu",
             position_embedding="rope",
-            rotary_base=float(theta),
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             add_bias_linear=add_bias_linear,
             add_qkv_bias=add_qkv_bias,
+            kv_channels=kv_channels,
+            qk_layernorm=family == "qwen3",
+            **rope,
         )
     if errors:
         raise ConversionError(f"{where} ({arch}) cannot be converted:\n  " + "\n  ".join(errors))
@@ -315,6 +386,10 @@ def export_problems(cfg: ModelConfig, family: str) -> list[str]:
     """Why ``cfg`` cannot be written as a model of HF ``family`` (empty: it can)."""
     e: list[str] = []
     if family == "gpt2":
+        if cfg.qk_layernorm:
+            e.append("qk_layernorm=True: GPT-2 has no q/k norms")
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            e.append(f"kv_channels={cfg.kv_channels}: GPT-2's heads are hidden_size/n_head wide")
         if cfg.normalization != "LayerNorm":
             e.append(f"normalization={cfg.normalization!r}: GPT-2 needs 'LayerNorm'")
         if cfg.position_embedding != "learned_absolute":
@@ -330,6 +405,14 @@ def export_problems(cfg: ModelConfig, family: str) -> list[str]:
         e.append(f"position_embedding={cfg.position_embedding!r}: the Llama family needs 'rope'")
     if cfg.activation != "swiglu":
         e.append(f"activation={cfg.activation!r}: the Llama family needs 'swiglu'")
+    if family == "qwen3":
+        if not cfg.qk_layernorm:
+            e.append("qk_layernorm=False: Qwen3 always has q/k norms")
+        if cfg.add_bias_linear or cfg.add_qkv_bias:
+            e.append("biases: Qwen3 is exported without biases (attention_bias=false)")
+        return e
+    if cfg.qk_layernorm:
+        e.append(f"qk_layernorm=True: {family} has no q/k norms; export as Qwen3ForCausalLM instead")
     if family == "qwen2":
         if cfg.add_bias_linear:
             e.append("add_bias_linear=True: Qwen2 has biases on q/k/v only")
@@ -344,6 +427,16 @@ def export_problems(cfg: ModelConfig, family: str) -> list[str]:
             "export as Qwen2ForCausalLM instead"
         )
     return e
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """HF's ``rope_parameters`` for ``cfg``'s RoPE (plain, or llama3-scaled)."""
+    rp: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    if cfg.rope_scaling == "llama3":
+        rp["rope_type"] = "llama3"
+        for key, field in _LLAMA3_KEYS.items():
+            rp[key] = getattr(cfg, field)
+    return rp
 
 
 _GPT2_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
@@ -422,20 +515,21 @@ def hf_config_from_model_config(
             hidden_act="silu",
             rms_norm_eps=cfg.norm_epsilon,
             tie_word_embeddings=cfg.tie_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
+            rope_parameters=_rope_parameters(cfg),
+            head_dim=cfg.head_dim,
         )
         kw.pop("rope_theta", None)
         if not keep_window:
             kw["max_position_embeddings"] = cfg.max_seq_len
             if family == "mistral":
                 kw["sliding_window"] = None
-            if family == "qwen2":
+            if family in ("qwen2", "qwen3"):
                 kw.update(use_sliding_window=False, sliding_window=None)
                 kw.pop("layer_types", None)
-        if family in ("llama", "mistral"):
-            kw["head_dim"] = cfg.head_dim
         if family == "llama":
             kw.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+        if family == "qwen3":
+            kw["attention_bias"] = False
     kw["architectures"] = [arch]
     if hf_head == "score":
         kw["num_labels"] = 1

@@ -5,8 +5,9 @@ One :class:`HFRule` per tensor of :func:`aligner.models.layout.megatron_tensor_s
 apart, so a rule may split or join: the fused QKV is ``[q_1..q_r, k, v]`` per query group
 (split into HF's ``q_proj``/``k_proj``/``v_proj``, or GPT-2's ``c_attn`` in ``[q | k | v]``
 order), ``linear_fc1`` of a gated MLP is ``[gate; up]`` (HF's ``gate_proj``/``up_proj``), and
-GPT-2's Conv1D stores linear weights transposed. :func:`hf_tensor_specs` lists the HF
-tensors of a model in export order.
+GPT-2's Conv1D stores linear weights transposed; Qwen3's per-head query/key norms are
+``self_attn.q_norm``/``k_norm``. :func:`hf_tensor_specs` lists the HF tensors of a model in
+export order.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def _llama_layer_rule(cfg: ModelConfig, p: str, suffix: str, qkv_shapes) -> HFRu
             lambda t: _qkv_split(cfg, t),
             lambda ts: _qkv_fuse(cfg, *ts),
         )
+    if suffix == "self_attention.q_layernorm.weight":  # Qwen3's per-head RMSNorm of the queries
+        return _ident(a + "q_norm.weight", (cfg.head_dim,))
+    if suffix == "self_attention.k_layernorm.weight":  # ... and of the keys
+        return _ident(a + "k_norm.weight", (cfg.head_dim,))
     if suffix == "self_attention.linear_proj.weight":
         return _ident(a + "o_proj.weight", (H, cfg.num_attention_heads * cfg.head_dim))
     if suffix == "self_attention.linear_proj.bias":

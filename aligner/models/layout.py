@@ -88,6 +88,11 @@ def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[TensorSpec
         add("self_attention.linear_qkv.weight", (qkv_rows, H), "column")
         if qkv_bias:
             add("self_attention.linear_qkv.bias", (qkv_rows,), "column")
+        if cfg.qk_layernorm:
+            # One head's norm, shared by every head: replicated under TP.
+            for which in ("q", "k"):
+                for s in norms:
+                    add(f"self_attention.{which}_layernorm.{s}", (d,), "replicated")
         add("self_attention.linear_proj.weight", (H, heads * d), "row")
         if bias:
             add("self_attention.linear_proj.bias", (H,), "replicated")

@@ -4,20 +4,44 @@ Two forwards bypass Megatron's module forward and compute the same arithmetic di
 the model's parameter tensors: the lean KV-cache decoder (:mod:`aligner.generation.lean`) and
 the fused full-sequence forward (:mod:`aligner.models.fused`). Both are exact only for the
 architecture :mod:`aligner.models.gpt` builds with Megatron's local layer spec (pre-norm,
-RMSNorm/LayerNorm, RoPE or learned absolute positions, MHA/GQA/MQA, optional biases, gated
-or plain MLP, tied or untied head, TP without sequence parallelism); :func:`unsupported_reason`
-says whether a model is one, and if not, why. Anything else runs Megatron's own forward.
+RMSNorm/LayerNorm, RoPE (plain or with scaled frequencies: the tables come from the model's
+own rotary embedding) or learned absolute positions, MHA/GQA/MQA, any head width, optional
+q/k norms per head, optional biases, gated or plain MLP, tied or untied head, TP without
+sequence parallelism); :func:`unsupported_reason` says whether a model is one, and if not,
+why. Anything else runs Megatron's own forward.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["unsupported_reason"]
+__all__ = ["unsupported_reason", "qk_norms"]
 
 
 def _is_identity(m) -> bool:
     return m is None or type(m).__name__ in ("IdentityOp", "IdentityFuncOp", "Identity")
+
+
+def qk_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """An attention module's ``(q_layernorm, k_layernorm)``, or None when it has none."""
+    q, k = getattr(attention, "q_layernorm", None), getattr(attention, "k_layernorm", None)
+    if _is_identity(q) and _is_identity(k):
+        return None
+    return q, k
+
+
+def _qk_norm_problem(attention: nn.Module, head_dim: int) -> str | None:
+    norms = qk_norms(attention)
+    if norms is None:
+        return None
+    for name, m in zip(("q_layernorm", "k_layernorm"), norms):
+        if type(m) not in (nn.RMSNorm, nn.LayerNorm):
+            return f"{name} is a {type(m).__name__}, not a torch RMSNorm/LayerNorm"
+        if tuple(m.normalized_shape) != (head_dim,):
+            return f"{name} normalises {tuple(m.normalized_shape)}, not one head ({head_dim},)"
+        if m.weight is None or (type(m) is nn.LayerNorm and m.bias is None):
+            return f"{name} has no affine weights"
+    return None
 
 
 def unsupported_reason(
@@ -46,7 +70,7 @@ def unsupported_reason(
         "apply_query_key_layer_scaling": getattr(cfg, "apply_query_key_layer_scaling", False),
         "attention_output_gate": getattr(cfg, "attention_output_gate", False),
         "num_moe_experts": getattr(cfg, "num_moe_experts", None),
-        "qk_layernorm": getattr(cfg, "qk_layernorm", False),
+        "qk_l2_norm": getattr(cfg, "qk_l2_norm", False),
         "no_rope_freq": getattr(cfg, "no_rope_freq", None),
         "activation_func_clamp_value": getattr(cfg, "activation_func_clamp_value", None),
         "glu_linear_offset": getattr(cfg, "glu_linear_offset", 0.0),
@@ -72,11 +96,12 @@ def unsupported_reason(
         if names != ("TransformerLayer", "SelfAttention", "MLP"):
             return f"layer {i} is {names}"
         att = layer.self_attention
-        if not (
-            _is_identity(getattr(att, "q_layernorm", None))
-            and _is_identity(getattr(att, "k_layernorm", None))
-        ):
-            return f"layer {i} has q/k layernorms"
+        problem = _qk_norm_problem(att, cfg.kv_channels)
+        if problem is not None:
+            return f"layer {i}: {problem}"
+        flag = bool(getattr(cfg, "qk_layernorm", False))
+        if (qk_norms(att) is not None) != flag:
+            return f"layer {i} {'has no' if flag else 'has'} q/k norms, but config.qk_layernorm={flag}"
         if not _is_identity(getattr(layer, "cross_attention", None)):
             return f"layer {i} has cross attention"
         if _is_identity(layer.input_layernorm) or _is_identity(layer.pre_mlp_layernorm):

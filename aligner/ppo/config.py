@@ -15,6 +15,7 @@ from aligner.config_checks import Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.engine import DECODE_STEPS, SamplingParams, sampling_problems
 from aligner.generation.trtllm import TrtllmConfig
+from aligner.metrics import WandbConfig
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
 from aligner.optim import OptimConfig
 
@@ -42,14 +43,40 @@ ON_RESTART = ("resume", "fail")
 
 @dataclass
 class DataConfig:
-    """Where prompts come from."""
+    """Where prompts come from: a built-in task, a JSONL prompt file, or a data set read with
+    Hugging Face ``datasets`` (:mod:`aligner.ppo.datasets`)."""
 
     task: str | None = "sort"
-    """Built-in task ('copy', 'reverse', 'sort'); ignored when prompt_file is set."""
+    """Built-in task ('copy', 'reverse', 'sort'); ignored when dataset or prompt_file is set."""
     num_digits: int = 6
     """Digits per prompt for the built-in tasks."""
     prompt_file: str | None = None
-    """A JSONL file of {"prompt": ...} lines, used instead of a built-in task."""
+    """A JSONL file of {"prompt": ...} lines (a data set read line by line), used instead of a
+    built-in task."""
+    dataset: str | None = None
+    """A data set used instead of a built-in task: a .json/.jsonl/.parquet/.csv file, a folder
+    of them or one written by save_to_disk, or a hub data set name."""
+    dataset_config: str | None = None
+    """The hub data set's configuration name (null: its default)."""
+    split: str = "train"
+    """The split of the training prompts, or a slice of it as datasets writes one
+    ('train[:90%]'); a single file is one split named 'train'."""
+    val_split: str | None = None
+    """Validation prompts from this split (or slice, e.g. 'test', 'train[-64:]') of the same
+    data set; null: validation.prompt_file, else the first training prompts."""
+    prompt_column: str = "prompt"
+    """The column holding each row's prompt: a string, or (with chat_template) a list of
+    {"role": ..., "content": ...} messages."""
+    extra_columns: list[str] | None = None
+    """Columns that travel with each prompt to the reward function (a JSON object per prompt);
+    null: every column but the prompt column; []: none."""
+    chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (a user turn after the optional
+    system_prompt, or the row's own messages) up to where the assistant's reply begins."""
+    system_prompt: str | None = None
+    """A system message put before each prompt (chat_template only; a row's own system message wins)."""
+    max_prompts: int | None = None
+    """Keep the first N prompts that fit the context (null: all)."""
     num_prompts: int = 100_000
     """Prompts drawn from a built-in task (an epoch of data)."""
     shuffle: bool = True
@@ -61,14 +88,29 @@ class DataConfig:
 
     def problems(self, max_new_tokens: int, max_seq_len: int, prefix: str = "data") -> Problems:
         """Where prompts come from, and whether a built-in task's prompt and answer fit in
-        ``max_new_tokens`` and ``max_seq_len``."""
+        ``max_new_tokens`` and ``max_seq_len`` (a data set's too-long prompts are dropped and
+        counted when it is read)."""
         e = Problems()
-        if self.prompt_file is not None:
-            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
+        if self.dataset is not None or self.prompt_file is not None:
+            e += self._data_set_problems(prefix)
             return e
+        for name in ("val_split", "dataset_config", "system_prompt", "max_prompts", "extra_columns"):
+            e.expect(
+                getattr(self, name) is None,
+                f"{prefix}.{name}",
+                getattr(self, name),
+                f"null with the built-in task (it applies to {prefix}.dataset or {prefix}.prompt_file)",
+            )
+        e.expect(
+            not self.chat_template,
+            f"{prefix}.chat_template",
+            self.chat_template,
+            f"false with the built-in task (its prompts are digits; set {prefix}.dataset for chat prompts)",
+        )
         if self.task not in ("copy", "reverse", "sort"):
             e.append(
-                f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.prompt_file)"
+                f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.dataset "
+                f"or {prefix}.prompt_file)"
             )
             return e
         prompt = self.num_digits + 1
@@ -82,6 +124,64 @@ class DataConfig:
                 f"generation.max_new_tokens={max_new_tokens} cannot hold the answer to a "
                 f"{self.num_digits}-digit {self.task} task plus end-of-sequence ({prompt})"
             )
+        return e
+
+    def _data_set_problems(self, prefix: str) -> Problems:
+        """The data set keys on their own (what the data set holds is checked when it is read)."""
+        from aligner.ppo.datasets import looks_like_local_path
+
+        e = Problems()
+        if self.dataset is not None and self.prompt_file is not None:
+            e.append(
+                f"{prefix}.dataset={self.dataset!r} and {prefix}.prompt_file={self.prompt_file!r}: expected one "
+                "of them (a JSONL prompt file can be given as data.dataset)"
+            )
+        if self.prompt_file is not None:
+            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
+        d = self.dataset
+        if d is not None:
+            local = looks_like_local_path(d)
+            e.expect(
+                isinstance(d, str) and d != "" and (not local or os.path.exists(os.path.expanduser(d))),
+                f"{prefix}.dataset",
+                d,
+                "an existing .json/.jsonl/.parquet/.csv file, a data set folder, or a hub data set name",
+            )
+            e.expect(
+                self.dataset_config is None or not local,
+                f"{prefix}.dataset_config",
+                self.dataset_config,
+                f"null for a local {prefix}.dataset (it names a hub data set's configuration)",
+            )
+        elif self.dataset_config is not None:
+            e.append(
+                f"{prefix}.dataset_config={self.dataset_config!r}: expected null without {prefix}.dataset"
+            )
+        for name in ("split", "prompt_column"):
+            v = getattr(self, name)
+            e.expect(isinstance(v, str) and v.strip() != "", f"{prefix}.{name}", v, "a non-empty string")
+        v = self.val_split
+        e.expect(v is None or v.strip() != "", f"{prefix}.val_split", v, "a split name or slice, or null")
+        cols = self.extra_columns
+        e.expect(
+            cols is None or (all(isinstance(c, str) and c for c in cols) and len(set(cols)) == len(cols)),
+            f"{prefix}.extra_columns",
+            cols,
+            "a list of distinct column names, [] or null",
+        )
+        e.expect(
+            self.system_prompt is None or self.chat_template,
+            f"{prefix}.system_prompt",
+            self.system_prompt,
+            f"null without {prefix}.chat_template=true (a system message is part of a chat template)",
+        )
+        n = self.max_prompts
+        e.expect(
+            n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+            f"{prefix}.max_prompts",
+            n,
+            "a positive integer or null",
+        )
         return e
 
 
@@ -371,6 +471,13 @@ class LoggingConfig:
     """Write TensorBoard event files."""
     progress_bar: bool = True
     """Show a progress bar with reward, KL and step time."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases as a third sink (off by default): the same metrics at the same steps, the
+    validation samples as a table, this config as the run's config; a resume continues the run."""
+
+    def problems(self, prefix: str = "logging") -> Problems:
+        """The W&B settings' problems (a missing wandb package among them, when it is on)."""
+        return self.wandb.problems(f"{prefix}.wandb")
 
 
 @dataclass
@@ -418,10 +525,13 @@ class ValidationConfig:
     before_train: bool = False
     """Also validate the initial policy, logged at step 0."""
     num_prompts: int = 64
-    """Evaluation prompts drawn from the built-in task (fixed; independent of the batch sizes)."""
+    """Evaluation prompts (fixed; independent of the batch sizes): the first N of data.val_split,
+    of prompt_file, or of the training data set, else N drawn from the built-in task."""
     prompt_file: str | None = None
-    """A JSONL file of {"prompt": ...} lines to validate on instead (default: the training
-    prompt_file's first num_prompts lines, or the built-in task with its own seed)."""
+    """A JSONL file of {"prompt": ...} lines to validate on, read like the training data set
+    (data.prompt_column, data.extra_columns, data.chat_template); not with data.val_split.
+    Default: data.val_split, else the training prompts' first num_prompts, else the built-in
+    task with its own seed."""
     seed: int = 20_231
     """Seed that draws the built-in task's evaluation prompts (distinct from training's)."""
     num_samples: int = 4
@@ -454,10 +564,13 @@ class ActorConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    tokenizer: str = "char"
-    """'char' (the built-in digit vocabulary) or a HF tokenizer folder."""
+    tokenizer: str = "auto"
+    """'char' (the built-in digit vocabulary), 'char:<alphabet>', a HF tokenizer folder, or 'auto':
+    ``init_from``'s tokenizer when that folder holds one, else 'char'."""
     init_from: str | None = None
-    """A policy checkpoint folder (ours or HF) to start from; None = random init."""
+    """A policy checkpoint folder (ours or HF) to start from, which also decides the architecture
+    (``model.*`` keys become checked overrides: ``aligner.ppo.model_source``); None = random init
+    of ``model``."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
     precision: str = "auto"
@@ -490,15 +603,18 @@ class ActorConfig:
             f"one of {list(FORWARD_MODES)}",
         )
         e += self.optim.problems("optim", num_layers=self.model.num_layers)
-        if vocab_size is not None and self.model.vocab_size != vocab_size:
+        if vocab_size is not None and self.model.vocab_size < vocab_size:
+            # A larger embedding than the tokenizer (Qwen2's padded vocabularies) is fine: the ids
+            # beyond the tokenizer are never sampled nor scored.
             e.append(
-                f"model.vocab_size={self.model.vocab_size} does not match the tokenizer's vocabulary "
-                f"({vocab_size}); set model.vocab_size={vocab_size}"
+                f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({vocab_size}); set model.vocab_size >= {vocab_size}"
             )
         e += self.data.problems(self.generation.max_new_tokens, self.model.max_seq_len, "data")
         e += self.checkpoint.problems("checkpoint")
         e += self.critic.problems("critic")
         e += self.validation.problems("validation")
+        e += self.logging.problems("logging")
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         e += [f"model: {m}" for m in self.model.problems(tp, pp)]
         e += self.generation.layout_problems(self.parallel, self.model)

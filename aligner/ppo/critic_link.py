@@ -28,12 +28,34 @@ import torch.distributed as dist
 from aligner.critic.handle import CriticError, CriticHandle, CriticRestartedError
 from aligner.distributed import ParallelState, comm_device
 
-__all__ = ["CriticLink"]
+__all__ = ["CriticLink", "sample_texts"]
 
 T = TypeVar("T")
 
 _OK, _FAILED, _RESTARTED = 0, 1, 2
 """Outcome codes of a wait, all-reduced with MAX: a restart anywhere wins."""
+
+
+def sample_texts(
+    tokenizer: Any, tokens: Any, lengths: Any, prompt_lengths: Any
+) -> tuple[list[str], list[str]]:
+    """Each sample's prompt and response as text, as critic_infer's ``prompt_text`` and
+    ``response_text`` carry them: the prompt ``tokens[:prompt_length]``, the response
+    ``tokens[prompt_length:length]`` up to its first end-of-sequence, both decoded with special
+    tokens skipped. ``tokens [b, s]``, ``lengths`` and ``prompt_lengths [b]`` (torch or NumPy)."""
+    eos = tokenizer.eos_id
+    prompts, responses = [], []
+    for row, n, p in zip(_rows(tokens), _rows(lengths), _rows(prompt_lengths)):
+        response = row[p:n]
+        if eos in response:
+            response = response[: response.index(eos)]
+        prompts.append(tokenizer.decode(row[:p], skip_special=True))
+        responses.append(tokenizer.decode(response, skip_special=True))
+    return prompts, responses
+
+
+def _rows(x: Any) -> list:
+    return (x.detach().cpu() if hasattr(x, "detach") else x).tolist()
 
 
 def _failed(error: BaseException) -> Future:
@@ -52,18 +74,43 @@ class CriticLink:
         """The ``critic_train`` request in flight (global rank 0 only)."""
         self.completed: dict[str, Any] | None = None
         """The result of the last finished ``critic_train``, until a step reports it."""
+        self._needs_texts: bool | None = None
 
     # -- critic_infer ------------------------------------------------------------------------------
 
+    @property
+    def needs_texts(self) -> bool:
+        """Whether the server's reward model reads text (``server_info``'s ``infer_inputs`` names
+        ``prompt_text`` and ``response_text``): :meth:`infer` must then get the samples' texts
+        (:func:`sample_texts`). Asked once."""
+        if self._needs_texts is None:
+            inputs = getattr(self.critic.server_info(), "infer_inputs", None) or []
+            self._needs_texts = "prompt_text" in inputs or "response_text" in inputs
+        return self._needs_texts
+
     def infer(
-        self, tokens: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor, step_id: int
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+        step_id: int,
+        *,
+        prompt_texts: list[str] | None = None,
+        response_texts: list[str] | None = None,
+        extras: list[str] | None = None,
     ) -> Future | None:
         """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) of step ``step_id`` for
-        values and scores without waiting; None on the ranks that do not send."""
+        values and scores without waiting; None on the ranks that do not send. ``prompt_texts``,
+        ``response_texts`` (``b`` strings, for a server whose reward model reads text:
+        :attr:`needs_texts`) and ``extras`` (``b`` JSON objects, each row's extra data-set
+        columns, for its reward function) go with the rows when given."""
         if self.state.tp_rank != 0 or self.state.pp_rank != 0:
             return None
         try:
-            return self.critic.infer(tokens, lengths, prompt_lengths, step_id)
+            given = {"prompt_texts": prompt_texts, "response_texts": response_texts, "extras": extras}
+            # Only what is given: a handle written before these inputs existed takes tokens alone.
+            kwargs = {k: v for k, v in given.items() if v is not None}
+            return self.critic.infer(tokens, lengths, prompt_lengths, step_id, **kwargs)
         except CriticRestartedError as e:  # raised by result(), with the other ranks
             return _failed(e)
 

@@ -1,4 +1,5 @@
-"""The actor's prompts: reading a prompt file, and the seeded order in which steps draw them.
+"""The actor's prompts: the seeded order in which steps draw them (reading them:
+:mod:`aligner.ppo.datasets`).
 
 Each step takes ``ppo.global_batch_size`` prompts from epochs over a fixed list, reshuffled per
 epoch with the run's seed; the position is part of a checkpoint, so a resumed run draws the
@@ -7,15 +8,15 @@ prompts: a contiguous slice, or, given the prompts' token counts (``data.balance
 dealt so that every rank gets the same mix of lengths: the step's prompts sorted longest first
 and dealt in a snake order (0, 1, ..., n-1, n-1, ..., 0, ...): the simplest form of the
 sequence-length balancing that verl (a Karmarkar-Karp partition) does across its ranks. The slowest rank sets every step's pace, and a rank that drew the long
-prompts generates, scores and trains on more tokens than the others.
+prompts generates, scores and trains on more tokens than the others. Each prompt's extras (its
+row's other columns, a JSON string for the reward function) go wherever the prompt goes.
 """
 
 from __future__ import annotations
 
-import json
 import random
 
-from aligner.models.config import ConfigError
+from aligner.ppo.datasets import load_prompt_set
 from aligner.tokenizers import Tokenizer
 
 __all__ = ["PromptSampler", "load_prompts"]
@@ -24,7 +25,8 @@ __all__ = ["PromptSampler", "load_prompts"]
 class PromptSampler:
     """Epochs over a fixed prompt list in a seeded order; each step takes ``global_batch``
     prompts and this rank keeps its share: contiguous, or balanced by ``lengths`` (each
-    prompt's token count) when given. Its position is a small dict (resume)."""
+    prompt's token count) when given. ``extras`` (one JSON string per prompt, or None) travel
+    with the prompts (:meth:`next_rows`). Its position is a small dict (resume)."""
 
     def __init__(
         self,
@@ -35,12 +37,15 @@ class PromptSampler:
         seed: int,
         shuffle: bool = True,
         lengths: list[int] | None = None,
+        extras: list[str] | None = None,
     ) -> None:
         if len(prompts) < global_batch:
             raise ValueError(f"{len(prompts)} prompts is fewer than ppo.global_batch_size ({global_batch})")
         if lengths is not None and len(lengths) != len(prompts):
             raise ValueError(f"lengths: {len(lengths)} token counts for {len(prompts)} prompts")
-        self.lengths = lengths
+        if extras is not None and len(extras) != len(prompts):
+            raise ValueError(f"extras: {len(extras)} extras for {len(prompts)} prompts")
+        self.lengths, self.extras = lengths, extras
         self.prompts, self.global_batch = prompts, global_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.epoch, self.index = 0, 0
@@ -52,13 +57,25 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[str]:
+    def _next_ids(self) -> list[int]:
+        """This rank's prompt ids of the next step (advancing the position)."""
         if self.index + self.global_batch > len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
         ids = self._order[self.index : self.index + self.global_batch]
         self.index += self.global_batch
-        return [self.prompts[i] for i in self.share(ids)]
+        return self.share(ids)
+
+    def next_batch(self) -> list[str]:
+        """This rank's prompts of the next step."""
+        return [self.prompts[i] for i in self._next_ids()]
+
+    def next_rows(self) -> tuple[list[str], list[str] | None]:
+        """This rank's prompts of the next step and their extras, in the same order (None when
+        the sampler has none); draws the same prompts as :meth:`next_batch` would."""
+        ids = self._next_ids()
+        extras = None if self.extras is None else [self.extras[i] for i in ids]
+        return [self.prompts[i] for i in ids], extras
 
     def share(self, ids: list[int]) -> list[int]:
         """This rank's prompt ids of a step's ``ids``: a contiguous slice, or (with ``lengths``)
@@ -79,41 +96,7 @@ class PromptSampler:
 
 
 def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int) -> list[str]:
-    """Read a JSONL prompt file, checking every line; errors name the line and the problem."""
-    prompts: list[str] = []
-    errors: list[str] = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as ex:
-                errors.append(f"{path}:{i}: not valid JSON ({ex.msg})")
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-                errors.append(
-                    f'{path}:{i}: expected an object with a non-empty string "prompt", got {line.strip()[:80]}'
-                )
-                continue
-            try:
-                n = len(tokenizer.encode(obj["prompt"]))
-            except ValueError as ex:
-                errors.append(f"{path}:{i}: {ex}")
-                continue
-            if n > max_prompt_tokens:
-                errors.append(
-                    f"{path}:{i}: prompt has {n} tokens, more than the {max_prompt_tokens} that fit "
-                    "(model.max_seq_len - generation.max_new_tokens)"
-                )
-                continue
-            prompts.append(obj["prompt"])
-            if len(errors) >= 20:
-                break
-    if errors:
-        raise ConfigError("bad prompt file:\n  " + "\n  ".join(errors))
-    if not prompts:
-        raise ConfigError(
-            f'data.prompt_file={path!r} holds no prompts: expected JSONL lines like {{"prompt": "..."}}'
-        )
-    return prompts
+    """The prompts of a JSONL prompt file (``{"prompt": ...}`` lines): errors name the line and
+    the problem; prompts longer than ``max_prompt_tokens`` are dropped (an error when all are).
+    :func:`aligner.ppo.datasets.load_prompt_set` reads it, and tells what it kept."""
+    return load_prompt_set(path, tokenizer, max_prompt_tokens, key="data.prompt_file", jsonl=True).prompts

@@ -43,7 +43,7 @@ from aligner.metrics import MetricsLogger, Timers
 from aligner.models import gpt
 from aligner.ppo.checkpointing import ActorCheckpointer, ActorState, fault_point
 from aligner.ppo.config import ActorConfig
-from aligner.ppo.critic_link import CriticLink
+from aligner.ppo.critic_link import CriticLink, sample_texts
 from aligner.ppo.logprobs import PolicyLogprobs
 from aligner.ppo.optimizer import freeze_all_but_last_layers, make_optimizer, set_schedule_position
 from aligner.ppo.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
@@ -78,11 +78,13 @@ class PPOTrainer:
         *,
         checkpointer: ActorCheckpointer | None = None,
         val_prompts: list[str] | None = None,
+        val_extras: list[str] | None = None,
         on_rollback: Callable[[int], None] | None = None,
     ) -> None:
         """``checkpointer`` saves at the configured interval and at the end, and rolls back
         after a server restart; ``val_prompts``: this data-parallel rank's share of the fixed
-        evaluation prompts (validation is off without them); ``on_rollback(step)``: called
+        evaluation prompts (validation is off without them), ``val_extras`` their data-set rows'
+        extra columns (JSON objects, for the reward function); ``on_rollback(step)``: called
         after a rollback to ``step`` (the entry point rewinds its metrics and progress bar)."""
         self.cfg, self.state = cfg, state
         self.policy, self.engine = policy, engine
@@ -92,6 +94,9 @@ class PPOTrainer:
         self.on_rollback = on_rollback
         self.checkpointer = checkpointer
         self.val_prompts = list(val_prompts) if val_prompts else []
+        self.val_extras = list(val_extras) if val_extras is not None else None
+        if self.val_extras is not None and len(self.val_extras) != len(self.val_prompts):
+            raise ValueError(f"val_extras: {len(self.val_extras)} rows for {len(self.val_prompts)} prompts")
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers)
         self.precision = mp.resolve_precision(cfg.precision, state.device)
         self.optimizer, self.scheduler = make_optimizer(policy, cfg, self.precision)
@@ -234,14 +239,17 @@ class PPOTrainer:
                 self._wait_before_generating()
             with timed("generate"):
                 sampling = cfg.generation.sampling(seed=cfg.seed * 100_003 + step_id)
-                gen = self._generate(self.sampler.next_batch(), sampling)
+                prompts, extras = self.sampler.next_rows()
+                gen = self._generate(prompts, sampling)
                 tokens = gen.tokens
                 mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
                 start = rl.loss_start(mask)
 
             with timed("logprobs"):
                 # 3. Values and scores from critic_infer, without waiting...
-                critic_future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step_id)
+                critic_future = self.critic.infer(
+                    tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
+                )
                 # 4. ...while the reference's and the policy's log-probs are computed.
                 orders = self._epoch_orders(step_id, tokens.shape[0])
                 beta = self.kl_ctl.value
@@ -329,7 +337,9 @@ class PPOTrainer:
             gen = self._generate(self.val_prompts, self.cfg.generation.sampling(greedy=True, seed=0))
             tokens = gen.tokens
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
-            future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step)
+            future = self.critic.infer(
+                tokens, gen.lengths, gen.prompt_lengths, step, **self._reward_inputs(gen, self.val_extras)
+            )
             start = rl.loss_start(mask)
             logprobs, _ = self._no_grad(self.policy, gen, start=start)
             if self.reference is not None:
@@ -425,6 +435,19 @@ class PPOTrainer:
 
     def _generate(self, prompts: list[str], sampling: SamplingParams) -> GenerationOutput:
         return self.engine.generate([self.tokenizer.encode(x) for x in prompts], sampling)
+
+    def _reward_inputs(self, gen: GenerationOutput, extras: list[str] | None) -> dict[str, Any]:
+        """What ``critic_infer`` carries beside the tokens, on the ranks that send it: the rows'
+        extra data-set columns, and the samples' texts when the server's reward model reads text
+        with a tokenizer of its own."""
+        if self.state.tp_rank != 0 or self.state.pp_rank != 0:
+            return {}
+        out: dict[str, Any] = {"extras": extras}
+        if self.critic.needs_texts:
+            out["prompt_texts"], out["response_texts"] = sample_texts(
+                self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths
+            )
+        return out
 
     def _sample_rows(self, gen: GenerationOutput, scores: torch.Tensor) -> list[dict[str, Any]]:
         """The first ``validation.num_samples`` prompts, responses and scores, for the samples table."""

@@ -9,13 +9,22 @@ use the project's notation (docs/design.md, "Tensor conventions"): ``b`` batch, 
 length; per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..t``.
 
 - ``critic_infer`` (dynamic batching, ``b`` leading): tokens i64 [b,s], lengths and
-  prompt_lengths i64 [b,1] -> values f32 [b,s-1], rewards f32 [b,1], error bytes [b,1].
+  prompt_lengths i64 [b,1], and the optional prompt_text, response_text and extras bytes [b,1]
+  (one UTF-8 string per row; :data:`OPTIONAL_INFER_INPUTS`) -> values f32 [b,s-1], rewards
+  f32 [b,1], error bytes [b,1].
 - ``critic_train`` (no batching: whole shapes): tokens i64 [b,s], lengths i64 [b,1], returns,
   old_values, mask f32 [b,s-1], step and expected_step i64 [1,1], run_token bytes [1] -> loss,
   grad_norm, explained_variance, value_clipfrac f32 [1,1], applied_step i64 [1,1].
 - ``critic_save``: step and expected_step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].
 - ``critic_load``: step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].
 - ``server_info``: no input -> info bytes [1] (UTF-8 JSON of :class:`ServerInfo`).
+
+Optional inputs. ``server_info``'s ``infer_inputs`` names the optional inputs a server needs:
+``extras`` with a reward function (each sample's data-set columns, passed to it; a request
+without them counts as "{}" per row), ``prompt_text`` and ``response_text`` when its reward
+model reads text with a tokenizer of its own (:data:`TEXT_INPUTS`; a request without them is
+refused naming the input). A client sends exactly those. Triton may merge requests that carry
+different sets of them into one execution; the server reads each request's own.
 
 Batching decision. ``critic_infer`` is the only model Triton batches: its PyTriton config has
 ``max_batch_size > 0`` and a dynamic batcher, so Triton sees ``tokens`` as ``[-1]`` per row
@@ -76,6 +85,7 @@ from aligner.critic.protocol.messages import (
     infer_error_wire,
     load_inputs,
     save_inputs,
+    text_array,
 )
 from aligner.critic.protocol.run_token import (
     check_run_token,
@@ -90,8 +100,10 @@ from aligner.critic.protocol.spec import (
     MODEL_NAMES,
     MODELS,
     MUTATING_MODELS,
+    OPTIONAL_INFER_INPUTS,
     PROTOCOL_VERSION,
     SAVE,
+    TEXT_INPUTS,
     TRAIN,
     Limits,
     ModelSpec,
@@ -102,6 +114,7 @@ from aligner.critic.protocol.validation import (
     validate_expected_step,
     validate_infer,
     validate_step,
+    validate_texts,
     validate_train,
 )
 
@@ -114,6 +127,8 @@ __all__ = [
     "INFO",
     "MODEL_NAMES",
     "MUTATING_MODELS",
+    "OPTIONAL_INFER_INPUTS",
+    "TEXT_INPUTS",
     "ERROR_MARK",
     "BATCH_PEER_MARK",
     "UNAVAILABLE_MARK",
@@ -129,6 +144,7 @@ __all__ = [
     "UnauthorizedError",
     "InferRequest",
     "InferResponse",
+    "text_array",
     "infer_error_wire",
     "TrainRequest",
     "TrainResult",
@@ -137,6 +153,7 @@ __all__ = [
     "load_inputs",
     "critic_step_after_load",
     "validate_infer",
+    "validate_texts",
     "validate_train",
     "validate_step",
     "validate_expected_step",

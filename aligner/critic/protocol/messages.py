@@ -16,6 +16,7 @@ from aligner.critic.protocol.spec import Limits
 
 __all__ = [
     "InferRequest",
+    "text_array",
     "InferResponse",
     "infer_error_wire",
     "TrainRequest",
@@ -35,19 +36,63 @@ class InferRequest:
         tokens: ``[b, s]`` int64, prompt + response, right padded.
         lengths: ``[b]`` int64, real length of each sample (2 <= length <= s).
         prompt_lengths: ``[b]`` int64, where each response starts (1 <= prompt_length < length).
+        prompt_texts: ``b`` prompts as text, or None (the optional input ``prompt_text``).
+        response_texts: ``b`` responses as text up to the end-of-sequence, special tokens skipped,
+            or None (``response_text``).
+        extras: ``b`` compact JSON objects, each sample's extra data-set columns (``"{}"`` for
+            none), or None (``extras``).
     """
 
     tokens: np.ndarray
     lengths: np.ndarray
     prompt_lengths: np.ndarray
+    prompt_texts: list[str] | None = None
+    response_texts: list[str] | None = None
+    extras: list[str] | None = None
 
     def to_wire(self) -> dict[str, np.ndarray]:
-        """The critic_infer inputs: tokens [b,s], lengths [b,1], prompt_lengths [b,1]."""
-        return {
+        """The critic_infer inputs: tokens [b,s], lengths [b,1], prompt_lengths [b,1], and those of
+        prompt_text, response_text and extras (BYTES [b,1], UTF-8) that are set."""
+        wire = {
             "tokens": self.tokens,
             "lengths": self.lengths.reshape(-1, 1),
             "prompt_lengths": self.prompt_lengths.reshape(-1, 1),
         }
+        for name, texts in self.texts().items():
+            wire[name] = text_array(texts)
+        return wire
+
+    def texts(self) -> dict[str, list[str]]:
+        """The optional inputs that are set, by their wire names."""
+        named = {
+            "prompt_text": self.prompt_texts,
+            "response_text": self.response_texts,
+            "extras": self.extras,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+    def rows(self, start: int, stop: int) -> InferRequest:
+        """Rows ``start:stop`` of every input (a chunk of a request that is too large to send whole)."""
+
+        def cut(x: list[str] | None) -> list[str] | None:
+            return None if x is None else x[start:stop]
+
+        return InferRequest(
+            self.tokens[start:stop],
+            self.lengths[start:stop],
+            self.prompt_lengths[start:stop],
+            cut(self.prompt_texts),
+            cut(self.response_texts),
+            cut(self.extras),
+        )
+
+
+def text_array(texts: list[str]) -> np.ndarray:
+    """One string per row as a BYTES input: an object array ``[b, 1]`` of UTF-8 bytes."""
+    out = np.empty((len(texts), 1), dtype=np.object_)
+    for i, t in enumerate(texts):
+        out[i, 0] = t.encode("utf-8")
+    return out
 
 
 @dataclass
@@ -198,6 +243,11 @@ class ServerInfo:
     """A random hex id made once per server process start: another one means another process."""
     run_token_required: bool = False
     """Whether critic_train, critic_save and critic_load need the run token."""
+    infer_inputs: list[str] = field(default_factory=list)
+    """critic_infer's optional inputs this server needs (``protocol.OPTIONAL_INFER_INPUTS``):
+    ``extras`` when it has a reward function, ``prompt_text`` and ``response_text`` when its
+    reward model reads text (its tokenizer differs from the policy's). A client sends exactly
+    these; empty from a server that needs none, or from one older than protocol 3."""
     batching: dict[str, Any] = field(default_factory=dict)
     """How Triton merged critic_infer requests since start-up (empty from servers older than
     it): ``dynamic_batching``, ``max_queue_delay_us``, ``executions``, ``requests``, ``rows``,

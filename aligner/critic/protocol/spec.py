@@ -20,11 +20,16 @@ __all__ = [
     "ModelSpec",
     "MODELS",
     "Limits",
+    "OPTIONAL_INFER_INPUTS",
+    "TEXT_INPUTS",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever a name, dtype, shape or meaning on the wire changes incompatibly (2: the run
-token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output)."""
+token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output; 3:
+critic_infer's optional text inputs ``prompt_text``, ``response_text`` and ``extras``, and
+``server_info``'s ``infer_inputs``, which names those a server needs: a server whose reward
+model reads text refuses a request without them, which a client of version 2 never sends)."""
 
 INFER = "critic_infer"
 TRAIN = "critic_train"
@@ -46,6 +51,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     """Shape as Triton's model config states it: without the batch dimension for a batched model,
     the full shape otherwise; -1 is variable."""
+    optional: bool = False
+    """Whether a request may leave it out (Triton then passes the request on without it)."""
 
     @property
     def triton_dtype(self) -> str:
@@ -79,6 +86,9 @@ MODELS: dict[str, ModelSpec] = {
             TensorSpec("tokens", _I64, (-1,)),
             TensorSpec("lengths", _I64, (1,)),
             TensorSpec("prompt_lengths", _I64, (1,)),
+            TensorSpec("prompt_text", _BYTES, (1,), optional=True),
+            TensorSpec("response_text", _BYTES, (1,), optional=True),
+            TensorSpec("extras", _BYTES, (1,), optional=True),
         ),
         outputs=(
             TensorSpec("values", _F32, (-1,)),
@@ -112,6 +122,21 @@ MODELS: dict[str, ModelSpec] = {
     LOAD: ModelSpec(LOAD, inputs=(_STEP, _RUN_TOKEN), outputs=_OK, batched=False),
     INFO: ModelSpec(INFO, inputs=(), outputs=(TensorSpec("info", _BYTES, (1,)),), batched=False),
 }
+
+
+OPTIONAL_INFER_INPUTS: dict[str, str] = {
+    "prompt_text": "each sample's prompt as text (UTF-8), decoded by the actor",
+    "response_text": "each sample's response as text (UTF-8) up to its end-of-sequence, special "
+    "tokens skipped, decoded by the actor",
+    "extras": "each sample's extra data-set columns as one compact JSON object ('{}' for none)",
+}
+"""critic_infer's optional inputs, BYTES ``[b, 1]`` (one string per row), and what each holds. A
+server names those it needs in ``server_info``'s ``infer_inputs``, and a client sends exactly
+those."""
+
+TEXT_INPUTS = ("prompt_text", "response_text")
+"""The inputs a server needs when its reward model reads text: its tokenizer differs from the
+policy's, so it tokenizes prompt + response itself."""
 
 
 @dataclass(frozen=True)

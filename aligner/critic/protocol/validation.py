@@ -5,6 +5,8 @@ anything runs: each names the model, the field, what was expected and what came
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from aligner.critic.protocol.spec import INFER, TRAIN, Limits
 __all__ = [
     "as_numpy",
     "validate_infer",
+    "validate_texts",
     "validate_train",
     "validate_step",
     "validate_expected_step",
@@ -89,13 +92,86 @@ def _check_lengths(model: str, lengths: Any, b: int, s: int) -> np.ndarray:
     return lengths
 
 
-def validate_infer(tokens: Any, lengths: Any, prompt_lengths: Any, limits: Limits) -> InferRequest:
+def _short(text: str, most: int = 60) -> str:
+    return repr(text if len(text) <= most else text[:most] + "...")
+
+
+def validate_texts(name: str, texts: Any, b: int) -> list[str]:
+    """One of critic_infer's optional inputs (``prompt_text``, ``response_text``, ``extras``) as
+    ``b`` strings: a list of str, or (on the wire) a BYTES array ``[b, 1]`` or ``[b]`` of UTF-8;
+    ``extras`` rows must each be a JSON object.
+
+    Raises:
+        ProtocolError: naming the input, the row and what was expected.
+    """
+    if isinstance(texts, (list, tuple)):
+        items, got = list(texts), f"{len(texts)} rows"
+    else:
+        a = as_numpy(texts)
+        if a.ndim == 2 and a.shape[1] == 1:
+            a = a[:, 0]
+        if a.ndim != 1:
+            raise ProtocolError(
+                INFER, name, f"shape [{b}, 1] (one string per sample)", f"shape {list(as_numpy(texts).shape)}"
+            )
+        items, got = a.tolist(), f"{a.shape[0]} rows"
+    if len(items) != b:
+        raise ProtocolError(
+            INFER, name, f"{b} rows (one string per sample, shape [{b}, 1]) to match tokens' batch", got
+        )
+    out: list[str] = []
+    for i, v in enumerate(items):
+        if isinstance(v, (bytes, np.bytes_)):
+            try:
+                v = bytes(v).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ProtocolError(
+                    INFER, name, "valid UTF-8 in every row", f"row {i}: {e.reason} at byte {e.start}"
+                ) from None
+        elif not isinstance(v, str):
+            raise ProtocolError(
+                INFER, name, "a string (UTF-8 bytes) in every row", f"row {i}: {type(v).__name__} {v!r:.60}"
+            )
+        if name == "extras":
+            try:
+                parsed = json.loads(v)
+            except ValueError as e:
+                raise ProtocolError(
+                    INFER,
+                    name,
+                    "a JSON object in every row ('{}' for none)",
+                    f"row {i}: invalid JSON ({e}): {_short(v)}",
+                ) from None
+            if not isinstance(parsed, dict):
+                raise ProtocolError(
+                    INFER,
+                    name,
+                    "a JSON object in every row (the sample's extra data-set columns; '{}' for none)",
+                    f"row {i}: a JSON {type(parsed).__name__}: {_short(v)}",
+                )
+        out.append(str(v))
+    return out
+
+
+def validate_infer(
+    tokens: Any,
+    lengths: Any,
+    prompt_lengths: Any,
+    limits: Limits,
+    *,
+    prompt_text: Any = None,
+    response_text: Any = None,
+    extras: Any = None,
+    require: Mapping[str, str] | None = None,
+) -> InferRequest:
     """Check a critic_infer request and return it typed (lengths as ``[b]``).
 
     Args:
         tokens: ``[b, s]`` int64.
         lengths: ``[b]`` or ``[b, 1]`` int64.
         prompt_lengths: ``[b]`` or ``[b, 1]`` int64.
+        prompt_text, response_text, extras: the optional inputs (:func:`validate_texts`), or None.
+        require: optional inputs the server needs -> why (a request without one is refused).
 
     Raises:
         ProtocolError: naming the first field that breaks the contract.
@@ -114,7 +190,19 @@ def validate_infer(tokens: Any, lengths: Any, prompt_lengths: Any, limits: Limit
             f"prompt_length {int(prompt_lengths[i])} with length {int(lengths[i])} at row {i} "
             f"({int(bad.sum())} such row(s))",
         )
-    return InferRequest(tokens, lengths, prompt_lengths)
+    given = {"prompt_text": prompt_text, "response_text": response_text, "extras": extras}
+    for name, why in (require or {}).items():
+        if given.get(name) is None:
+            raise ProtocolError(
+                INFER,
+                name,
+                f"the input {name!r} (BYTES [{b}, 1], one string per sample): {why}",
+                "a request without it",
+            )
+    texts = {k: None if v is None else validate_texts(k, v, b) for k, v in given.items()}
+    return InferRequest(
+        tokens, lengths, prompt_lengths, texts["prompt_text"], texts["response_text"], texts["extras"]
+    )
 
 
 def _scalar(model: str, name: str, x: Any) -> int:

@@ -157,11 +157,24 @@ def has_tokenizer_files(folder: str | os.PathLike | None) -> bool:
 
 
 def resolve_tokenizer_spec(spec: str, model_folder: str | os.PathLike | None = None) -> str:
-    """``auto``: ``model_folder``'s tokenizer when it holds one (a policy's ``init_from``), else
-    ``char``; any other spec as it is."""
+    """``auto``: ``model_folder``'s tokenizer when it holds one (a policy's ``init_from``), ``char``
+    without a model folder; any other spec as it is.
+
+    Raises:
+        ValueError: ``auto`` with a model folder that holds no tokenizer files (this project's
+            checkpoints do not): which tokenizer the weights were trained with must be said.
+    """
     if spec != "auto":
         return spec
-    return str(model_folder) if has_tokenizer_files(model_folder) else "char"
+    if not model_folder:
+        return "char"
+    if has_tokenizer_files(model_folder):
+        return str(model_folder)
+    raise ValueError(
+        f"tokenizer=auto: init_from={str(model_folder)!r} holds no tokenizer files "
+        f"(none of {list(TOKENIZER_FILES)}); set tokenizer to the HF tokenizer folder the policy was "
+        "trained with, or tokenizer=char for the built-in vocabulary"
+    )
 
 
 def build_tokenizer(spec: str, model_folder: str | os.PathLike | None = None) -> Tokenizer:

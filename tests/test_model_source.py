@@ -112,7 +112,8 @@ def test_model_keys_named_reads_hydra_overrides():
 
 def test_tokenizer_auto(hf_folder, tmp_path):
     assert resolve_tokenizer_spec("auto", None) == "char"
-    assert resolve_tokenizer_spec("auto", hf_folder) == "char"  # config.json only: no tokenizer files
+    with pytest.raises(ValueError, match="tokenizer=auto: init_from=.* holds no tokenizer files"):
+        resolve_tokenizer_spec("auto", hf_folder)  # config.json only: which tokenizer is unknown
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     assert resolve_tokenizer_spec("auto", hf_folder) == hf_folder
     assert resolve_tokenizer_spec("char", hf_folder) == "char"

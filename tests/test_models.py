@@ -240,6 +240,12 @@ def test_init_from_checkpoint_checks_architecture(tmp_path):
         )
     with pytest.raises(ConversionError, match="expected a checkpoint folder with meta.json"):
         load_weights_from(fresh, cfg, tmp_path)
+    if cfg.position_embedding == "rope":  # a rope model's context may be shortened, not lengthened
+        short = ModelConfig(**{**TINY, "max_seq_len": cfg.max_seq_len // 2})
+        assert load_weights_from(gpt.build_policy(short), short, tmp_path / "ckpt") == "aligner"
+        long = ModelConfig(**{**TINY, "max_seq_len": cfg.max_seq_len * 2})
+        with pytest.raises(ConversionError, match="max_seq_len"):
+            load_weights_from(gpt.build_policy(long), long, tmp_path / "ckpt")
 
 
 def test_build_model_by_role_and_what_the_model_carries():

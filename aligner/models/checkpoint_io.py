@@ -15,6 +15,7 @@ rank 0 in a temporary folder that then replaces the target (``os.replace``). Not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -208,6 +209,10 @@ def load_weights_from(model: torch.nn.Module, cfg: ModelConfig, path: str | os.P
     folder = Path(path)
     if (folder / "meta.json").is_file():
         saved = read_checkpoint_meta(folder)["model_config"]
+        if saved.position_embedding == "rope" and cfg.max_seq_len < saved.max_seq_len:
+            # A rope model's context may be shortened (its weights do not depend on it), as an
+            # HF folder's may.
+            saved = dataclasses.replace(saved, max_seq_len=cfg.max_seq_len)
         kind = "aligner"
     elif (folder / "config.json").is_file():
         saved = model_config_from_hf(folder, max_seq_len=cfg.max_seq_len)

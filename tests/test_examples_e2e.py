@@ -8,8 +8,8 @@ reward module found through ``reward.python_path``, and the actor started from t
   them. The reward must rise. The run logs to W&B in offline mode.
 - arithmetic: a Llama policy with a chat template answers sums; the reward function parses the
   response and compares it with the data set's ``answer`` column, which travels with each prompt
-  (training and validation). The reward must rise; a run whose answers are shuffled away from
-  their prompts must not.
+  (training and validation). The reward must rise; a run whose answers are unrelated to their
+  prompts must not.
 """
 
 from __future__ import annotations
@@ -135,35 +135,44 @@ def test_sentiment_policy_learns_positive_continuations_from_a_classifier_with_i
 
 
 def test_arithmetic_policy_learns_sums_checked_against_the_answer_column(tmp_path):
-    assets = _example("arithmetic", "make_tiny").build(str(tmp_path / "tiny"))
+    make_tiny, make_data = _example("arithmetic", "make_tiny"), _example("arithmetic", "make_data")
+    policy = make_tiny.build_policy(str(tmp_path / "policy"))
+    # The 9 sums of 0-2, 23 copies each (a step of 200 prompts sees each about 22 times), so that a
+    # random-init policy learns them in tens of steps; the test split holds each sum once.
+    problems = make_data.make_problems(9, max_operand=2, ops="+", style="compact", seed=0)
+    train = problems * 23
+    random.Random(0).shuffle(train)
+    data = str(tmp_path / "data")
+    make_data.write_splits(data, {"train": train, "test": problems})
+    assets = {"policy": policy, "data": data}
     common = [
         f"init_from={assets['policy']}",
         "data.val_split=test",
         "data.chat_template=true",
         "generation.max_new_tokens=3",
-        "ppo.num_steps=40",
+        "ppo.num_steps=45",
         "ppo.global_batch_size=200",
         "ppo.mini_batch_size=200",
         "ppo.micro_batch_size=200",
         "optim.lr=3e-3",
         "optim.min_lr=3e-3",
-        "validation.interval=40",
+        "validation.interval=45",
         "validation.before_train=false",
-        "validation.num_prompts=25",
+        "validation.num_prompts=9",
     ]
-    # The broken variant: every answer moved to another prompt (the data a mis-joined file gives).
+    # The broken variant: answers unrelated to their prompts (the data a mis-joined file gives),
+    # drawn from 0-9, so that no policy scores much above 0.1.
     broken = tmp_path / "broken"
     broken.mkdir()
     rows = [json.loads(x) for x in (Path(assets["data"]) / "train.jsonl").read_text().splitlines()]
-    answers = [r["answer"] for r in rows]
-    random.Random(0).shuffle(answers)
+    draw = random.Random(0)
     with open(broken / "train.jsonl", "w") as f:
-        for r, a in zip(rows, answers):
-            f.write(json.dumps({"prompt": r["prompt"], "answer": a}) + "\n")
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "answer": str(draw.randrange(10))}) + "\n")
     (broken / "test.jsonl").write_text((Path(assets["data"]) / "test.jsonl").read_text())
 
     results = {}
-    for name, data in (("right", assets["data"]), ("shuffled", str(broken))):
+    for name, data in (("right", assets["data"]), ("unrelated", str(broken))):
         server = _server(
             tmp_path / name,
             assets["policy"],
@@ -172,9 +181,9 @@ def test_arithmetic_policy_learns_sums_checked_against_the_answer_column(tmp_pat
         )
         with server:
             results[name] = _actor(server.url, tmp_path / name / "actor", [*common, f"data.dataset={data}"])
-    right, shuffled = _scores(results["right"]), _scores(results["shuffled"])
-    assert _mean(right[:5]) < 0.3
-    assert _mean(right[-5:]) > 0.45, right
-    assert _mean(shuffled[-5:]) < 0.3, shuffled
+    right, unrelated = _scores(results["right"]), _scores(results["unrelated"])
+    assert _mean(right[:5]) < 0.2
+    assert _mean(right[-5:]) > 0.4, right  # about 0.6 in 45 steps
+    assert max(_mean(unrelated[i : i + 5]) for i in range(len(unrelated) - 4)) < 0.2, unrelated
     val = [r["val/scores"] for r in results["right"] if "val/scores" in r]
     assert val and val[-1] > 0.3  # greedy answers to the test split, checked against its answers

@@ -245,6 +245,16 @@ def test_chat_format_rows_are_templated_as_they_are(tmp_path, chat_tok, cache):
             "<|system|> you are helpful <|user|> hello <|assistant|> hi <|user|> say world <|assistant|>",
         ]
         assert got.extras == ['{"id":1}', '{"id":2}']
+    answered = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    with pytest.raises(ConfigError, match='answered.jsonl:1: "messages" ends with an assistant message'):
+        load_prompt_set(
+            _jsonl(tmp_path / "answered.jsonl", answered),
+            chat_tok,
+            100,
+            prompt_column="messages",
+            chat_template=True,
+            cache_dir=cache,
+        )
 
 
 # -- filtering --------------------------------------------------------------------------------

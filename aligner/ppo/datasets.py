@@ -555,6 +555,13 @@ def _messages(value: list, where: str, column: str, errors: list[str]) -> list[d
     if not out:
         errors.append(f'{where}: "{column}" is an empty list of messages')
         return None
+    if out[-1]["role"] == "assistant":
+        # The generation prompt would follow the answer: the policy would be shown it.
+        errors.append(
+            f'{where}: "{column}" ends with an assistant message: expected the conversation up to the turn '
+            "the policy answers (drop the final assistant message, or keep it in another column)"
+        )
+        return None
     return out
 
 

@@ -134,6 +134,12 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
             reference = gpt.build_policy(cfg.model, params_dtype=dtype)
             gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
             reference.eval().requires_grad_(False)  # ppo.reference_on_cpu: the trainer offloads it
+        if cfg.lora.enabled:
+            # After the reference copied the base weights: the reference stays the base model, and
+            # only the policy's adapters train (before the engine: it then owns merged weights).
+            from aligner.models.lora import apply_lora
+
+            apply_lora(policy, cfg.lora, seed=cfg.seed)
         # The initial weights' digest: a resumed run must have the same frozen reference.
         checkpointer = ActorCheckpointer(
             cfg,
@@ -189,6 +195,7 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
                 else None
             ),
             extras=train_extras,
+            samples_per_prompt=cfg.ppo.samples_per_prompt,
         )
         resume_step = -1  # a fresh start: rows of an earlier run in this run_dir are dropped
         if resume_dir is not None:
@@ -216,6 +223,14 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
                     f"policy: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
                     f"({m.kv_heads} kv), vocab {m.vocab_size}, context {m.max_seq_len}, from {cfg.init_from}"
                     + (f" (overrides: {', '.join(applied)})" if applied else ""),
+                    flush=True,
+                )
+            if cfg.lora.enabled:
+                trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+                total = sum(p.numel() for p in policy.parameters())
+                print(
+                    f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}: "
+                    f"{trained} of {total} parameters train on this rank ({100 * trained / total:.2f}%)",
                     flush=True,
                 )
 
@@ -341,11 +356,26 @@ def _export(cfg: ActorConfig, policy, log: bool) -> None:
         elif os.path.isfile(hf_conf):
             arch = (read_json(hf_conf).get("architectures") or [None])[0]
     tok_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else None
-    out = export_hf(
-        policy, cfg.model, cfg.checkpoint.export_hf, arch or "llama", tokenizer_dir=tok_dir, overwrite=True
-    )
+    if arch is None:
+        from aligner.models.hf_config import default_architecture
+
+        arch = default_architecture(cfg.model)  # Qwen3 for q/k norms, GPT-2 for learned positions, ...
+    out = export_hf(policy, cfg.model, cfg.checkpoint.export_hf, arch, tokenizer_dir=tok_dir, overwrite=True)
     if log:
         print(f"exported the policy as a Hugging Face folder: {out}", flush=True)
+    if cfg.lora.enabled:
+        from aligner.models.lora import export_peft_adapter
+
+        # The merged model is the folder itself; the adapters alone apply to the base model.
+        peft_dir = export_peft_adapter(
+            policy,
+            os.path.join(out, "peft_adapter"),
+            arch or "llama",
+            base_model=cfg.init_from,
+            overwrite=True,
+        )
+        if log:
+            print(f"exported the LoRA adapters (peft format, for the base model): {peft_dir}", flush=True)
 
 
 @hydra.main(config_path="pkg://aligner.configs", config_name="actor", version_base=None)

@@ -127,7 +127,8 @@ def stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     name for name and bit for bit, on every rank; the TP=2 x PP=2 export is written for
     transformers to load, with the TP=1 logits beside it. Then generation at TP=2 x PP=2 in
     generation groups of 2 (new groups, cut from each replica's model-parallel ranks) and of 1
-    equals TP=1 generation."""
+    equals TP=1 generation. And LoRA (:func:`_lora_case`): the same adapters in every layout
+    give the TP=1 logits and adapter gradients, and the TP=1 merged stream."""
     _init(rank, world, port)
     import torch
     from safetensors.torch import save_file
@@ -149,9 +150,12 @@ def stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     logits = gpt.policy_logits(model, torch.tensor(TOKENS))[..., : cfg.vocab_size]
                 save_file({"logits": logits.contiguous()}, str(out / "tp1_logits.safetensors"))
         refs = _references(cfgs["llama"], weights["llama"])
+        _layout(1, 1)
+        lora_ref = _lora_case(cfgs["llama"], weights["llama"])
 
         for tp, pp in ((2, 1), (1, 2), (2, 2)):
             _layout(tp, pp)
+            _lora_case(cfgs["llama"], weights["llama"], lora_ref, (tp, pp))
             for name, cfg in cfgs.items():
                 model = _policy(cfg, weights[name])
                 got = list(hf.iter_hf_tensors(model, cfg, name))
@@ -165,6 +169,68 @@ def stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         distributed.barrier()
     finally:
         distributed.destroy()
+
+
+def _lora_case(cfg, weights: dict, ref: dict | None = None, where=(1, 1)) -> dict:
+    """LoRA on the current layout (:mod:`aligner.models.lora`): the adapters' seeded
+    initialisation, gathered, is the TP=1 one (replicated A equal on every rank); with the same
+    full adapters loaded (B away from zero), the gathered logits (Megatron's forward and the
+    fused one) and adapter gradients equal ``ref``'s (TP=1's) to fp32 round-off, and so does the
+    merged weight stream. PP > 1: the stream only (its forward is the pipeline schedule's).
+    Returns this layout's results."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from aligner.models import gpt, lora
+    from aligner.models.layout import iter_megatron_tensors
+
+    lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+    model = _policy(cfg, weights)
+    lora.apply_lora(model, lcfg, seed=3)
+    out = {"init": {k: v.clone() for k, v in lora.iter_lora_tensors(model)}}
+    g = torch.Generator().manual_seed(17)
+    full = {s.name: 0.1 * torch.randn(s.shape, generator=g) for s in lora.lora_tensor_specs(cfg, lcfg)}
+    lora.load_lora_tensors(model, full.__getitem__)
+    out["stream"] = {k: v.clone() for k, v in iter_megatron_tensors(model, cfg)}
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if where[1] == 1:
+        tokens = torch.tensor(TOKENS)
+        for mode in ("megatron", "fused"):
+            gpt.set_forward(model, mode, tp)
+            model.zero_grad(set_to_none=True)
+            logits = gpt.policy_logits(model, tokens)  # this rank's vocabulary shard
+            v = logits.shape[-1]
+            col = torch.arange(v) + mpu.get_tensor_model_parallel_rank() * v  # global vocabulary ids
+            w = (
+                torch.linspace(0.5, 1.5, tokens.numel()).view(*tokens.shape, 1)
+                * (col < cfg.vocab_size)
+                * (1 + col / 100)
+            )
+            (logits * w).sum().backward()  # each rank's share of one loss over the real vocabulary
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
+            grads = {n: p.grad for n, p in lora.lora_parameters(model).items()}
+            out[mode] = (
+                torch.cat(parts, -1)[..., : cfg.vocab_size],
+                {k: t.clone() for k, t in lora.iter_lora_tensors(model, values=grads)},
+            )
+    if ref is None:
+        return out
+    for name, t in out["init"].items():
+        assert torch.equal(t, ref["init"][name]), (where, "initial adapter", name)
+    assert out["stream"].keys() == ref["stream"].keys()
+    for name, t in out["stream"].items():
+        torch.testing.assert_close(
+            t, ref["stream"][name], atol=1e-6, rtol=0, msg=lambda m, name=name: f"{where} {name}: {m}"
+        )
+    for mode in ("megatron", "fused") if where[1] == 1 else ():
+        logits, grads = out[mode]
+        torch.testing.assert_close(logits, ref["megatron"][0], atol=1e-5, rtol=0)
+        for name, want in ref["megatron"][1].items():
+            err = float((grads[name] - want).norm() / want.norm())
+            assert err < 1e-5, (where, mode, name, err)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -137,6 +137,42 @@ def naive_returns(rewards, values, mask, gamma, lam):
     return [[(a + v if m else 0.0) for a, v, m in zip(ar, vr, mr)] for ar, vr, mr in zip(adv, values, mask)]
 
 
+def naive_grpo(scores, n, mask, std_norm=True, eps=1e-6):
+    """Per row: (r - mean of its group) / (unbiased std of its group + eps), on its response tokens."""
+    out = []
+    for i, mr in enumerate(mask):
+        g = scores[(i // n) * n : (i // n) * n + n]
+        mu = sum(g) / n
+        a = scores[i] - mu
+        if std_norm:
+            a /= math.sqrt(sum((x - mu) ** 2 for x in g) / (n - 1)) + eps
+        out.append([a if m else 0.0 for m in mr])
+    return out
+
+
+def naive_rloo(scores, n, mask):
+    """Per row: r minus the mean of the other n - 1 scores of its group."""
+    out = []
+    for i, mr in enumerate(mask):
+        start = (i // n) * n
+        others = [scores[j] for j in range(start, start + n) if j != i]
+        a = scores[i] - sum(others) / len(others)
+        out.append([a if m else 0.0 for m in mr])
+    return out
+
+
+def naive_returns_to_go(rewards, mask, gamma):
+    """G_t = sum_k gamma^k r_{t+k} over the response positions at and after t, written as a sum."""
+    out = []
+    for rr, mr in zip(rewards, mask):
+        idx = [t for t, m in enumerate(mr) if m]
+        row = [0.0] * len(mr)
+        for j, t in enumerate(idx):
+            row[t] = sum(gamma**k * rr[idx[j + k]] for k in range(len(idx) - j))
+        out.append(row)
+    return out
+
+
 def naive_aggregate(x, mask, mode):
     if mode == "token_mean":
         return naive_mean(x, mask)

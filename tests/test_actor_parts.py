@@ -1,7 +1,7 @@
 """The actor's pieces on their own, on one process without a server: the critic handle the
-client satisfies, the link that sends to it, the prompt order, log-probs over the action
-space, the LR schedule's resume position, a step's metrics and timers, and the config checks
-both roles share."""
+client satisfies, the link that sends to it, the prompt order and its groups, log-probs over the
+action space, the LR schedule's resume position, a step's metrics and timers, and the config
+checks both roles share (the estimators' among them)."""
 
 from __future__ import annotations
 
@@ -260,6 +260,173 @@ def test_balanced_shares_deal_the_step_longest_first_in_snake_order():
         PromptSampler(prompts, 32, 0, 4, seed=9, lengths=[1, 2, 3])
 
 
+def test_groups_are_whole_adjacent_copies_on_one_rank_with_their_extras():
+    prompts = [f"p{i}" for i in range(12)]
+    extras = [f'{{"i": {i}}}' for i in range(12)]
+    # 16 samples a step in groups of 4 over 2 ranks: 4 prompts a step, 2 per rank, each 4 times.
+    ranks = [PromptSampler(prompts, 16, r, 2, seed=3, extras=extras, samples_per_prompt=4) for r in range(2)]
+    plain = PromptSampler(prompts, 4, 0, 1, seed=3)  # the same 4 prompts a step, one sample each
+    for _ in range(4):  # into the second epoch (3 steps of 4 prompts per epoch)
+        rows = [s.next_rows() for s in ranks]
+        drawn = plain.next_batch()
+        for (got, ex), want in zip(rows, (drawn[:2], drawn[2:])):
+            assert got == [p for p in want for _ in range(4)]
+            assert ex == [f'{{"i": {p[1:]}}}' for p in got]
+    assert ranks[0].state_dict() == plain.state_dict() == {"epoch": 1, "index": 4}
+    # samples_per_prompt given per call wins over the constructor's
+    first = PromptSampler(prompts, 2, 0, 1, seed=3).next_batch()
+    assert PromptSampler(prompts, 6, 0, 1, seed=3).next_batch(3) == [p for p in first for _ in range(3)]
+    with pytest.raises(
+        ValueError, match="samples_per_prompt=3: expected an integer >= 1 that divides the 16"
+    ):
+        ranks[0].next_rows(3)
+    # Balanced dealing deals whole groups by length (a group's copies have one length).
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4]
+    eight = [f"p{i}" for i in range(8)]
+    two = [
+        PromptSampler(eight, 16, r, 2, seed=0, shuffle=False, lengths=lengths, samples_per_prompt=2)
+        for r in range(2)
+    ]
+    assert [s.next_batch() for s in two] == [
+        ["p2", "p2", "p0", "p0", "p7", "p7", "p1", "p1"],
+        ["p6", "p6", "p4", "p4", "p3", "p3", "p5", "p5"],
+    ]
+
+
+def test_minibatch_orders_permute_whole_groups():
+    from aligner.ppo.trainer import group_order
+
+    g = torch.Generator().manual_seed(0)
+    for b, n in ((12, 3), (16, 4), (8, 8)):
+        order = group_order(b, n, g)
+        assert sorted(order.tolist()) == list(range(b))
+        blocks = order.reshape(-1, n)
+        assert torch.equal(
+            blocks - blocks[:, :1], torch.arange(n).expand_as(blocks)
+        )  # groups whole, in order
+        assert (blocks[:, 0] % n == 0).all()
+    orders = {tuple(group_order(12, 3, g).tolist()) for _ in range(20)}
+    assert len(orders) > 1  # and they are shuffled
+    # one sample per prompt: exactly the permutation PPO drew before groups existed
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(group_order(10, 1, a), torch.randperm(10, generator=b))
+    with pytest.raises(ValueError, match="10 rows do not split into groups of 4"):
+        group_order(10, 4, g)
+
+
+def test_copies_of_one_prompt_draw_their_own_samples():
+    """The engines sample every row of a batch from its own draw (one uniform number per row per
+    step from the call's generator), so identical rows, a group's copies, sample different
+    tokens; the same seed draws the same ones again."""
+    from aligner.generation.sampling import rank_generator, sample_next
+
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(1)).expand(16, 12)
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5)
+    draws = [sample_next(logits, sampling, rank_generator(5, 0, torch.device("cpu")))[0] for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])
+    assert len(set(draws[0].tolist())) > 3
+
+
+def _gen(rows: list[list[int]], prompt_len: int = 2, pad: int = 13) -> GenerationOutput:
+    """A generation output of ``rows`` (prompt + response ids), right padded."""
+    s = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [pad] * (s - len(r)) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    logprobs = torch.zeros(len(rows), s - 1)
+    for i, n in enumerate(lengths.tolist()):
+        logprobs[i, prompt_len - 1 : n - 1] = -(i + 1.0)
+    ended = lengths < s
+    return GenerationOutput(tokens, lengths, torch.full_like(lengths, prompt_len), logprobs, ended)
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_fills_up_with_the_rest():
+    from aligner.ppo.rollout import GroupFilter, cat_generations, informative_groups
+
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2).tolist() == [
+        False,
+        True,
+        False,
+    ]
+    # Round 1: groups of 2; group 1 differs, groups 0 and 2 do not.
+    r1 = _gen([[1, 2, 3], [1, 2, 4, 5], [6, 7, 8], [6, 7, 9], [4, 4, 4], [4, 4, 5, 6, 7]])
+    s1 = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    v1 = torch.arange(6.0).unsqueeze(1).expand(6, 4).clone()
+    fill = GroupFilter(capacity=6, group_size=2, pad_id=13)
+    fill.add(r1, v1, s1)
+    assert (fill.rows, fill.missing, fill.filtered) == (2, 4, 2)
+    # Round 2: two informative groups, of which one fits, and more than the batch needs is dropped.
+    r2 = _gen([[3, 3, 1], [3, 3, 2], [5, 5, 1], [5, 5, 0], [8, 8, 8], [8, 8, 8]])
+    fill.add(r2, torch.full((6, 2), 9.0), torch.tensor([0.0, 1.0, 1.0, 0.0, 0.2, 0.2]))
+    assert (fill.rows, fill.missing, fill.filtered) == (6, 0, 3)
+    gen, values, scores = fill.batch()
+    assert scores.tolist() == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    # each part trimmed to its longest row (3 tokens here), as the engines' outputs are
+    assert gen.tokens.tolist() == [[6, 7, 8], [6, 7, 9], [3, 3, 1], [3, 3, 2], [5, 5, 1], [5, 5, 0]]
+    assert gen.lengths.tolist() == [3] * 6 and values.shape == (6, 2)
+    assert values.tolist() == [[2.0, 2.0], [3.0, 3.0]] + [[9.0, 9.0]] * 4
+    # Rounds ran out before the batch was full: filled up with groups of equal scores, in order.
+    short = GroupFilter(capacity=6, group_size=2, pad_id=13)
+    short.add(r1, v1, s1)
+    gen, values, scores = short.batch()
+    assert scores.tolist() == [0.0, 1.0, 1.0, 1.0, 0.5, 0.5]
+    assert gen.tokens[:, :5].tolist()[4:] == [[4, 4, 4, 13, 13], [4, 4, 5, 6, 7]] and values.shape == (6, 4)
+    # row 0 of r1 keeps its own log-probs (one response token), padded with 0
+    assert gen.logprobs[2].tolist() == [0.0, -1.0, 0.0, 0.0] and gen.logprobs[5].tolist() == [
+        0.0,
+        -6.0,
+        -6.0,
+        -6.0,
+    ]
+    # concatenation pads to the longest row
+    both = cat_generations([_gen([[1, 2, 3]]), _gen([[1, 2, 3, 4, 5]])], 13)
+    assert both.tokens.tolist() == [[1, 2, 3, 13, 13], [1, 2, 3, 4, 5]] and both.logprobs.shape == (2, 4)
+
+
+def test_the_trainer_shapes_scores_and_picks_the_estimator_the_config_names():
+    """PPOTrainer's step 5 on its own (the methods read only the config, the score normaliser
+    and the data-parallel group): the soft overlong penalty beside the missing-EOS one, and each
+    estimator on the KL-shaped rewards, over the loss mask overlong filtering leaves."""
+    from types import SimpleNamespace
+
+    from aligner import rl
+    from aligner.ppo.trainer import PPOTrainer
+
+    cfg = ActorConfig()
+    cfg.generation.max_new_tokens = 8
+    cfg.ppo.missing_eos_penalty, cfg.ppo.overlong_buffer, cfg.ppo.overlong_penalty = -1.0, 4, 2.0
+    trainer = SimpleNamespace(cfg=cfg, score_moments=rl.RunningMoments(), _dp_group=None)
+    shaped = PPOTrainer._shape_scores(
+        trainer,
+        torch.tensor([1.0, 1.0, 1.0, 1.0]),
+        torch.tensor([True, True, False, True]),
+        torch.tensor([3, 6, 8, 4]),
+    )
+    assert shaped.tolist() == [1.0, 0.0, -2.0, 1.0]  # 6 tokens: (4 - 6) / 4 * 2; 8 without EOS: -1 - 2
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]] * 4)
+    kl = torch.rand(4, 4, generator=g) * mask
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    rewards, _ = rl.shaped_rewards(scores, kl, mask, 0.1)
+    values = torch.rand(4, 4, generator=g)
+    loss_mask = rl.overlong_filter(mask, torch.tensor([True, True, True, False]))
+    sequence = scores - 0.1 * kl.sum(1)  # what the group estimators compare: the score and its KL penalty
+    cfg.ppo.samples_per_prompt = 2
+    for adv, want in (
+        ("grpo", rl.grpo_advantages(sequence, loss_mask, 2)),
+        ("rloo", rl.rloo_advantages(sequence, loss_mask, 2)),
+        ("reinforce_pp", rl.reinforce_pp_advantages(rewards, loss_mask, cfg.ppo.gamma)[0]),
+        ("gae", rl.global_whiten(rl.compute_gae(rewards, values, mask, 1.0, 0.95)[0], loss_mask)),
+    ):
+        cfg.ppo.advantage = adv
+        got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=adv)
+        assert not got[3].any() or adv == "gae"  # the filtered row has no advantage (GAE: no loss)
+    cfg.ppo.grpo_std_norm, cfg.ppo.advantage = False, "grpo"
+    got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask)
+    torch.testing.assert_close(got, rl.grpo_advantages(sequence, loss_mask, 2, std_norm=False))
+
+
 # -- log-probs over the action space ---------------------------------------------------------
 
 
@@ -436,6 +603,92 @@ def test_actor_config_reports_bad_values_and_batch_divisibility_together():
         "ppo.mini_batch_size=0: expected a positive integer",
         "ppo.kl_estimator='k9': expected 'k1', 'abs' or 'k3'",
     ]
+
+
+def test_estimator_settings_are_checked_with_key_value_and_expectation():
+    cfg = ActorConfig()
+    p = cfg.ppo
+    p.advantage, p.samples_per_prompt, p.critic_warmup_steps = "grpo", 1, 3
+    p.overlong_buffer, p.overlong_penalty, p.max_generation_rounds = 9, -1.0, 0
+    assert cfg.problems(world_size=1, vocab_size=14) == [
+        "ppo.samples_per_prompt=1: expected >= 2 with ppo.advantage='grpo' (it compares the samples of one prompt)",
+        "ppo.max_generation_rounds=0: expected a positive integer",
+        "ppo.critic_warmup_steps=3: expected 0 with ppo.advantage='grpo' (only 'gae' has a critic to warm up)",
+        "ppo.overlong_buffer=9: expected at most generation.max_new_tokens=8 (0 turns the penalty off)",
+        "ppo.overlong_penalty=-1.0: expected a finite number >= 0",
+    ]
+    cfg = ActorConfig()
+    p = cfg.ppo
+    p.advantage, p.samples_per_prompt = "ppo", 3
+    p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 48, 16, 8
+    assert cfg.problems(world_size=2, vocab_size=14) == [
+        "ppo.advantage='ppo': expected one of ['gae', 'grpo', 'rloo', 'reinforce_pp']",
+        "ppo.mini_batch_size=16: expected a multiple of ppo.samples_per_prompt=3 (whole groups of one "
+        "prompt's samples)",
+    ]
+    cfg.ppo.dynamic_sampling = True
+    assert (
+        "ppo.dynamic_sampling=True: expected false with ppo.advantage='ppo' (it drops groups of equal scores: "
+        "'grpo' or 'rloo' only)" in cfg.problems(world_size=2, vocab_size=14)
+    )
+    cfg.ppo.dynamic_sampling = False
+    # 6 samples in groups of 2 over 2 ranks: 3 samples a rank, a group would straddle two ranks
+    p.advantage, p.samples_per_prompt = "grpo", 2
+    p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 6, 6, 3
+    assert cfg.problems(world_size=2, vocab_size=14) == [
+        "ppo.global_batch_size per data-parallel rank (3) must be divisible by ppo.samples_per_prompt (2): each "
+        "rank generates whole groups of one prompt's samples",
+    ]
+    ok = ActorConfig()
+    ok.ppo.advantage, ok.ppo.samples_per_prompt = "rloo", 4
+    ok.ppo.global_batch_size, ok.ppo.mini_batch_size, ok.ppo.micro_batch_size = 64, 32, 16
+    assert ok.problems(world_size=2, vocab_size=14) == []
+    ok.ppo.samples_per_prompt = 32  # 64 samples over 2 ranks: 32 each, one group per rank
+    assert ok.problems(world_size=2, vocab_size=14) == []
+    ok.ppo.samples_per_prompt = 64  # a group cannot span two ranks
+    assert ok.problems(world_size=2, vocab_size=14) == [
+        "ppo.mini_batch_size=32: expected a multiple of ppo.samples_per_prompt=64 (whole groups of one "
+        "prompt's samples)",
+        "ppo.global_batch_size per data-parallel rank (32) must be divisible by ppo.samples_per_prompt (64): each "
+        "rank generates whole groups of one prompt's samples",
+    ]
+
+
+def test_gae_refuses_a_reward_only_server_and_checkpoints_keep_their_estimator():
+    from aligner.critic.protocol import ServerInfo
+    from aligner.ppo.checkpointing import config_differences
+    from aligner.ppo.critic_link import server_mode_problem
+
+    info = ServerInfo(1, 14, 32, "char", "f", -1, 8, 8)
+    assert info.critic  # a server older than the field holds a critic
+    for adv in ("gae", "grpo", "rloo", "reinforce_pp"):
+        assert server_mode_problem(adv, info, "grpc://x:1") is None
+    info.critic = False
+    assert server_mode_problem("grpo", info, "grpc://x:1") is None
+    assert server_mode_problem("gae", info, "grpc://x:1").startswith(
+        "ppo.advantage='gae' needs the critic's values and trains the critic, but the server at grpc://x:1 "
+        "runs mode=reward_only"
+    )
+    cfg, tok = ActorConfig(), CharTokenizer()
+    saved = {
+        "model_config": cfg.model.to_dict(),
+        "tokenizer": "char",
+        "tokenizer_fingerprint": tok.fingerprint(),
+        "tensor_model_parallel_size": 1,
+        "precision": "fp32",
+        "config": {"ppo": {"advantage": "grpo"}},
+    }
+    assert config_differences(saved, cfg, ONE_RANK, tok, "fp32") == [
+        "ppo.advantage: the checkpoint was made by a run without a critic (ppo.advantage='grpo'), this run is "
+        "one with a critic (ppo.advantage='gae'); resume with ppo.advantage='grpo', or start fresh"
+    ]
+    cfg.ppo.advantage = "rloo"  # another critic-free estimator resumes
+    assert config_differences(saved, cfg, ONE_RANK, tok, "fp32") == []
+    del saved["config"]  # a checkpoint older than the key was made with a critic
+    assert (
+        "ppo.advantage: the checkpoint was made by a run with a critic"
+        in config_differences(saved, cfg, ONE_RANK, tok, "fp32")[0]
+    )
 
 
 def test_critic_section_reports_bad_waits_restart_policy_and_token_file(tmp_path):

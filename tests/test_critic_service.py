@@ -726,6 +726,20 @@ def test_critic_from_a_hf_causal_lm_takes_its_trunk_and_architecture(pstate, tmp
     assert own["output_layer.weight"].shape == (1, 32)  # the value head, fresh
 
 
+def test_a_reward_model_reading_text_never_seeds_the_critic(pstate, tmp_path):
+    """The critic reads the policy's ids: a reward model with its own tokenizer cannot be its
+    starting point. 'auto' starts the critic fresh (or from init.policy_path); 'reward' is refused."""
+    from aligner.critic.errors import CriticServiceError
+
+    rm_cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=14, max_seq_len=8)
+    save_model_checkpoint(build_reward_model(rm_cfg), rm_cfg, tmp_path / "rm", role="reward")
+    reward = {"model_path": str(tmp_path / "rm"), "tokenizer": "char:9876543210:,"}
+    svc = _service(pstate, tmp_path / "auto", precision="fp32", reward=reward)
+    assert svc.init_source == "fresh" and "prompt_text" in svc.infer_inputs
+    with pytest.raises(CriticServiceError, match="init.source='reward': the reward model reads text"):
+        _service(pstate, tmp_path / "reward", precision="fp32", reward=reward, init={"source": "reward"})
+
+
 def test_reward_tokens_chat_template_special_tokens_and_left_truncation(tmp_path):
     """The reward model's ids: prompt + response with the tokenizer's special tokens (a BOS here),
     or the chat template's text of a user and an assistant turn; cut from the left past max_len;

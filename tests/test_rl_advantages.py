@@ -1,5 +1,5 @@
-"""Tests of aligner.rl.advantages (GAE) against the naive references of _rl_naive.py and
-hand-worked cases."""
+"""Tests of aligner.rl.advantages (GAE, GRPO, RLOO, REINFORCE++) against the naive references of
+_rl_naive.py and hand-worked cases."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ from _rl_naive import (
     close,
     finite,
     naive_gae,
+    naive_grpo,
     naive_returns,
+    naive_returns_to_go,
+    naive_rloo,
+    naive_whiten,
     ragged_batch,
     rand,
     with_garbage,
@@ -19,6 +23,11 @@ from _rl_naive import (
 
 from aligner.rl import (
     compute_gae,
+    group_score_std,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    returns_to_go,
+    rloo_advantages,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -113,3 +122,88 @@ def test_gae_ignores_nan_padding_and_has_no_grad():
     close(adv, [[0.0, 2.5, 1.5, 0.0]])
     close(ret, [[0.0, 3.0, 2.0, 0.0]])
     assert not adv.requires_grad and not ret.requires_grad
+
+
+# ---------------------------------------------------------------------------------------
+# Critic-free estimators: groups are contiguous blocks of n rows
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,n", [(4, 2), (12, 4), (9, 3)])
+def test_group_estimators_match_naive(seed, b, n):
+    s = 9
+    mask, nmask = ragged_batch(seed, b, s)
+    scores = rand(seed, b)
+    sl = scores.tolist()
+    for std_norm in (True, False):
+        close(
+            grpo_advantages(scores, mask, n, std_norm=std_norm), naive_grpo(sl, n, nmask, std_norm), atol=1e-4
+        )
+    close(rloo_advantages(scores, mask, n), naive_rloo(sl, n, nmask), atol=1e-5)
+    # RLOO is GRPO without the division, scaled by n / (n - 1)
+    close(rloo_advantages(scores, mask, n), grpo_advantages(scores, mask, n, std_norm=False) * n / (n - 1))
+    stds = [torch.tensor(sl[g : g + n]).double().std().item() for g in range(0, b, n)]
+    assert group_score_std(scores, n).item() == pytest.approx(sum(stds) / len(stds), rel=1e-5)
+
+
+def test_group_estimators_hand_worked():
+    # Two groups of 3: [1, 0, 0.5] (mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5) and
+    # [2, 2, 2] (all equal: nothing to learn, advantages 0 whichever estimator).
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 2.0])
+    mask = torch.tensor([[0.0, 1.0, 1.0]] * 5 + [[0.0, 1.0, 0.0]])
+    # GRPO: (r - 0.5) / (0.5 + 1e-6); Dr. GRPO: r - 0.5
+    d = 0.5 + 1e-6
+    close(
+        grpo_advantages(scores, mask, 3),
+        [[0, 0.5 / d, 0.5 / d], [0, -0.5 / d, -0.5 / d], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    )
+    close(
+        grpo_advantages(scores, mask, 3, std_norm=False),
+        [[0, 0.5, 0.5], [0, -0.5, -0.5], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    )
+    # RLOO: 1 - (0 + 0.5) / 2 = 0.75; 0 - (1 + 0.5) / 2 = -0.75; 0.5 - (1 + 0) / 2 = 0
+    close(
+        rloo_advantages(scores, mask, 3),
+        [[0, 0.75, 0.75], [0, -0.75, -0.75], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+    )
+    assert group_score_std(scores, 3).item() == pytest.approx(0.25)  # (0.5 + 0) / 2
+    assert group_score_std(scores, 1).item() == 0.0
+
+
+def test_group_estimators_refuse_bad_groups():
+    mask = torch.ones(6, 3)
+    with pytest.raises(ValueError, match="6 scores do not split into groups of group_size=4"):
+        grpo_advantages(torch.zeros(6), mask, 4)
+    with pytest.raises(ValueError, match=r"rloo_advantages: group_size=1: expected an integer >= 2"):
+        rloo_advantages(torch.zeros(6), mask, 1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,s", SHAPES)
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_matches_naive(seed, b, s, gamma):
+    mask, nmask = ragged_batch(seed, b, s)
+    rewards = with_garbage(rand(seed, b, s - 1), mask)
+    g = returns_to_go(rewards, mask, gamma)
+    ng = naive_returns_to_go(rewards.tolist(), nmask, gamma)
+    close(g, ng, atol=1e-4)
+    # returns-to-go are GAE's advantages with zero values and lambda 1
+    close(g, compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0].tolist(), atol=1e-5)
+    adv, ret = reinforce_pp_advantages(rewards, mask, gamma)
+    assert torch.equal(ret, g)
+    close(adv, naive_whiten(ng, nmask), atol=1e-3)
+
+
+def test_reinforce_pp_hand_worked():
+    # Row 0: response transitions 1, 2 with rewards -1 (the KL penalty) and 2 (score 2 at the last
+    # token); row 1: one transition with reward 3. gamma 1: G = [1, 2] and [3]; the global baseline
+    # is their mean 2 and their unbiased std is 1, so A = [-1, 0] and [1]. The 50/60/70 never leak.
+    rewards = torch.tensor([[50.0, -1.0, 2.0, 60.0], [70.0, 3.0, 0.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    adv, ret = reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    close(ret, [[0, 1, 2, 0], [0, 3, 0, 0]])
+    close(adv, [[0, -1, 0, 0], [0, 1, 0, 0]], atol=1e-6)
+    # gamma 0.5: G = [-1 + 0.5 * 2, 2] = [0, 2] and [3]
+    _, ret_half = reinforce_pp_advantages(rewards, mask, gamma=0.5)
+    close(ret_half, [[0, 0, 2, 0], [0, 3, 0, 0]])

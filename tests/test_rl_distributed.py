@@ -28,6 +28,7 @@ from aligner.rl import (
     global_whiten,
     masked_mean,
     masked_var,
+    reinforce_pp_advantages,
     response_mask,
     sequence_logprobs,
     whiten,
@@ -169,6 +170,16 @@ def _data_parallel_worker(rank: int) -> None:
     _close(global_masked_mean(x, m, group=group), masked_mean(x_all, m_all))
     rows = slice(0, 3) if rank == 0 else slice(3, 5)
     _close(global_whiten(x, m, group=group), whiten(x_all, m_all)[rows])
+
+    # REINFORCE++: one baseline and one scale over both ranks' response tokens
+    x0, m0 = _dp_batch(7, 4, s)
+    x1, m1 = _dp_batch(8, 3, s)
+    x, m = (x0, m0) if rank == 0 else (x1, m1)
+    rows = slice(0, 4) if rank == 0 else slice(4, 7)
+    whole, _ = reinforce_pp_advantages(torch.cat([x0, x1]), torch.cat([m0, m1]), 0.9)
+    mine, _ = reinforce_pp_advantages(x, m, 0.9, group=group)
+    _close(mine, whole[rows])
+    assert not torch.allclose(reinforce_pp_advantages(x, m, 0.9)[0], whole[rows])
 
 
 def _running_moments_worker(rank: int) -> None:

@@ -29,6 +29,8 @@ from aligner.rl import (
     apply_missing_eos_penalty,
     clip_scores,
     kl_penalty,
+    overlong_filter,
+    overlong_penalty,
     shaped_rewards,
 )
 
@@ -117,6 +119,29 @@ def test_missing_eos_penalty_and_clip():
     close(clip_scores(scores, None), [1.0, -3.0, 0.5])
     with pytest.raises(ValueError):
         clip_scores(scores, 0.0)
+
+
+def test_soft_overlong_penalty_hand_worked_and_against_the_formula():
+    # M = 8, B = 4: no penalty up to 4 tokens, then (4 - L) / 4 * penalty down to -penalty at 8.
+    lengths = torch.tensor([1, 3, 4, 5, 6, 8])
+    close(overlong_penalty(lengths, 8, 4), [0.0, 0.0, 0.0, -0.25, -0.5, -1.0])
+    close(overlong_penalty(lengths, 8, 4, penalty=2.0), [0.0, 0.0, 0.0, -0.5, -1.0, -2.0])
+    close(overlong_penalty(lengths, 8, 0), [0.0] * 6)  # B = 0: off
+    close(overlong_penalty(torch.tensor([9]), 8, 4), [-1.0])  # past the limit: the whole penalty
+    for m, b in ((8, 1), (8, 8), (16, 5)):
+        ls = list(range(0, m + 1))
+        want = [0.0 if n <= m - b else (m - b - n) / b * 1.5 for n in ls]
+        close(overlong_penalty(torch.tensor(ls), m, b, 1.5), want)
+    for bad in (-1, 9, 2.5):
+        with pytest.raises(ValueError, match="expected an integer in \\[0, max_new_tokens=8\\]"):
+            overlong_penalty(lengths, 8, bad)
+
+
+def test_overlong_filter_drops_the_rows_that_never_ended():
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    ended = torch.tensor([True, False, True])
+    close(overlong_filter(mask, ended), [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    close(mask, [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])  # input untouched
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,12 +30,15 @@ __all__ = [
     "INIT_SOURCES",
     "PRECISION_CHOICES",
     "RESUME_MODES",
+    "SERVER_MODES",
 ]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 INIT_SOURCES = ("auto", "reward", "policy", "fresh")
 PRECISION_CHOICES = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto")
+SERVER_MODES = ("critic", "reward_only")
+"""What ``mode`` may say: a server with a critic, or one that only scores."""
 
 
 @dataclass
@@ -203,7 +206,8 @@ class InitConfig:
     """Where the critic's weights start."""
 
     source: str = "auto"
-    """'auto' (reward model if any, else policy_path if set, else fresh), 'reward', 'policy' or 'fresh'."""
+    """'auto' (the reward model if any and it reads the policy's token ids, else policy_path if
+    set, else fresh), 'reward', 'policy' or 'fresh'."""
     policy_path: str | None = None
     """A policy: this project's checkpoint folder (meta.json + model.safetensors) or a HF causal-LM
     folder (config.json + safetensors). Its trunk is copied, the value head is fresh, and the
@@ -253,6 +257,12 @@ class LogConfig:
 class CriticServerConfig:
     """Everything the critic/reward server needs (``aligner/configs/critic.yaml``)."""
 
+    mode: str = "critic"
+    """'critic': a critic trained by the actor's critic_train beside the reward source (for
+    ppo.advantage=gae); 'reward_only': the reward source alone, for critic-free actors
+    (ppo.advantage grpo, rloo, reinforce_pp): no critic and no optimizer are built, critic_infer
+    answers the rewards with values of zeros, critic_train, critic_save and critic_load are
+    refused naming the mode, and server_info says critic: false."""
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(vocab_size=14, max_seq_len=64))
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -273,6 +283,21 @@ class CriticServerConfig:
     def problems(self) -> Problems:
         """Every cross-field problem, as messages that name the key (empty when consistent)."""
         e = Problems()
+        e.expect(self.mode in SERVER_MODES, "mode", self.mode, f"one of {list(SERVER_MODES)}")
+        if self.mode == "reward_only":
+            i = self.init
+            e.expect(
+                i.source == "auto",
+                "init.source",
+                i.source,
+                "'auto' with mode=reward_only (there is no critic to initialise)",
+            )
+            e.expect(
+                i.policy_path is None,
+                "init.policy_path",
+                i.policy_path,
+                "null with mode=reward_only (there is no critic to initialise)",
+            )
         s = self.server
         for key in ("http_port", "grpc_port"):
             v = getattr(s, key)
@@ -505,7 +530,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "checkpoint": CheckpointConfig,
             "log": LogConfig,
         }
-        scalars = ("tokenizer", "seed", "precision", "model_forward")
+        scalars = ("mode", "tokenizer", "seed", "precision", "model_forward")
         known_top = set(sections) | set(scalars)
         for k in sorted(set(data) - known_top):
             errors.append(f"{k}: unknown key; expected one of {sorted(known_top)}")

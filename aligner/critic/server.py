@@ -48,6 +48,11 @@ Replicas. With ``parallel.data_parallel_size`` > 1 this one front end serves TP 
 rows of each execution are split across the replicas, and each training step's gradients are
 summed over them (:mod:`aligner.critic.replicas`). The world size must be TP x DP.
 
+Modes. ``mode: critic`` (the default) serves the critic and the reward source; ``mode:
+reward_only`` serves the reward source alone, for critic-free actors: the same five models, with
+critic_infer's values all zeros, critic_train, critic_save and critic_load refused naming the
+mode, and ``server_info``'s ``critic`` false (:class:`~aligner.critic.service.CriticService`).
+
 Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.critic.faults`),
 builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, warns
 when it serves beyond loopback without a run token, prepares the environment PyTriton needs
@@ -397,7 +402,10 @@ def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
     """Where the critic starts (rank 0; peers follow the load): with ``checkpoint.resume=auto``
     the newest complete critic checkpoint, so a restarted server comes back with its last saved
     critic; then, with nothing applied yet, the initial critic is saved as step 0
-    (``checkpoint.save_initial``)."""
+    (``checkpoint.save_initial``). A reward-only server holds no critic: nothing to load or save."""
+    if service.reward_only:
+        log.info("mode=reward_only: no critic to resume or to save as step 0")
+        return
     if cfg.checkpoint.resume == "auto":
         latest = service.latest_checkpoint()
         if latest is not None:

@@ -19,6 +19,12 @@ models and composes one collaborator per concern:
 - :class:`~aligner.critic.checkpointing.CriticCheckpoints`: save, prune, read and apply, with the
   shard exchange between ranks.
 
+Reward-only mode (``mode: reward_only``, for critic-free actors): no critic, no optimizer and no
+checkpoints are built; ``critic_infer`` answers the rewards with values of zeros ``[b, s-1]`` (the
+wire stays what clients expect), ``critic_train``, ``critic_save`` and ``critic_load`` are refused
+with a :class:`~aligner.critic.protocol.ProtocolError` naming the mode, and ``server_info`` says
+``critic: false``.
+
 Tensor and data parallelism. Rank 0 owns PyTriton and calls the public methods; every other
 rank (the TP peers of rank 0 and the ranks of the other replicas) calls
 :meth:`CriticService.serve_peers`, which runs what rank 0 broadcasts until it calls
@@ -100,6 +106,8 @@ class CriticService:
         # Checked at start-up by the config (a bad file is a config error naming the key).
         self.run_token = P.resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
 
+        self.reward_only = cfg.mode == "reward_only"
+        """No critic: the server scores responses and nothing else (``mode: reward_only``)."""
         r = cfg.reward
         self.reward_fn = load_reward_fn(r.fn, dict(r.fn_kwargs), list(r.python_path)) if r.fn else None
         # Every loader below is collective under TP (each rank takes its shard of full tensors).
@@ -112,7 +120,7 @@ class CriticService:
         if self.reward_tokens is not None:
             rm_tokenizer = (self.reward_tokens.spec, self.reward_tokens.tokenizer)
         for what, c, (spec, tok) in (
-            ("critic", self.model_cfg, (cfg.tokenizer, self.tokenizer)),
+            ("critic", None if self.reward_only else self.model_cfg, (cfg.tokenizer, self.tokenizer)),
             ("reward model", self.rm_cfg, rm_tokenizer),
         ):
             if c is not None and c.vocab_size < tok.vocab_size:
@@ -123,7 +131,7 @@ class CriticService:
         self.precision = resolve_precision(cfg.precision, self.device)
         # Built and initialised in fp32; the optimizer keeps those values as its fp32 master
         # weights and casts the critic to bf16 (so the starting point is not rounded).
-        self.critic = build_critic(self.model_cfg)
+        self.critic = None if self.reward_only else build_critic(self.model_cfg)
         if self.init_source == "reward":
             # Same architecture and TP layout: the reward model's shards are the critic's.
             load_state_dict_strict(
@@ -134,19 +142,22 @@ class CriticService:
         elif self.init_source == "policy":
             load_policy_trunk(self.critic, cfg.init.policy_path)
         # Built (and loaded) on the CPU, as Megatron's use_cpu_initialization does; then moved.
-        self.critic.to(self.device)
+        if self.critic is not None:
+            self.critic.to(self.device)
         if self.reward_model is not None:
             self.reward_model.to(self.device, precision_dtype(self.precision))
         rm_cfg = self.rm_cfg
         o = cfg.optim
-        self.optimizer = make_optimizer(
-            self.critic,
-            lr=o.lr,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-            weight_decay=o.weight_decay,
-            precision=self.precision,
-        )
+        self.optimizer = None
+        if self.critic is not None:
+            self.optimizer = make_optimizer(
+                self.critic,
+                lr=o.lr,
+                betas=(o.adam_beta1, o.adam_beta2),
+                eps=o.adam_eps,
+                weight_decay=o.weight_decay,
+                precision=self.precision,
+            )
         # After the optimizer, which casts the critic to its compute dtype.
         self.model_forward = set_forwards(
             {"critic": self.critic, "reward model": self.reward_model},
@@ -176,8 +187,9 @@ class CriticService:
         )
         if self.is_rank0:
             log.info(
-                "critic ready: %s, init=%s, reward fn=%s, reward model=%s%s, TP=%d, DP=%d, precision=%s",
-                self.model_cfg,
+                "%s ready: %s, init=%s, reward fn=%s, reward model=%s%s, TP=%d, DP=%d, precision=%s",
+                "reward-only server (no critic)" if self.reward_only else "critic",
+                "no critic" if self.reward_only else self.model_cfg,
                 self.init_source,
                 self.reward_fn,
                 cfg.reward.model_path or cfg.reward.hf_path,
@@ -190,27 +202,41 @@ class CriticService:
         # On rank 0 of a world of several ranks this starts the heartbeat.
         self.peers = PeerLink(state, self._lock)
         self.replicas = Replicas(state, layout, self.peers, self.update)
-        self.checkpoints = CriticCheckpoints(
-            self.checkpoint_root,
-            cfg.checkpoint.keep_last,
-            self.critic,
-            self.optimizer,
-            self.model_cfg,
-            state,
-            self.peers,
-            layout,
-        )
+        self.checkpoints: CriticCheckpoints | None = None
+        """The critic's checkpoints (None in reward-only mode: there is nothing to save)."""
+        if self.critic is not None:
+            self.checkpoints = CriticCheckpoints(
+                self.checkpoint_root,
+                cfg.checkpoint.keep_last,
+                self.critic,
+                self.optimizer,
+                self.model_cfg,
+                state,
+                self.peers,
+                layout,
+            )
 
     # ------------------------------------------------------------------------------------------
     # Construction helpers
     # ------------------------------------------------------------------------------------------
 
     def _init_source(self) -> str:
+        if self.reward_only:
+            return "none"
         source = self.cfg.init.source
+        reads_text = self.reward_tokens is not None
         if source == "auto":
-            if self.reward_model is not None:
+            # A reward model that reads text with its own tokenizer cannot seed the critic, which
+            # reads the policy's ids: the critic then starts from the policy (or fresh).
+            if self.reward_model is not None and not reads_text:
                 return "reward"
             return "policy" if self.cfg.init.policy_path else "fresh"
+        if source == "reward" and reads_text:
+            raise CriticServiceError(
+                f"init.source='reward': the reward model reads text with its own tokenizer "
+                f"({self.reward_tokens.spec!r}) while the critic reads the policy's token ids "
+                f"(tokenizer={self.cfg.tokenizer!r}); start the critic from init.policy_path, or fresh"
+            )
         return source
 
     def _reward_tokens(self) -> RewardTokens | None:
@@ -249,7 +275,11 @@ class CriticService:
         return names + list(self.required_inputs)
 
     def _critic_config(self) -> ModelConfig:
-        """The critic's architecture: the reward model's or the policy's when it starts from one."""
+        """The critic's architecture: the reward model's or the policy's when it starts from one.
+        In reward-only mode no critic is built; this is then the shape the limits come from (the
+        reward model's, else the ``model`` section's ``max_seq_len``)."""
+        if self.init_source == "none":
+            return self.rm_cfg if self.rm_cfg is not None else self.cfg.model
         if self.init_source == "reward":
             diff = self.rm_cfg.architecture_diff(self.cfg.model)
             if diff:
@@ -274,8 +304,8 @@ class CriticService:
 
     @property
     def last_saved_step(self) -> int:
-        """The step last saved or loaded; -1 before either."""
-        return self.checkpoints.last_saved
+        """The step last saved or loaded; -1 before either (and always in reward-only mode)."""
+        return -1 if self.checkpoints is None else self.checkpoints.last_saved
 
     @property
     def reuse_infer_forward(self) -> bool:
@@ -330,14 +360,15 @@ class CriticService:
                 },
             },
             infer_inputs=self.infer_inputs,
-            model=self.model_cfg.to_dict(),
+            critic=not self.reward_only,
+            model={} if self.reward_only else self.model_cfg.to_dict(),
             parallel={
                 "tensor_model_parallel_size": self.tp_size,
                 "pipeline_model_parallel_size": 1,
                 "data_parallel_size": self.dp_size,
             },
             last_saved_step=self.last_saved_step,
-            checkpoint_steps=self.checkpoints.steps(),
+            checkpoint_steps=[] if self.checkpoints is None else self.checkpoints.steps(),
             instance_id=self.instance_id,
             run_token_required=self.run_token is not None,
             batching={
@@ -346,6 +377,7 @@ class CriticService:
                 **self.request_stats.batching(P.INFER),
             },
             extra={
+                "mode": self.cfg.mode,
                 "init_source": self.init_source,
                 "pid": os.getpid(),
                 "started_at": self.started_at,
@@ -498,8 +530,10 @@ class CriticService:
         ``[b]``; returns, old_values, mask ``[b, s-1]``.
 
         Raises:
-            ProtocolError, UnauthorizedError, FencedError: with nothing applied.
+            ProtocolError, UnauthorizedError, FencedError: with nothing applied (a ProtocolError
+            naming the mode in reward-only mode).
         """
+        self._check_has_critic(P.TRAIN)
         req = P.validate_train(tokens, lengths, returns, old_values, mask, step, expected_step, self.limits)
         self._check_token(P.TRAIN, run_token)
         with self._lock:
@@ -550,6 +584,7 @@ class CriticService:
         Raises:
             ProtocolError, UnauthorizedError, FencedError: with nothing written.
         """
+        self._check_has_critic(P.SAVE)
         step = P.validate_step(P.SAVE, step)
         expected = None if expected_step is None else P.validate_expected_step(P.SAVE, expected_step)
         self._check_token(P.SAVE, run_token)
@@ -565,6 +600,7 @@ class CriticService:
         Raises:
             ProtocolError, UnauthorizedError, CriticServiceError: with nothing changed.
         """
+        self._check_has_critic(P.LOAD)
         step = P.validate_step(P.LOAD, step)
         self._check_token(P.LOAD, run_token)
         with self._lock:
@@ -574,6 +610,17 @@ class CriticService:
             self._apply(loaded)
             self.peers.touch()
         log.info("loaded critic checkpoint step %d (critic step %d)", step, self.critic_step)
+
+    def _check_has_critic(self, model: str) -> None:
+        """Refuse a request that needs the critic in reward-only mode, naming the mode."""
+        if self.reward_only:
+            raise P.ProtocolError(
+                model,
+                "mode",
+                "a server with a critic (mode=critic), which an actor with ppo.advantage=gae needs",
+                "mode=reward_only: this server only scores responses and holds no critic to train, save or "
+                "load; critic-free actors (ppo.advantage grpo, rloo or reinforce_pp) send none of these",
+            )
 
     def _check_token(self, model: str, run_token: Any) -> None:
         """The run token check of a mutating request: what came on the wire (a str or the BYTES
@@ -588,7 +635,7 @@ class CriticService:
             raise P.FencedError(model, step, expected_step, self.critic_step)
 
     def latest_checkpoint(self) -> int | None:
-        return self.checkpoints.latest()
+        return None if self.checkpoints is None else self.checkpoints.latest()
 
     def close(self, *, save: bool = False) -> Path | None:
         """Finish the in-flight operation, optionally save the last applied step, release peers.

@@ -36,8 +36,11 @@ class ValueUpdate:
     """Forward and update of ``critic`` (trained by ``optimizer``), scores of ``reward_model``.
 
     Args:
-        critic: the value model (this rank's TP shard), in eval mode between updates.
-        optimizer: the mixed-precision optimizer of :func:`aligner.precision.make_optimizer`.
+        critic: the value model (this rank's TP shard), in eval mode between updates; None for a
+            server in reward-only mode (:meth:`forward` then answers values of zeros, and
+            :meth:`train_step` is never called).
+        optimizer: the mixed-precision optimizer of :func:`aligner.precision.make_optimizer`
+            (None without a critic).
         reward_model: the frozen reward model, or None.
         cfg: the server's configuration: ``optim`` (epochs, minibatches, value clipping, loss
             aggregation, gradient clipping) and ``seed`` (with the step id, it seeds each step's
@@ -49,7 +52,7 @@ class ValueUpdate:
 
     def __init__(
         self,
-        critic: torch.nn.Module,
+        critic: torch.nn.Module | None,
         optimizer: Any,
         reward_model: torch.nn.Module | None,
         cfg: CriticServerConfig,
@@ -81,10 +84,14 @@ class ValueUpdate:
     def forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """tokens [b, s], lengths [b] -> (values [b, s-1] float32, reward-model scores [b] or None:
         None without a reward model, or with one that reads text, which :meth:`score` runs).
+        Without a critic (reward-only mode) the values are zeros.
 
         With ``reuse_infer_forward`` the values are computed with gradients and kept for
         :meth:`train_step` (whatever was kept before is dropped)."""
         self.kept = None
+        if self.critic is None:  # reward-only: no values to compute
+            scores = self.score(tokens, lengths) if self.scores_with_values else None
+            return np.zeros((tokens.shape[0], tokens.shape[1] - 1), dtype=np.float32), scores
         dev = self.state.device
         t = torch.from_numpy(tokens).to(dev)
         with torch.set_grad_enabled(self.reuse_infer_forward):

@@ -41,9 +41,11 @@ ranks (default: the training TP), the whole model on each generation group, what
 training layout. When that layout is the training one (PP=1, the same TP size) and the dtype is
 the policy's, the engine generates with the training module itself and holds no copy of the
 weights: a refit only rebinds the module, and the lean backend re-reads the parameter tensors
-at the start of every call. Otherwise the engine owns its weights in the generation layout and
-dtype (:class:`~aligner.generation.weights.OwnedWeights`, lean backend only), allocated once,
-and every :meth:`NativeEngine.refit` streams the policy's full tensors out of the training
+at the start of every call. A policy with LoRA adapters (:mod:`aligner.models.lora`) is the
+exception: the lean backend then owns merged weights (``W + (alpha / r) * B @ A``, from the
+weight stream) in any layout, refitted at every refit. Otherwise the engine owns its weights in
+the generation layout and dtype (:class:`~aligner.generation.weights.OwnedWeights`, lean backend
+only), allocated once, and every :meth:`NativeEngine.refit` streams the policy's full tensors out of the training
 layout (:func:`aligner.models.layout.iter_megatron_tensors`, collective over the world) and
 copies this rank's shard of each into them in place. So a policy trained pipeline parallel, or
 at another TP size, generates at TP=``g`` (PP folded into TP, or TP=1 on every rank for a tiny
@@ -78,6 +80,7 @@ from aligner.generation.sampling import build_output, check_prompts, rank_genera
 from aligner.generation.weights import OwnedWeights
 from aligner.models.layout import iter_megatron_tensors
 from aligner.models.local_spec import unsupported_reason
+from aligner.models.lora import lora_config_of
 from aligner.models.model_files import as_dtype
 
 __all__ = ["NativeEngine", "RefitCost", "generate_no_cache", "ENGINE_DTYPES", "WEIGHTS"]
@@ -341,14 +344,20 @@ class NativeEngine:
         """Whether to generate with ``model``'s own tensors (else with owned weights)."""
         whole = getattr(model, "pre_process", True) and getattr(model, "post_process", True)
         can = self.layout.same_as_training and whole and self.dtype in (None, dtype)
-        if self.weights == "shared" and not can:
+        # LoRA: the lean decoder reads the weights, which are not the merged ones; the engine owns
+        # a merged copy, refitted from the weight stream. Megatron's forward runs the adapters.
+        lora = lora_config_of(model) is not None and self.backend != "megatron"
+        if self.weights == "shared" and (lora or not can):
             raise ValueError(
-                f"weights='shared': the engine can share the training module's tensors only in the training "
-                f"layout (PP=1 and generation_tp = training TP) and dtype; here generation_tp="
+                "weights='shared': the policy has LoRA adapters, so the engine generates with merged weights "
+                "of its own: use weights='auto' (or backend='megatron')"
+                if lora
+                else f"weights='shared': the engine can share the training module's tensors only in the "
+                f"training layout (PP=1 and generation_tp = training TP) and dtype; here generation_tp="
                 f"{self.layout.size}, training TP {self.layout.train_tp} x PP {self.layout.train_pp}, dtype "
                 f"{self.dtype} vs the policy's {dtype}: use weights='auto'"
             )
-        return can and self.weights != "owned"
+        return can and not lora and self.weights != "owned"
 
     def _drop_owned(self) -> None:
         if self._lean is not None:

@@ -8,7 +8,9 @@ returns :class:`LeanWeights`. Two sources:
 
 - :class:`ModuleWeights`: the training module's own parameter tensors, read at every
   ``bind()`` (zero-copy: an optimizer step in place is seen at once). Only when the generation
-  layout is the training layout (PP=1, the same TP size and dtype).
+  layout is the training layout (PP=1, the same TP size and dtype), and never for a model with
+  LoRA adapters (:mod:`aligner.models.lora`): its weights are ``W + (alpha / r) * B @ A``, which
+  only the weight stream carries merged, so such a policy generates from :class:`OwnedWeights`.
 - :class:`OwnedWeights`: tensors allocated once in the generation layout (tensor-parallel size
   ``g``, any dtype), for the whole model, whatever the training layout. :meth:`OwnedWeights.load`
   copies the weight stream (:func:`aligner.models.layout.iter_megatron_tensors`: full tensors,
@@ -32,6 +34,7 @@ from aligner.models.config import ModelConfig
 from aligner.models.gpt import config_of, head_of, unwrap
 from aligner.models.layout import ParallelLayout, megatron_tensor_specs, weight_layout_diff
 from aligner.models.local_spec import qk_norms, unsupported_reason
+from aligner.models.lora import lora_config_of
 
 __all__ = ["LayerWeights", "LeanWeights", "ModuleWeights", "OwnedWeights"]
 
@@ -111,6 +114,9 @@ class ModuleWeights:
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported_reason(model)
+        if reason is None and lora_config_of(model) is not None:
+            # The decoder reads W alone; an engine generates with merged weights (OwnedWeights).
+            reason = "it has LoRA adapters (its weights are not the merged ones; own a merged copy)"
         if reason is not None:
             raise ValueError(f"LeanDecoder cannot run this model: {reason}")
         self.model = model

@@ -21,9 +21,11 @@ batch-first layout with the fewest ops:
 
 Only models whose forward this reproduces exactly take this path (:func:`unsupported_reason`:
 the local layer spec ``aligner.models.gpt`` builds, no dropout, no activation recompute, no
-pipeline stages); anything else runs Megatron's forward. ``tests/test_fused_forward.py``
-compares logits, values, scores and every parameter's gradient with Megatron's, at TP=1 and
-TP=2.
+pipeline stages); anything else runs Megatron's forward. A model with LoRA adapters
+(:mod:`aligner.models.lora`) runs each adapter's low-rank path unmerged, with the arithmetic and
+the collectives of the module forward's hooks (no LoRA dropout: with it, Megatron's forward);
+``tests/test_lora.py`` checks it. ``tests/test_fused_forward.py`` compares logits, values,
+scores and every parameter's gradient with Megatron's, at TP=1 and TP=2.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torch import nn
 
 from aligner.models import local_spec
 from aligner.models.config import FORWARD_MODES
+from aligner.models.lora import TARGETS as LORA_TARGETS
+from aligner.models.lora import column_delta, lora_config_of, row_delta
 from aligner.models.rope import apply_rope, rope_tables
 
 __all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forward", "compile_available"]
@@ -49,6 +53,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
     reason = local_spec.unsupported_reason(model, heads=("lm", "value", "reward"))
     if reason is not None:
         return reason
+    lcfg = lora_config_of(model)
+    if lcfg is not None and lcfg.dropout:
+        return f"LoRA dropout (lora.dropout={lcfg.dropout})"
     cfg = model.config
     if cfg.hidden_dropout or cfg.attention_dropout:
         return f"dropout (hidden {cfg.hidden_dropout}, attention {cfg.attention_dropout})"
@@ -124,6 +131,11 @@ class _Spec:
         self.rope = model.position_embedding_type == "rope"
         self.head = getattr(model, "aligner_head", "lm")
         self.tp_size = tp_size
+        # LoRA (aligner.models.lora): None, or (the adapted targets in TARGETS order, alpha / r).
+        lcfg = lora_config_of(model)
+        self.lora = (
+            None if lcfg is None else (tuple(t for t in LORA_TARGETS if t in lcfg.targets), lcfg.scale)
+        )
         self.key = (
             self.layers,
             self.groups,
@@ -139,6 +151,7 @@ class _Spec:
             self.qk_norm,
             self.head,
             tp_size,
+            self.lora,
         )
 
 
@@ -157,6 +170,9 @@ def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
         norm = layer.pre_mlp_layernorm
         out += [norm.weight, getattr(norm, "bias", None)]
         out += [mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight, mlp.linear_fc2.bias]
+        for target in spec.lora[0] if spec.lora else ():  # each adapted linear's (A, B)
+            linear = (att if target in ("linear_qkv", "linear_proj") else mlp).get_submodule(target)
+            out += [linear.lora_A, linear.lora_B]
     norm = model.decoder.final_layernorm
     out += [norm.weight, getattr(norm, "bias", None)]
     if spec.head == "lm":
@@ -328,13 +344,26 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
             return F.rms_norm(x, (d,), w, eps)
         return F.layer_norm(x, (d,), w, b, eps)
 
-    def col(x, w, b):  # column-parallel linear: the input is replicated, its grad all-reduced
-        return F.linear(copy_to(x) if tp > 1 else x, w, b)
+    lora_targets, lora_scale = spec.lora or ((), 0.0)
 
-    def row(x, w, b):  # row-parallel linear: partial sums all-reduced, then the bias
+    def col(x, w, b, ab=None, late_bias=False):
+        """Column-parallel linear: the input is replicated, its grad all-reduced. ``ab``: its
+        LoRA (A, B), added after the bias, or (``late_bias``: Megatron's fc1 returns its bias
+        apart) before it."""
+        x = copy_to(x) if tp > 1 else x
+        if ab is None:
+            return F.linear(x, w, b)
+        o = F.linear(x, w, None if late_bias else b)
+        o = o + column_delta(x, ab[0], ab[1], lora_scale, tp)
+        return o + b if late_bias and b is not None else o
+
+    def row(x, w, b, ab=None):
+        """Row-parallel linear: partial sums all-reduced, then its LoRA (A, B), then the bias."""
         o = F.linear(x, w)
         if tp > 1:
             o = reduce_from(o)
+        if ab is not None:
+            o = o + row_delta(x, ab[0], ab[1], lora_scale, tp)
         return o if b is None else o + b
 
     def embed(tokens, we):
@@ -359,12 +388,16 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
         for layer in range(spec.layers):
             n1w, n1b, wqkv, bqkv, wproj, bproj, qw, qb, kw, kb, n2w, n2b, w1, b1, w2, b2 = p[i : i + 16]
             i += 16
+            ab = {}  # LoRA: target -> (A, B)
+            for target in lora_targets:
+                ab[target] = (p[i], p[i + 1])
+                i += 2
             # The last layer's keys and values are needed at every position, everything else
             # (queries, attention output, MLP, head) only from ``start`` on.
             last = layer == spec.layers - 1
             s0 = start if last else 0
             m = n - s0
-            qkv = col(norm(x, n1w, n1b), wqkv, bqkv).view(b, n, g, r + 2, d)
+            qkv = col(norm(x, n1w, n1b), wqkv, bqkv, ab.get("linear_qkv")).view(b, n, g, r + 2, d)
             if spec.qk_norm is None:
                 qk = qkv[:, :, :, : r + 1]
             else:  # each query and key head normalised on its own, before RoPE
@@ -393,14 +426,14 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
                 x = x[at, idx].unsqueeze(1)
             elif s0:
                 x = x[:, s0:]
-            x = x + row(ctx, wproj, bproj)
-            f = col(norm(x, n2w, n2b), w1, b1)
+            x = x + row(ctx, wproj, bproj, ab.get("linear_proj"))
+            f = col(norm(x, n2w, n2b), w1, b1, ab.get("linear_fc1"), late_bias=True)
             if spec.gated:
                 a, u = f.chunk(2, dim=-1)
                 f = spec.act(a) * u
             else:
                 f = spec.act(f)
-            x = x + row(f, w2, b2)
+            x = x + row(f, w2, b2, ab.get("linear_fc2"))
         x = norm(x, p[i], p[i + 1])
         w, bias = p[i + 2], p[i + 3]
         if spec.head == "lm":

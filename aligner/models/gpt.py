@@ -329,11 +329,12 @@ def head_of(model: nn.Module) -> str:
 
 
 def tensor_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors by name, without Megatron's ``_extra_state`` placeholders."""
+    """The model's tensors by name, without Megatron's ``_extra_state`` placeholders and without
+    LoRA adapters (``...lora_A``/``...lora_B``, :mod:`aligner.models.lora`): the base model's."""
     return {
         k: v
         for k, v in model.state_dict().items()
-        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        if isinstance(v, torch.Tensor) and not k.endswith(("_extra_state", ".lora_A", ".lora_B"))
     }
 
 

@@ -251,20 +251,29 @@ def iter_megatron_tensors(
     Collective: every rank must iterate to the end. Each tensor is all-gathered over the TP
     group of the stage that holds it and broadcast from that stage over the PP group, so every
     rank yields every tensor. ``dtype`` casts (default: the model's parameter dtype).
+
+    A model with LoRA adapters (:mod:`aligner.models.lora`) streams each adapted weight merged,
+    ``W + (alpha / r) * B @ A`` (each shard merged in fp32 before the gather); the adapters
+    themselves are not in the stream.
     """
+    from aligner.models.lora import merged_weights
+
     m = unwrap(model)
     cfg = config_of(m, cfg)
     head = head_of(m)
     lay = ParallelLayout.current()
     local = check_local_model(m, cfg, head, lay)
+    merged = merged_weights(m)  # local name -> this shard merged; empty without LoRA
     mine = {s.name: n for s, n in lay.targets(cfg, head) if lay.owner(s, cfg) == lay.pp_rank}
     some = next(iter(local.values()))
     wire, device = dtype or some.dtype, some.device
     for spec in megatron_tensor_specs(cfg, head):
         owner = lay.owner(spec, cfg)
         if owner == lay.pp_rank:
+            name = mine[spec.name]
             # Cast before the gather: the same values, and a narrower wire dtype moves fewer bytes.
-            full = lay.gather(local[mine[spec.name]].to(wire), spec, cfg)
+            shard = merged[name](wire) if name in merged else local[name].to(wire)
+            full = lay.gather(shard, spec, cfg)
         else:
             full = torch.empty(spec.shape, dtype=wire, device=device)
         if lay.pp > 1:

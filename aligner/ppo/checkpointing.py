@@ -6,6 +6,10 @@ Layout under the run's checkpoint root (shared with the critic server when both 
         policy/                     the policy as a full model checkpoint (meta.json + model.safetensors,
                                     any TP layout loads it; ``init_from`` and ``aligner-convert export``
                                     read it)
+        policy_lora/                instead of policy/ when the policy has LoRA adapters (``lora.rank``
+                                    > 0): the adapters alone, fp32, at their full shapes (adapter.safetensors
+                                    + adapter.json, :func:`aligner.models.lora.save_lora_adapter`) and the
+                                    frozen base weights' fingerprint; a resume needs the same base
         optim_tp00_pp00.safetensors fp32 masters and AdamW moments of model-parallel rank (0, 0)
                                     (+ optim_tp00_pp00.json), shared by its data-parallel replicas
         rng_tp00_pp00_dp000.safetensors
@@ -30,6 +34,11 @@ is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one
 ``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
 the save, or in the middle of a step (:data:`FAULT_POINTS`): how the tests show a crash never
 yields a checkpoint that loads wrongly.
+
+A critic-free run (``ppo.advantage`` grpo, rloo or reinforce_pp) has no server side: the server
+holds no state of the run (it may be a reward-only one), so nothing is saved or loaded there, and
+a step counts as complete with the actor's folder alone. A critic-free checkpoint never resumes
+into a run with a critic ('gae'), nor the other way round.
 
 A timeout or a restarted server met during the critic's save raises before the actor writes
 anything of that step: its previous checkpoints stay as they were and the step is not
@@ -73,7 +82,9 @@ from aligner.critic.handle import CriticHandle, CriticRestartedError
 from aligner.critic.protocol import ServerInfo
 from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
 from aligner.models.config import ModelConfig
+from aligner.models.lora import LoraConfig, load_lora_adapter, lora_config_of, save_lora_adapter
 from aligner.ppo.config import ActorConfig, PolicyOptimConfig
+from aligner.ppo.critic_link import server_mode_problem
 from aligner.precision import MixedPrecisionAdamW
 from aligner.tokenizers import Tokenizer
 
@@ -104,6 +115,8 @@ FAULT_POINTS = (
 step N, before its critic_train is sent (:class:`~aligner.ppo.trainer.PPOTrainer`); the others
 at the named moment of the save of step N (:meth:`ActorCheckpointer.save`)."""
 _TMP = ".tmp." + ROLE
+LORA_DIR = "policy_lora"
+"""The adapters of a LoRA policy in an actor checkpoint (in place of ``policy/``)."""
 
 
 @dataclass
@@ -196,15 +209,33 @@ def config_differences(
             f"{pp_saved} stage(s), this run uses {state.pp_size} (resume at the saved size; the policy alone "
             "loads at any size through init_from=<step>/actor/policy)"
         )
+    adv_saved = (saved.get("config") or {}).get("ppo", {}).get("advantage", "gae")
+    if _critic_free(adv_saved) != _critic_free(cfg.ppo.advantage):
+        has = lambda a: "without a critic" if _critic_free(a) else "with a critic"  # noqa: E731
+        out.append(
+            f"ppo.advantage: the checkpoint was made by a run {has(adv_saved)} (ppo.advantage={adv_saved!r}), "
+            f"this run is one {has(cfg.ppo.advantage)} (ppo.advantage={cfg.ppo.advantage!r}); resume with "
+            f"ppo.advantage={adv_saved!r}, or start fresh"
+        )
     n_saved, n_now = saved.get("trainable_last_n_layers"), cfg.optim.trainable_last_n_layers
     if n_saved != n_now:
         out.append(f"optim.trainable_last_n_layers: checkpoint {n_saved}, config {n_now}")
+    lora_saved, lora_now = saved.get("lora") or LoraConfig().to_dict(), cfg.lora.to_dict()
+    for key in ("rank", "alpha", "targets"):  # what the adapters' tensors and their scale depend on
+        if lora_saved.get(key) != lora_now[key]:
+            out.append(f"lora.{key}: checkpoint {lora_saved.get(key)!r}, config {lora_now[key]!r}")
     if saved["precision"] != precision:
         out.append(
             f"precision: the checkpoint was trained in {saved['precision']}, this run computes in {precision} "
             f"(set precision={saved['precision']})"
         )
     return out
+
+
+def _critic_free(advantage: str) -> bool:
+    from aligner.rl import CRITIC_FREE_ESTIMATORS
+
+    return advantage in CRITIC_FREE_ESTIMATORS
 
 
 class ActorCheckpointer:
@@ -224,6 +255,8 @@ class ActorCheckpointer:
     ) -> None:
         self.cfg, self.state, self.critic, self.tokenizer = cfg, state, critic, tokenizer
         self.root = checkpoint_root(cfg)
+        self.critic_free = _critic_free(cfg.ppo.advantage)
+        """A run without a critic: the server holds nothing of it, and is neither saved nor loaded."""
         self.reference_fingerprint = reference_fingerprint
         self.print_fn = print_fn if state.rank == 0 else None
         self.last_saved = -1
@@ -260,7 +293,12 @@ class ActorCheckpointer:
     def _decide(self) -> str | None:
         mode = self.cfg.checkpoint.resume
         info = self.critic.server_info()
+        problem = server_mode_problem(self.cfg.ppo.advantage, info, self.critic.url)
+        if problem is not None:
+            raise CheckpointError(problem)
         server_steps = sorted(int(s) for s in info.checkpoint_steps)
+        if self.critic_free:
+            return self._decide_critic_free(mode)
         if mode == "none":
             mine = complete_steps(self.root, role=ROLE)
             if mine:
@@ -309,6 +347,37 @@ class ActorCheckpointer:
         self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
         return str(step_dir)
 
+    def _decide_critic_free(self, mode: str) -> str | None:
+        """:meth:`_decide` for a critic-free run: the actor's checkpoints alone decide."""
+        mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+        if mode == "none":
+            if mine:
+                raise CheckpointError(
+                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
+                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
+                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
+                )
+            return None
+        if mode == "auto":
+            if not mine:
+                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
+                return None
+            path = self.root / step_dir_name(mine[-1])
+            self._say(
+                f"resume=auto: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)"
+            )
+            return str(path)
+        path = Path(mode)
+        step_dir = path.parent if path.name == ROLE else path
+        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
+                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
+                f"{complete_steps(step_dir.parent, role=ROLE)}"
+            )
+        self._say(f"resuming from {step_dir / ROLE} (critic-free: no server state)")
+        return str(step_dir)
+
     def _reset_critic(self, info: ServerInfo, server_steps: list[int], why: str) -> None:
         if info.critic_step < 1:
             return
@@ -352,7 +421,8 @@ class ActorCheckpointer:
         fault_point("before_critic_save", step)
         # A timeout or a restarted server raises here, on every rank, before anything of this
         # step is written: the previous checkpoints stay as they were.
-        self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
+        if not self.critic_free:  # a critic-free run has nothing on the server to save
+            self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
         fault_point("after_critic_save", step)
         step_dir = self.root / step_dir_name(step)
         final, tmp = step_dir / ROLE, step_dir / _TMP
@@ -362,7 +432,14 @@ class ActorCheckpointer:
         barrier()
         from aligner.models.checkpoint_io import save_model_checkpoint
 
-        save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
+        if lora_config_of(state.policy) is not None:
+            # LoRA: the adapters (their fp32 masters) and the digest of the frozen base they adapt.
+            base = weights_fingerprint(state.policy, st)
+            save_lora_adapter(
+                state.policy, tmp / LORA_DIR, optimizer=state.optimizer, meta={"base_fingerprint": base}
+            )
+        else:
+            save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
         fault_point("mid_actor_write", step)
         if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
             tensors, meta = state.optimizer.state_tensors()
@@ -409,6 +486,7 @@ class ActorCheckpointer:
             "data_parallel_size": st.dp_size,
             "world_size": st.world_size,
             "trainable_last_n_layers": cfg.optim.trainable_last_n_layers,
+            "lora": cfg.lora.to_dict(),
             "precision": state.precision,
             "reference_fingerprint": self.reference_fingerprint,
             "critic_url": self.critic.url,
@@ -457,6 +535,15 @@ class ActorCheckpointer:
                 "reference model: its weights differ from the ones the checkpoint was trained against "
                 "(init_from or seed changed?)"
             )
+        lora = lora_config_of(state.policy) is not None
+        if lora and (d / LORA_DIR / "adapter.json").is_file():  # else: lora.rank differs, listed above
+            # The adapters were trained on a base model: only the same base continues them.
+            base = read_json(d / LORA_DIR / "adapter.json").get("base_fingerprint")
+            if base != weights_fingerprint(state.policy, st):
+                problems.append(
+                    f"LoRA base model: the frozen base weights differ from the ones the adapters in "
+                    f"{d / LORA_DIR} were trained on (fingerprint {base}; init_from or seed changed?)"
+                )
         if problems:
             raise CheckpointError(f"cannot resume from {d}:\n  " + "\n  ".join(problems))
         step = int(saved["trainer"]["step"])
@@ -479,7 +566,10 @@ class ActorCheckpointer:
 
         from aligner.models.checkpoint_io import load_model_checkpoint
 
-        load_model_checkpoint(state.policy, d / "policy")
+        if lora:
+            load_lora_adapter(state.policy, d / LORA_DIR)
+        else:
+            load_model_checkpoint(state.policy, d / "policy")
         state.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
         _apply_current_hyperparameters(state.optimizer, self.cfg.optim)
         if rng is not None:
@@ -499,7 +589,8 @@ class ActorCheckpointer:
                 )
             self._write_best()
         barrier()
-        self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
+        if not self.critic_free:  # a critic-free run has nothing on the server to load
+            self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
         self.last_saved = step
         return saved["trainer"]
 
@@ -516,7 +607,7 @@ class ActorCheckpointer:
                 info = self.critic.server_info()
                 server_steps = sorted(int(s) for s in info.checkpoint_steps)
                 mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
-                common = sorted(set(mine) & set(server_steps))
+                common = mine if self.critic_free else sorted(set(mine) & set(server_steps))
                 if common:
                     decision = [str(self.root / step_dir_name(common[-1])), None, info.critic_step]
                 else:

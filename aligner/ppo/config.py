@@ -17,6 +17,7 @@ from aligner.generation.engine import DECODE_STEPS, SamplingParams, sampling_pro
 from aligner.generation.trtllm import TrtllmConfig
 from aligner.metrics import WandbConfig
 from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
+from aligner.models.lora import LoraConfig
 from aligner.optim import OptimConfig
 
 ENGINES = ("native", "trtllm")
@@ -311,16 +312,58 @@ class PolicyOptimConfig(OptimConfig):
 
 @dataclass
 class PPOConfig:
-    """The PPO algorithm: batch sizes, KL control, advantage estimation and the losses."""
+    """The PPO algorithm: batch sizes, KL control, advantage estimation and the losses.
+
+    Which estimator when (``advantage``): ``gae`` with a critic server, the default (dense
+    per-token credit from a learned value; costs a critic's forward and update per step);
+    ``grpo`` with ``samples_per_prompt`` of 4-16 and a reward-only server, for verifiable
+    rewards (math, code: scores of 0/1 that a group's samples compare well); ``rloo`` the same
+    without GRPO's per-group scaling (unbiased); ``reinforce_pp`` critic-free at any
+    ``samples_per_prompt``, one sample per prompt included (token-level returns of the KL-shaped
+    rewards against the batch's mean)."""
 
     num_steps: int = 100
     """PPO steps (rollout + update) to run."""
     global_batch_size: int = 64
-    """Prompts per step, over all data-parallel ranks."""
+    """Samples (responses) per step, over all data-parallel ranks: each step draws
+    global_batch_size / samples_per_prompt prompts."""
     mini_batch_size: int = 32
-    """Prompts per optimizer step, over all data-parallel ranks."""
+    """Samples per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 32
-    """Prompts per forward/backward on one rank (gradient accumulation below the minibatch)."""
+    """Samples per forward/backward on one rank (gradient accumulation below the minibatch)."""
+    samples_per_prompt: int = 1
+    """Responses drawn for each prompt of a step, a group on one data-parallel rank with distinct
+    sampling streams: 1 for PPO with a critic; 4-16 for 'grpo' and 'rloo' (which need >= 2: they
+    compare a prompt's samples with each other)."""
+    advantage: str = "gae"
+    """The advantage estimator: 'gae' (the critic's values, PPO's default), or critic-free
+    'grpo', 'rloo', 'reinforce_pp' (no critic values used, no critic_train sent: run the server
+    with mode=reward_only). When to use which: the class docstring."""
+    grpo_std_norm: bool = True
+    """'grpo': divide each group's centred scores by the group's standard deviation; false is
+    Dr. GRPO (no division, which would favour prompts whose samples barely differ)."""
+    overlong_filtering: bool = False
+    """Leave responses cut at generation.max_new_tokens without end-of-sequence out of the policy
+    loss (DAPO; they still count in the score metrics): for long responses whose truncation says
+    little about their quality. Only ended responses are then learned from: when those are mostly
+    poor, the policy can learn never to end (``rollout/overlong_filtered`` shows it)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: responses longer than generation.max_new_tokens minus this
+    many tokens get a score penalty growing linearly to overlong_penalty at the limit, so that the
+    policy learns to finish before it is cut off (0 = off)."""
+    overlong_penalty: float = 1.0
+    """The soft overlong punishment's largest penalty (subtracted from the score at the limit)."""
+    critic_warmup_steps: int = 0
+    """The first N steps train only the critic on fresh rollouts, while the policy, its LR schedule
+    and the KL controller stay as they are: for a fresh critic (a new value head) whose values
+    would otherwise steer the first policy updates with noise. 'gae' only."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling ('grpo', 'rloo'): drop the groups whose scores are all equal (their
+    advantages are 0: nothing to learn) and generate more prompts until every rank's batch is
+    full again, for tasks where many prompts are always or never solved."""
+    max_generation_rounds: int = 4
+    """Dynamic sampling: the most generation rounds of one step; a batch still short after them is
+    filled up with dropped groups."""
     ppo_epochs: int = 2
     """Passes over the rollout batch per step."""
     reuse_rollout_forward: bool = True
@@ -373,15 +416,24 @@ class PPOConfig:
     model, some 0.1 s over PCIe 4 at pinned-memory speed) and its device memory again while that
     forward runs. No effect when the policy itself is on the CPU."""
 
-    def problems(self, prefix: str = "ppo") -> Problems:
+    def problems(self, prefix: str = "ppo", max_new_tokens: int | None = None) -> Problems:
         """Each value on its own (the batch sizes' divisibility depends on the data-parallel
-        size: :meth:`ActorConfig.problems`)."""
+        size: :meth:`ActorConfig.problems`), and ``overlong_buffer`` against ``max_new_tokens``
+        (``generation.max_new_tokens``) when given."""
         e = Problems()
         e.positive_ints(
             self,
             prefix,
-            ("num_steps", "global_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs"),
+            (
+                "num_steps",
+                "global_batch_size",
+                "mini_batch_size",
+                "micro_batch_size",
+                "ppo_epochs",
+                "samples_per_prompt",
+            ),
         )
+        e += self._estimator_problems(prefix, max_new_tokens)
         e.expect(0 < self.clip_eps < 1, f"{prefix}.clip_eps", self.clip_eps, "a value in (0, 1)")
         high, dual, vlam = self.clip_eps_high, self.dual_clip, self.value_lam
         e.expect(high is None or high > 0, f"{prefix}.clip_eps_high", high, "> 0 or null")
@@ -404,6 +456,64 @@ class PPOConfig:
                 0 <= getattr(self, name) <= 1, f"{prefix}.{name}", getattr(self, name), "a value in [0, 1]"
             )
         e.expect(vlam is None or 0 <= vlam <= 1, f"{prefix}.value_lam", vlam, "a value in [0, 1] or null")
+        return e
+
+    def _estimator_problems(self, prefix: str, max_new_tokens: int | None) -> Problems:
+        """The advantage estimator, its groups, the overlong settings and the critic warm-up."""
+        from aligner.rl import ESTIMATORS, GROUP_ESTIMATORS
+
+        e = Problems()
+        n, adv = self.samples_per_prompt, self.advantage
+        e.expect(adv in ESTIMATORS, f"{prefix}.advantage", adv, f"one of {list(ESTIMATORS)}")
+        valid_n = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        if valid_n and adv in GROUP_ESTIMATORS:
+            e.expect(
+                n >= 2,
+                f"{prefix}.samples_per_prompt",
+                n,
+                f">= 2 with {prefix}.advantage={adv!r} (it compares the samples of one prompt)",
+            )
+        if valid_n:
+            for name in ("global_batch_size", "mini_batch_size"):
+                v = getattr(self, name)
+                if isinstance(v, int) and v >= 1 and v % n:
+                    e.append(
+                        f"{prefix}.{name}={v}: expected a multiple of {prefix}.samples_per_prompt={n} "
+                        "(whole groups of one prompt's samples)"
+                    )
+        e.non_negative_ints(self, prefix, ("critic_warmup_steps", "overlong_buffer"))
+        e.positive_ints(self, prefix, ("max_generation_rounds",))
+        if self.dynamic_sampling:
+            e.expect(
+                adv in GROUP_ESTIMATORS,
+                f"{prefix}.dynamic_sampling",
+                self.dynamic_sampling,
+                f"false with {prefix}.advantage={adv!r} (it drops groups of equal scores: "
+                f"{' or '.join(repr(a) for a in GROUP_ESTIMATORS)} only)",
+            )
+        w = self.critic_warmup_steps
+        if isinstance(w, int) and w > 0:
+            e.expect(
+                adv == "gae",
+                f"{prefix}.critic_warmup_steps",
+                w,
+                f"0 with {prefix}.advantage={adv!r} (only 'gae' has a critic to warm up)",
+            )
+        b = self.overlong_buffer
+        if max_new_tokens is not None and isinstance(b, int) and b > 0:
+            e.expect(
+                b <= max_new_tokens,
+                f"{prefix}.overlong_buffer",
+                b,
+                f"at most generation.max_new_tokens={max_new_tokens} (0 turns the penalty off)",
+            )
+        pen = self.overlong_penalty
+        e.expect(
+            isinstance(pen, (int, float)) and math.isfinite(pen) and pen >= 0,
+            f"{prefix}.overlong_penalty",
+            pen,
+            "a finite number >= 0",
+        )
         return e
 
 
@@ -559,6 +669,10 @@ class ActorConfig:
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     optim: PolicyOptimConfig = field(default_factory=PolicyOptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on the policy (``aligner.models.lora``): with ``lora.rank`` > 0 only the
+    adapters train (the reference stays the base model), refits and the HF export carry the
+    merged weights, and checkpoints hold the adapters and their optimizer state."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -587,7 +701,7 @@ class ActorConfig:
     def problems(self, world_size: int = 1, vocab_size: int | None = None) -> Problems:
         """Every problem of this config for a run of ``world_size`` processes whose tokenizer has
         ``vocab_size`` ids: each section's own, then what the sections demand of each other."""
-        e = self.ppo.problems("ppo")
+        e = self.ppo.problems("ppo", max_new_tokens=self.generation.max_new_tokens)
         e += self.parallel_problems(world_size)
         e += self.generation.problems("generation")
         e.expect(
@@ -603,6 +717,12 @@ class ActorConfig:
             f"one of {list(FORWARD_MODES)}",
         )
         e += self.optim.problems("optim", num_layers=self.model.num_layers)
+        e += self.lora.problems("lora")
+        if self.lora.enabled and self.lora.dropout and self.model_forward in ("fused", "compiled"):
+            e.append(
+                f"model_forward={self.model_forward!r}: the fused forward has no LoRA dropout "
+                f"(lora.dropout={self.lora.dropout}); use model_forward=auto or megatron, or lora.dropout=0"
+            )
         if vocab_size is not None and self.model.vocab_size < vocab_size:
             # A larger embedding than the tokenizer (Qwen2's padded vocabularies) is fine: the ids
             # beyond the tokenizer are never sampled nor scored.
@@ -671,6 +791,12 @@ class ActorConfig:
             e.append(
                 f"ppo.global_batch_size ({p.global_batch_size}) must be divisible by the data-parallel "
                 f"size ({dp})"
+            )
+        n = p.samples_per_prompt
+        if isinstance(n, int) and n > 1 and not p.global_batch_size % dp and (p.global_batch_size // dp) % n:
+            e.append(
+                f"ppo.global_batch_size per data-parallel rank ({p.global_batch_size // dp}) must be divisible "
+                f"by ppo.samples_per_prompt ({n}): each rank generates whole groups of one prompt's samples"
             )
         return e
 

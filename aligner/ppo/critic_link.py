@@ -7,6 +7,10 @@ steps 3 and 6).
 - ``critic_train``: every data-parallel rank's rows are gathered (padded to a common length) and
   global rank 0 sends them once per step; the step does not wait for the answer. The one update
   in flight, and the result of the last one until the step that reports it, are kept here.
+- Critic-free runs (``ppo.advantage`` grpo, rloo, reinforce_pp) send ``critic_infer`` for the
+  scores alone and never ``critic_train``; they pair with a server in ``mode=reward_only``, which
+  holds no critic. A run that needs the critic ('gae') refuses such a server at start
+  (:func:`server_mode_problem`).
 - Failures: a wait on the server fails on the ranks that sent (a timeout, a restarted server),
   yet every rank must leave the step together. Under more than one rank, each wait ends in one
   all-reduce of an outcome code, so that every rank raises: the sender its own error, the
@@ -28,7 +32,7 @@ import torch.distributed as dist
 from aligner.critic.handle import CriticError, CriticHandle, CriticRestartedError
 from aligner.distributed import ParallelState, comm_device
 
-__all__ = ["CriticLink", "sample_texts"]
+__all__ = ["CriticLink", "sample_texts", "server_has_critic", "server_mode_problem"]
 
 T = TypeVar("T")
 
@@ -54,6 +58,27 @@ def sample_texts(
     return prompts, responses
 
 
+def server_has_critic(info: Any) -> bool:
+    """Whether the server behind ``info`` (its ``server_info``) holds a critic: False for a server
+    in ``mode=reward_only``; True for one older than the field."""
+    return bool(getattr(info, "critic", True))
+
+
+def server_mode_problem(advantage: str, info: Any, url: str) -> str | None:
+    """Why a run with ``ppo.advantage=advantage`` cannot train against the server at ``url``
+    (``info``: its ``server_info``), or None when it can: 'gae' needs the critic's values and
+    trains the critic, which a reward-only server does not hold."""
+    from aligner.rl import CRITIC_FREE_ESTIMATORS
+
+    if advantage in CRITIC_FREE_ESTIMATORS or server_has_critic(info):
+        return None
+    return (
+        f"ppo.advantage={advantage!r} needs the critic's values and trains the critic, but the server at "
+        f"{url} runs mode=reward_only (server_info: critic false; it scores responses and holds no critic): "
+        f"set ppo.advantage to one of {list(CRITIC_FREE_ESTIMATORS)}, or start the server with mode=critic"
+    )
+
+
 def _rows(x: Any) -> list:
     return (x.detach().cpu() if hasattr(x, "detach") else x).tolist()
 
@@ -75,6 +100,28 @@ class CriticLink:
         self.completed: dict[str, Any] | None = None
         """The result of the last finished ``critic_train``, until a step reports it."""
         self._needs_texts: bool | None = None
+
+    # -- the server's mode ---------------------------------------------------------------------------
+
+    def check_mode(self, advantage: str) -> bool:
+        """Whether the server holds a critic, on every rank; raises on every rank when a run with
+        ``ppo.advantage=advantage`` cannot use it (:func:`server_mode_problem`; rank 0 asks)."""
+
+        def ask() -> bool:
+            if self.state.rank != 0:
+                return True
+            info = self.critic.server_info()
+            problem = server_mode_problem(advantage, info, self.critic.url)
+            if problem is not None:
+                raise CriticError(problem)
+            return server_has_critic(info)
+
+        has = self.agree("server_info", ask)
+        if self.state.world_size > 1:  # rank 0's answer, on every rank
+            flag = torch.tensor([int(has)], dtype=torch.int64, device=comm_device())
+            dist.broadcast(flag, 0)
+            has = bool(flag.item())
+        return has
 
     # -- critic_infer ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch
 
 from aligner import precision as mp
 from aligner.models import gpt
+from aligner.models.lora import is_lora_name, lora_config_of
 from aligner.ppo.config import ActorConfig
 
 __all__ = ["freeze_all_but_last_layers", "lr_lambda", "make_optimizer", "set_schedule_position"]
@@ -34,7 +35,8 @@ def make_optimizer(
     model: torch.nn.Module, cfg: ActorConfig, precision: str = "fp32"
 ) -> tuple[mp.MixedPrecisionAdamW, Schedule]:
     """AdamW (fp32 master weights when ``precision`` is bf16: the model is cast to bf16 in
-    place and its fp32 values become the masters) and the warmup + cosine LR schedule."""
+    place and its fp32 values become the masters) and the warmup + cosine LR schedule. Only
+    trainable parameters (``requires_grad``) are in it and get masters: with LoRA, the adapters."""
     o, p = cfg.optim, cfg.ppo
     # Given the module, an fp32 model is cast to bf16 in place (frozen weights too) and the
     # trained weights' fp32 values become the masters, unrounded.
@@ -58,7 +60,10 @@ def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None, num_layers
     """Train only the model's last ``n`` transformer layers plus the final norm and LM head (all
     when None). ``num_layers``: the whole model's, for a pipeline stage that holds some of them
     (its layers are numbered from its stage's offset); default the layers this module holds.
-    An LM head tied to the embedding is frozen with it, on every stage that holds a copy."""
+    An LM head tied to the embedding is frozen with it, on every stage that holds a copy.
+
+    With LoRA (:func:`aligner.models.lora.apply_lora`) the base weights stay frozen, the final
+    norm and LM head included: only the adapters of the last ``n`` layers train."""
     if n is None:
         return
     m = gpt.unwrap(model)
@@ -70,7 +75,10 @@ def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None, num_layers
 
         offset = mpu.get_pipeline_model_parallel_rank() * local
     tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
+    lora = lora_config_of(m) is not None
     for name, param in m.named_parameters():
+        if lora and not is_lora_name(name):
+            continue  # a frozen base weight
         keep = name.startswith("decoder.final_layernorm") or (name.startswith("output_layer") and not tied)
         if name.startswith("decoder.layers."):
             keep = offset + int(name.split(".")[2]) >= total - n

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from aligner import rl
 from aligner.generation.engine import GenerationOutput
 
-__all__ = ["Rollout", "StepRecord", "global_mean"]
+__all__ = ["GroupFilter", "Rollout", "StepRecord", "cat_generations", "global_mean", "informative_groups"]
 
 
 @dataclass
@@ -31,17 +31,122 @@ class Rollout:
     prompt_lengths: torch.Tensor
     """[b] int64."""
     mask: torch.Tensor
-    """[b, s-1] float32 response mask."""
+    """[b, s-1] float32 loss mask: the response mask, without the responses that never ended
+    under ``ppo.overlong_filtering``."""
     old_logprobs: torch.Tensor
     """[b, s-1] float32 policy log-probs from the training forward before any update."""
     values: torch.Tensor
-    """[b, s-1] float32 critic values at rollout time."""
+    """[b, s-1] float32 critic values at rollout time (unused by critic-free estimators)."""
     advantages: torch.Tensor
     """[b, s-1] float32 (whitened when configured)."""
     returns: torch.Tensor
-    """[b, s-1] float32 value targets."""
+    """[b, s-1] float32 value targets (critic-free: REINFORCE++'s returns-to-go, else zeros)."""
     start: int = 0
     """First position whose logits any loss term reads (:func:`aligner.rl.loss_start`)."""
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``scores [b]`` (groups: contiguous blocks of ``group_size`` rows) -> ``[b / group_size]``
+    bool: True for the groups whose scores are not all equal. A group of equal scores has
+    advantages of 0 under GRPO and RLOO: nothing to learn from (DAPO's dynamic sampling drops it)."""
+    g = scores.reshape(-1, group_size)
+    return (g != g[:, :1]).any(dim=1)
+
+
+def cat_generations(parts: list[GenerationOutput], pad_id: int) -> GenerationOutput:
+    """The rows of several generation outputs as one, right padded to the longest ``s`` (tokens
+    with ``pad_id``, log-probs with 0)."""
+    s = max(g.tokens.shape[1] for g in parts)
+
+    def pad(x: torch.Tensor, width: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    return GenerationOutput(
+        tokens=torch.cat([pad(g.tokens, s, pad_id) for g in parts]),
+        lengths=torch.cat([g.lengths for g in parts]),
+        prompt_lengths=torch.cat([g.prompt_lengths for g in parts]),
+        logprobs=torch.cat([pad(g.logprobs, s - 1, 0.0) for g in parts]),
+        ended=torch.cat([g.ended for g in parts]),
+    )
+
+
+def _rows(gen: GenerationOutput, idx: torch.Tensor) -> GenerationOutput:
+    """Rows ``idx`` of ``gen`` (trimmed to their longest sample)."""
+    lengths = gen.lengths[idx]
+    s = int(lengths.max()) if idx.numel() else 1
+    return GenerationOutput(
+        tokens=gen.tokens[idx, :s],
+        lengths=lengths,
+        prompt_lengths=gen.prompt_lengths[idx],
+        logprobs=gen.logprobs[idx, : s - 1],
+        ended=gen.ended[idx],
+    )
+
+
+class GroupFilter:
+    """DAPO's dynamic sampling on one rank: fills a batch of ``capacity`` rows with informative
+    groups (:func:`informative_groups`) over generation rounds.
+
+    Each round's output is :meth:`add`-ed with the server's values and scores; its informative
+    groups are kept in order until the batch is full (the rest of them are dropped), its
+    groups of equal scores are set aside. :meth:`batch` returns the kept rows, filled up, when
+    the rounds ran out before the batch was full, with the set-aside groups (in the order they
+    came): every rank ends with ``capacity`` rows, whole groups of ``group_size``."""
+
+    def __init__(self, capacity: int, group_size: int, pad_id: int) -> None:
+        if capacity % group_size:
+            raise ValueError(f"capacity {capacity} is not a whole number of groups of {group_size}")
+        self.capacity, self.group_size, self.pad_id = capacity, group_size, pad_id
+        self.kept: list[tuple[GenerationOutput, torch.Tensor, torch.Tensor]] = []
+        self.spare: list[tuple[GenerationOutput, torch.Tensor, torch.Tensor]] = []
+        self.rows = 0
+        """Rows kept so far."""
+        self.filtered = 0
+        """Groups of equal scores seen so far (set aside, used only to fill up)."""
+
+    @property
+    def missing(self) -> int:
+        """Rows the batch still lacks."""
+        return self.capacity - self.rows
+
+    def add(self, gen: GenerationOutput, values: torch.Tensor, scores: torch.Tensor) -> None:
+        """One round: ``gen`` (``b`` rows, whole groups), its ``values [b, s-1]`` and ``scores [b]``."""
+        n = self.group_size
+        good = informative_groups(scores, n)
+        self.filtered += int((~good).sum())
+        offsets = torch.arange(n)
+        for groups, into in (
+            (good.nonzero().flatten(), self.kept),
+            ((~good).nonzero().flatten(), self.spare),
+        ):
+            if into is self.kept:
+                groups = groups[: self.missing // n]
+                self.rows += groups.numel() * n
+            if groups.numel():
+                idx = (groups.unsqueeze(1) * n + offsets).reshape(-1)
+                part = _rows(gen, idx)
+                into.append((part, values[idx, : part.tokens.shape[1] - 1], scores[idx]))
+
+    def batch(self) -> tuple[GenerationOutput, torch.Tensor, torch.Tensor]:
+        """``(gen, values [capacity, s-1], scores [capacity])``: the kept rows, then set-aside
+        groups up to ``capacity`` rows when the kept ones are fewer."""
+        parts, need = list(self.kept), self.missing
+        for gen, values, scores in self.spare:
+            if need <= 0:
+                break
+            take = min(need, scores.numel())
+            part = _rows(gen, torch.arange(take))
+            parts.append((part, values[:take, : part.tokens.shape[1] - 1], scores[:take]))
+            need -= take
+        if need > 0:
+            raise ValueError(f"dynamic sampling: {self.capacity - need} rows for a batch of {self.capacity}")
+        s = max(g.tokens.shape[1] for g, _, _ in parts)
+        values = torch.cat([torch.nn.functional.pad(v, (0, s - 1 - v.shape[1])) for _, v, _ in parts])
+        return (
+            cat_generations([g for g, _, _ in parts], self.pad_id),
+            values,
+            torch.cat([x for _, _, x in parts]),
+        )
 
 
 def global_mean(x: torch.Tensor, mask: torch.Tensor | None, group: Any = None) -> torch.Tensor:
@@ -81,6 +186,11 @@ class StepRecord:
     """The critic's result for the previous step's batch (``loss``, ``grad_norm``), if any."""
     timers: dict[str, float]
     """``timers/<part>`` seconds."""
+    critic_free: bool = False
+    """No critic in this run (``ppo.advantage``): no critic metrics."""
+    loss_mask: torch.Tensor | None = None
+    """[b, s-1] the loss mask when ``ppo.overlong_filtering`` made one (``rollout/overlong_filtered``:
+    the fraction of responses it left out), else None."""
 
     def metrics(self, dp_group: Any = None) -> dict[str, float]:
         """The step's metrics, averaged over every data-parallel rank (collective over
@@ -100,7 +210,6 @@ class StepRecord:
             "objective/non_score_reward": float(row(self.non_score.sum(1))),
             "objective/entropy": float(global_mean(self.entropy, mask, dp_group)),
             "objective/kl_coef": float(self.kl_coef),
-            "critic/explained_variance": float(rl.explained_variance(self.values, self.returns, mask)),
             "rollout/response_length": float(row(resp_len)),
             "rollout/ended_fraction": float(row(gen.ended.float())),
             "rollout/logprob_mismatch_max": float(gen_mismatch),
@@ -110,6 +219,11 @@ class StepRecord:
             **self.timers,
         }
         m["throughput/tokens_per_s"] = float(n_tokens) / max(self.timers["timers/generate"], 1e-9)
+        if not self.critic_free:
+            m["critic/explained_variance"] = float(rl.explained_variance(self.values, self.returns, mask))
+        if self.loss_mask is not None:
+            dropped = (self.loss_mask.sum(1) == 0) & (mask.sum(1) > 0)
+            m["rollout/overlong_filtered"] = float(row(dropped.float()))
         if self.critic_stats is not None:
             m["loss/value"] = float(self.critic_stats["loss"])
             m["critic/grad_norm"] = float(self.critic_stats["grad_norm"])

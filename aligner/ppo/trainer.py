@@ -6,10 +6,31 @@ Each step reads as the steps of docs/design.md, "Roles and data flow":
 2. generate responses for a batch of prompts;
 3. send them to ``critic_infer`` (values and scores) without waiting;
 4. meanwhile, the policy's and the reference's log-probs;
-5. KL-shaped per-token rewards -> GAE -> whitened advantages;
-6. send ``critic_train`` this step's batch, without waiting for it;
-7. PPO epochs x minibatches of clipped-surrogate updates;
+5. KL-shaped per-token rewards -> advantages (``ppo.advantage``: GAE, whitened; or critic-free
+   GRPO, RLOO, REINFORCE++);
+6. send ``critic_train`` this step's batch, without waiting for it (not in critic-free runs);
+7. PPO epochs x minibatches of clipped-surrogate updates (not during the critic warm-up);
 8. every N steps: validation on fixed prompts, and checkpoints of both roles at the same step.
+
+Algorithms (``ppo.*``, :class:`~aligner.ppo.config.PPOConfig`):
+
+- ``samples_per_prompt = n``: each step draws ``global_batch_size / n`` prompts, each a group of
+  ``n`` adjacent rows on one data-parallel rank; the engine samples every row from its own
+  random stream, so a group's copies draw different responses. PPO's minibatch orders permute
+  whole groups.
+- Critic-free estimators (``grpo``, ``rloo``, ``reinforce_pp``): the scores come from
+  ``critic_infer`` as before; its values are not used (a reward-only server answers zeros) and
+  no ``critic_train`` is sent. GRPO and RLOO compare each sample's sequence reward (its score
+  plus its KL penalty, ``-beta * sum_t kl_t``) with its group's; REINFORCE++ takes token-level
+  returns of the KL-shaped rewards, whitened over the global batch.
+- Overlong handling (DAPO): ``overlong_filtering`` takes responses that never ended out of the
+  loss mask; ``overlong_buffer`` adds the soft overlong penalty to the score, beside
+  ``missing_eos_penalty``.
+- ``critic_warmup_steps``: the first steps send the critic its training batch as usual but leave
+  the policy, its LR schedule and the KL controller as they are.
+- ``dynamic_sampling`` (DAPO; GRPO and RLOO): step 2 becomes rounds of generating and scoring,
+  each keeping the groups whose scores differ, until the batch is full (at most
+  ``max_generation_rounds``); step 3's scores are then those rounds'.
 
 All numbers come from :mod:`aligner.rl`; this file only moves tensors between the pieces, each
 in a module of its own: the prompts (:mod:`aligner.ppo.prompts`), the critic as the actor's
@@ -23,21 +44,24 @@ A restarted critic server (:class:`~aligner.critic.handle.CriticRestartedError`)
 :meth:`PPOTrainer.train`: per ``critic.on_restart`` it rolls both roles back to the newest step
 both checkpointed and redoes the steps after it (at most ``critic.max_restarts`` times), or stops.
 
-Shapes: ``b`` this data-parallel rank's prompts, ``s`` padded length, ``v`` vocabulary shard.
+Shapes: ``b`` this data-parallel rank's samples (its prompts times ``samples_per_prompt``), ``s``
+padded length, ``v`` vocabulary shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from aligner import precision as mp
 from aligner import rl
 from aligner.critic.handle import CriticError, CriticHandle, CriticRestartedError
-from aligner.distributed import ParallelState
+from aligner.distributed import ParallelState, comm_device
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from aligner.metrics import MetricsLogger, Timers
 from aligner.models import gpt
@@ -49,15 +73,27 @@ from aligner.ppo.optimizer import freeze_all_but_last_layers, make_optimizer, se
 from aligner.ppo.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
 from aligner.ppo.prompts import PromptSampler
 from aligner.ppo.reference import ReferenceModel
-from aligner.ppo.rollout import Rollout, StepRecord, global_mean
+from aligner.ppo.rollout import GroupFilter, Rollout, StepRecord, global_mean
 from aligner.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PPOTrainer"]
+__all__ = ["PPOTrainer", "group_order"]
 
 #: The first PPO pass's ``(logits [b, s - start, v], logprobs [b, s-1])``, with their graph.
 FirstPass = tuple[torch.Tensor, torch.Tensor]
+
+
+def group_order(b: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A random order of ``b`` rows that permutes whole groups (contiguous blocks of
+    ``group_size`` rows), keeping each group's rows together and in order; ``group_size`` 1 is
+    ``torch.randperm(b)``."""
+    if group_size <= 1:
+        return torch.randperm(b, generator=generator)
+    if b % group_size:
+        raise ValueError(f"{b} rows do not split into groups of {group_size}")
+    groups = torch.randperm(b // group_size, generator=generator)
+    return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
 
 
 class PPOTrainer:
@@ -145,6 +181,14 @@ class PPOTrainer:
             else rl.FixedKLController(p.init_kl_coef)
         )
         self.score_moments = rl.RunningMoments()
+        self.critic_free = p.advantage in rl.CRITIC_FREE_ESTIMATORS
+        """No critic in this run (``ppo.advantage``): its values are not used, nor is it trained."""
+        if self.critic_free and hasattr(critic, "watch_restarts"):
+            # The server holds nothing this run depends on: a restarted one is simply reconnected.
+            critic.watch_restarts = False
+        server_critic = self.critic.check_mode(p.advantage)  # 'gae' refuses a reward-only server
+        if state.is_logging_rank:
+            print(self._estimator_line(server_critic), flush=True)
         self.step_count = 0
         self.restarts = 0
         """Server restarts this run rolled back from."""
@@ -237,19 +281,28 @@ class PPOTrainer:
             # 2. Generate responses for a batch of prompts.
             with timed("critic_wait"):
                 self._wait_before_generating()
+            # Critic warm-up: the critic trains on this step's rollout, the policy stays as it is.
+            warmup = self.step_count < p.critic_warmup_steps
             with timed("generate"):
                 sampling = cfg.generation.sampling(seed=cfg.seed * 100_003 + step_id)
-                prompts, extras = self.sampler.next_rows()
-                gen = self._generate(prompts, sampling)
+                scored, sampled = None, {}
+                if p.dynamic_sampling:  # rounds of generation and scoring until the groups fill the batch
+                    gen, scored, sampled = self._dynamic_rollout(step_id, sampling)
+                else:
+                    # Each prompt samples_per_prompt times in a row (a group, whole on this rank).
+                    prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
+                    gen = self._generate(prompts, sampling)
                 tokens = gen.tokens
                 mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
                 start = rl.loss_start(mask)
 
             with timed("logprobs"):
-                # 3. Values and scores from critic_infer, without waiting...
-                critic_future = self.critic.infer(
-                    tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
-                )
+                # 3. Values and scores from critic_infer, without waiting (dynamic sampling has them)...
+                critic_future = None
+                if scored is None:
+                    critic_future = self.critic.infer(
+                        tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
+                    )
                 # 4. ...while the reference's and the policy's log-probs are computed.
                 orders = self._epoch_orders(step_id, tokens.shape[0])
                 beta = self.kl_ctl.value
@@ -258,28 +311,31 @@ class PPOTrainer:
                     with self.reference.on_device() as reference:
                         ref_logprobs, _ = self._no_grad(reference, gen, start=start)
                 first = None
-                if self.reuse_rollout_forward:
+                if self.reuse_rollout_forward and not warmup:
                     first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
                 else:
                     old_logprobs, entropy = self._no_grad(self.policy, gen, with_entropy=True, start=start)
                 if ref_logprobs is None:
                     ref_logprobs = old_logprobs
             with timed("critic_wait"):
-                values, raw_scores = self.critic.result(critic_future, tokens.shape)
+                values, raw_scores = (
+                    scored if scored is not None else self.critic.result(critic_future, tokens.shape)
+                )
                 self.critic.wait()  # last step's critic update, normally long done
                 last_train = self.critic.take_completed()
 
-            # 5. KL-shaped per-token rewards -> GAE -> whitened advantages.
-            scores = self._shape_scores(raw_scores, gen.ended)
+            # 5. KL-shaped per-token rewards -> advantages (GAE and whitening, or critic-free).
+            scores = self._shape_scores(raw_scores, gen.ended, gen.response_lengths)
             kl = rl.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
             rewards, non_score = rl.shaped_rewards(scores, kl, mask, beta)
-            advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
-            if p.whiten_advantages:
-                advantages = rl.global_whiten(advantages, mask, shift_mean=True, group=self._dp_group)
+            # The tokens the policy loss covers: without the responses cut off (overlong filtering).
+            loss_mask = rl.overlong_filter(mask, gen.ended) if p.overlong_filtering else mask
+            advantages, returns = self._advantages(rewards, values, mask, loss_mask)
 
             # 6. The critic's training batch for this step id; the server trains while we do.
             fault_point("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
-            self.critic.train(tokens, gen.lengths, returns, values, mask, step_id)
+            if not self.critic_free:
+                self.critic.train(tokens, gen.lengths, returns, values, mask, step_id)
 
             # 7. PPO epochs x minibatches of clipped-surrogate updates.
             with timed("train"):
@@ -287,7 +343,7 @@ class PPOTrainer:
                     tokens,
                     gen.lengths,
                     gen.prompt_lengths,
-                    mask,
+                    loss_mask,
                     old_logprobs,
                     values,
                     advantages,
@@ -296,8 +352,10 @@ class PPOTrainer:
                 )
                 handoff = [first] if first is not None else []
                 del first  # the first minibatch step holds the only reference: freed once it is done
-                policy_stats = self._update_policy(rollout, orders, handoff)
-            self.kl_ctl.update(float(global_mean(kl.sum(1), None, self._dp_group)), p.global_batch_size)
+                # During the critic warm-up: no optimizer step, no schedule step, no KL update.
+                policy_stats = {} if warmup else self._update_policy(rollout, orders, handoff)
+            if not warmup:
+                self.kl_ctl.update(float(global_mean(kl.sum(1), None, self._dp_group)), p.global_batch_size)
             self.step_count = step_id
 
         record = StepRecord(
@@ -315,8 +373,16 @@ class PPOTrainer:
             policy_stats=policy_stats,
             critic_stats=last_train,
             timers=timed.seconds,
+            critic_free=self.critic_free,
+            loss_mask=loss_mask if p.overlong_filtering else None,
         )
         metrics = record.metrics(self._dp_group)
+        metrics.update(sampled)
+        if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
+            spread = rl.group_score_std(scores, p.samples_per_prompt).reshape(1)
+            metrics["rollout/group_score_std"] = float(global_mean(spread, None, self._dp_group))
+        if p.critic_warmup_steps:
+            metrics["ppo/critic_warmup"] = float(warmup)
         if hasattr(self.engine, "last_refit"):  # what this step's refit moved into the engine, on this rank
             metrics["refit/mbytes"] = float(refit.bytes) / 1e6 if refit is not None else 0.0
         # 8. Validation every N steps (the checkpoints follow the step: see train()).
@@ -458,11 +524,104 @@ class PPOTrainer:
             rows.append({"prompt": self.val_prompts[i], "response": response, "score": float(scores[i])})
         return rows
 
-    def _shape_scores(self, scores: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
-        """The server's scores ``[b]`` as the rewards use them: the missing-EOS penalty, clipping,
-        and the running normalisation (whose statistics this updates)."""
+    def _dynamic_rollout(
+        self, step_id: int, sampling: SamplingParams
+    ) -> tuple[GenerationOutput, tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
+        """DAPO's dynamic sampling: rounds of drawing a step's prompts, generating and scoring them
+        (``critic_infer``, waited for), each keeping the groups whose scores differ, until every
+        rank's batch is full or ``ppo.max_generation_rounds`` ran out (then it is filled up with
+        groups of equal scores). Every rank runs the same rounds (one all-reduce each), so the
+        prompt order stays one. Returns the batch, its ``(values, scores)``, and the metrics
+        ``rollout/filtered_groups`` (groups of equal scores met, over every rank and round) and
+        ``rollout/generation_rounds``."""
+        p = self.cfg.ppo
+        fill = GroupFilter(
+            p.global_batch_size // self.state.dp_size, p.samples_per_prompt, self.tokenizer.pad_id
+        )
+        rounds = 0
+        while True:
+            rounds += 1
+            prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
+            # Another seed for every round: the same prompts may come again.
+            seed = sampling.seed if rounds == 1 else sampling.seed * 1_000_003 + rounds
+            gen = self._generate(prompts, dataclasses.replace(sampling, seed=seed))
+            future = self.critic.infer(
+                gen.tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
+            )
+            fill.add(gen, *self.critic.result(future, gen.tokens.shape))
+            missing = torch.tensor([fill.missing], dtype=torch.int64)
+            if self.state.world_size > 1:  # every rank goes on while any rank's batch is short
+                missing = missing.to(comm_device())
+                dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+            if int(missing.item()) == 0 or rounds >= p.max_generation_rounds:
+                break
+        filtered = torch.tensor([float(fill.filtered)])
+        if self._dp_group is not None:
+            filtered = filtered.to(comm_device())
+            dist.all_reduce(filtered, group=self._dp_group)
+        gen, values, scores = fill.batch()
+        stats = {
+            "rollout/filtered_groups": float(filtered.item()),
+            "rollout/generation_rounds": float(rounds),
+        }
+        return gen, (values, scores), stats
+
+    def _estimator_line(self, server_critic: bool) -> str:
+        """The console line that says which advantage estimator this run uses."""
+        p = self.cfg.ppo
+        what = {
+            "gae": f"gae (the critic's values, lambda {p.lam}{', whitened' if p.whiten_advantages else ''})",
+            "grpo": f"grpo ({'std-normalised' if p.grpo_std_norm else 'not std-normalised: Dr. GRPO'})",
+            "rloo": "rloo (leave-one-out baseline)",
+            "reinforce_pp": f"reinforce_pp (returns-to-go, gamma {p.gamma}, whitened over the batch)",
+        }[p.advantage]
+        line = f"ppo: advantage estimator {what}, {p.samples_per_prompt} sample(s) per prompt"
+        if self.critic_free:
+            line += "; critic-free: no critic values used, no critic_train sent"
+            if server_critic:
+                line += " (this server holds a critic it will not use: start it with mode=reward_only)"
+        elif p.critic_warmup_steps:
+            line += f"; critic warm-up: the policy waits for the first {p.critic_warmup_steps} step(s)"
+        return line
+
+    def _advantages(
+        self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)`` ``[b, s-1]`` per ``ppo.advantage`` from the KL-shaped
+        ``rewards``: GAE on the critic's ``values`` over the response ``mask`` (whitened over
+        ``loss_mask``: the tokens the loss covers); critic-free, over ``loss_mask``: GRPO and RLOO
+        on each row's sequence reward (its score plus its KL penalty) within its group of
+        ``samples_per_prompt`` adjacent rows, REINFORCE++ on token-level returns whitened over
+        every data-parallel rank. Returns are the critic's targets (GAE), REINFORCE++'s
+        returns-to-go, or zeros (GRPO, RLOO)."""
+        p = self.cfg.ppo
+        if p.advantage == "gae":
+            advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
+            if p.whiten_advantages:
+                advantages = rl.global_whiten(advantages, loss_mask, shift_mean=True, group=self._dp_group)
+            return advantages, returns
+        if p.advantage == "reinforce_pp":
+            return rl.reinforce_pp_advantages(rewards, loss_mask, p.gamma, group=self._dp_group)
+        sequence = rewards.sum(1)  # score - beta * KL over the response (rewards are 0 off the mask)
+        if p.advantage == "grpo":
+            advantages = rl.grpo_advantages(sequence, loss_mask, p.samples_per_prompt, p.grpo_std_norm)
+        else:
+            advantages = rl.rloo_advantages(sequence, loss_mask, p.samples_per_prompt)
+        return advantages, torch.zeros_like(advantages)
+
+    def _shape_scores(
+        self, scores: torch.Tensor, ended: torch.Tensor, response_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The server's scores ``[b]`` as the rewards use them: the missing-EOS penalty, the soft
+        overlong penalty (``ppo.overlong_buffer``), clipping, and the running normalisation
+        (whose statistics this updates)."""
         p = self.cfg.ppo
         scores = rl.apply_missing_eos_penalty(scores, ended, p.missing_eos_penalty)
+        if p.overlong_buffer:
+            max_new = self.cfg.generation.max_new_tokens
+            scores = scores + rl.overlong_penalty(
+                response_lengths, max_new, p.overlong_buffer, p.overlong_penalty
+            )
         scores = rl.clip_scores(scores, p.score_clip)
         if p.normalize_scores:
             self.score_moments.update(scores, group=self._dp_group)
@@ -471,9 +630,9 @@ class PPOTrainer:
 
     def _epoch_orders(self, step_id: int, b: int) -> list[torch.Tensor]:
         """Each PPO epoch's row order: the same on every rank of a TP group (seeded by step and
-        DP rank)."""
+        DP rank); whole groups of ``ppo.samples_per_prompt`` rows stay together."""
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
-        return [torch.randperm(b, generator=gen) for _ in range(self.cfg.ppo.ppo_epochs)]
+        return [group_order(b, self.cfg.ppo.samples_per_prompt, gen) for _ in range(self.cfg.ppo.ppo_epochs)]
 
     def _first_forward(
         self, tokens: torch.Tensor, order: torch.Tensor, start: int = 0

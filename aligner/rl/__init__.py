@@ -40,15 +40,32 @@ References
 - [Dual-clip] Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
   Reinforcement Learning" (dual-clip PPO).
 - [DAPO] Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
-  (decoupled, asymmetric "clip-higher" range).
+  (decoupled, asymmetric "clip-higher" range; overlong filtering and soft overlong punishment;
+  dynamic sampling).
 - [VAPO] Yue et al. 2025, "VAPO" / NeMo-RL (separate GAE lambda for the value targets).
 - [Megatron] Shoeybi et al. 2019, "Megatron-LM" (vocab-parallel softmax / cross entropy).
+- [GRPO] Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+  Language Models" (group relative policy optimisation: advantages within a prompt's group).
+- [Dr-GRPO] Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"
+  (GRPO without the division by the group's standard deviation).
+- [RLOO] Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+  Learning from Human Feedback in LLMs" (REINFORCE with a leave-one-out baseline).
+- [REINFORCE++] Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+  Language Models" (token-level KL-shaped returns, global batch baseline and whitening).
 - [Chan] Chan, Golub, LeVeque 1979, "Updating Formulae and a Pairwise Algorithm for
   Computing Sample Variances" (parallel merge of running moments).
 """
 
 from aligner.rl.advantages import (
+    CRITIC_FREE_ESTIMATORS,
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
     compute_gae,
+    group_score_std,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    returns_to_go,
+    rloo_advantages,
 )
 from aligner.rl.logprobs import (
     entropy_from_logits,
@@ -70,6 +87,8 @@ from aligner.rl.rewards import (
     apply_missing_eos_penalty,
     clip_scores,
     kl_penalty,
+    overlong_filter,
+    overlong_penalty,
     shaped_rewards,
 )
 from aligner.rl.stats import (
@@ -90,6 +109,9 @@ from aligner.rl.stats import (
 
 __all__ = [
     "AGG_MODES",
+    "CRITIC_FREE_ESTIMATORS",
+    "ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
     "KL_KINDS",
@@ -104,6 +126,8 @@ __all__ = [
     "entropy_from_logits",
     "explained_variance",
     "gather_logprobs",
+    "group_score_std",
+    "grpo_advantages",
     "global_masked_mean",
     "global_masked_var",
     "global_whiten",
@@ -112,8 +136,13 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "masked_var",
+    "overlong_filter",
+    "overlong_penalty",
     "policy_loss",
+    "reinforce_pp_advantages",
     "response_mask",
+    "returns_to_go",
+    "rloo_advantages",
     "safe_div",
     "sequence_logprobs",
     "shaped_rewards",

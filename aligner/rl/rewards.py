@@ -22,6 +22,8 @@ __all__ = [
     "apply_missing_eos_penalty",
     "clip_scores",
     "kl_penalty",
+    "overlong_filter",
+    "overlong_penalty",
     "shaped_rewards",
 ]
 
@@ -112,6 +114,58 @@ def apply_missing_eos_penalty(scores: Tensor, ended: Tensor, penalty: float | No
     if penalty is None:
         return scores.clone()
     return torch.where(ended.bool(), scores, scores + float(penalty))
+
+
+def overlong_penalty(
+    response_lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0
+) -> Tensor:
+    """DAPO's soft overlong punishment ([DAPO] eq. 13), a length-aware penalty for the score.
+
+    For a response of ``L`` tokens (end-of-sequence included) with ``M = max_new_tokens`` and
+    a buffer of ``B`` tokens before the limit::
+
+        0                          if L <= M - B
+        (M - B - L) / B * penalty  if M - B < L <= M   (from 0 down to -penalty at L = M)
+        -penalty                   if L > M
+
+    so a response is punished gradually as it runs into the last ``B`` tokens, instead of only
+    once it is cut off. ``B = 0`` turns it off (all zeros).
+
+    Args:
+        response_lengths: ``[b]`` response token counts.
+        max_new_tokens: ``M``, the longest response.
+        buffer: ``B``, in ``[0, M]``.
+        penalty: the largest penalty (at ``L = M``); the values are <= 0 for ``penalty >= 0``.
+
+    Returns:
+        ``[b]`` float32, added to the scores by the caller.
+    """
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 <= buffer <= max_new_tokens:
+        raise ValueError(
+            f"overlong buffer={buffer!r}: expected an integer in [0, max_new_tokens={max_new_tokens}]"
+        )
+    length = response_lengths.float()
+    if buffer == 0:
+        return torch.zeros_like(length)
+    start = float(max_new_tokens - buffer)
+    ramp = (start - length) / float(buffer) * float(penalty)
+    out = torch.where(length <= start, torch.zeros_like(length), ramp)
+    return torch.where(length > max_new_tokens, torch.full_like(length, -float(penalty)), out)
+
+
+def overlong_filter(mask: Tensor, ended: Tensor) -> Tensor:
+    """DAPO's overlong filtering ([DAPO] section 3.4): the loss mask without the responses that
+    never ended (cut at the length limit without end-of-sequence), whose truncation would
+    otherwise be punished (or rewarded) as if it were the policy's choice.
+
+    Args:
+        mask: ``[b, s-1]`` response mask.
+        ended: ``[b]`` bool, True where the response ended (end-of-sequence or a stop string).
+
+    Returns:
+        ``[b, s-1]`` float32: ``mask`` with the rows of unfinished responses set to 0.
+    """
+    return mask.float() * ended.bool().float().unsqueeze(1)
 
 
 def clip_scores(scores: Tensor, clip: float | None) -> Tensor:

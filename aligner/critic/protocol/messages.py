@@ -248,6 +248,10 @@ class ServerInfo:
     ``extras`` when it has a reward function, ``prompt_text`` and ``response_text`` when its
     reward model reads text (its tokenizer differs from the policy's). A client sends exactly
     these; empty from a server that needs none, or from one older than protocol 3."""
+    critic: bool = True
+    """Whether the server holds a critic (``mode: critic``). False for ``mode: reward_only``: its
+    critic_infer values are zeros, and critic_train, critic_save and critic_load are refused; a
+    server older than the field holds one."""
     batching: dict[str, Any] = field(default_factory=dict)
     """How Triton merged critic_infer requests since start-up (empty from servers older than
     it): ``dynamic_batching``, ``max_queue_delay_us``, ``executions``, ``requests``, ``rows``,

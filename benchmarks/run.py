@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-.venv/bin/python benchmarks/run.py [actor|critic|generation|balance|vs_trl ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation|balance|estimators|vs_trl ...]
 
 ``vs_trl`` (benchmarks/bench_vs_trl.py) runs TRL's PPOTrainer beside our system when trl is
 installed (``pip install -e '.[bench]'``; ``make bench`` does it), else our side alone.
@@ -19,6 +19,7 @@ BENCHES = {
     "critic": ["bench_critic.py"],
     "generation": ["bench_generation.py"],
     "balance": ["bench_balance.py"],
+    "estimators": ["bench_estimators.py"],
     "vs_trl": ["bench_vs_trl.py"],
 }
 

@@ -86,6 +86,14 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
             os.path.join(cfg.logging.run_dir, "data_stats.json"),
             {k: x.stats if x is not None else None for k, x in sets.items()},
         )
+    # With a chat template: each templated prompt's text as the data set writes it, for a reward
+    # model that reads text (it must not see the policy's template).
+    raw_prompts = {
+        templated: raw
+        for prompt_set in (train_set, val_set)
+        if prompt_set is not None and prompt_set.texts is not None
+        for templated, raw in zip(prompt_set.prompts, prompt_set.texts)
+    }
     dp = max(
         world // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size), 1
     )
@@ -291,6 +299,7 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
             checkpointer=checkpointer,
             val_prompts=val_prompts[state.dp_rank :: state.dp_size],
             val_extras=val_extras[state.dp_rank :: state.dp_size] if val_extras is not None else None,
+            raw_prompts=raw_prompts or None,
             on_rollback=on_rollback,
         )
         if resume_dir is not None:

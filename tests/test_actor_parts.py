@@ -721,3 +721,39 @@ def test_generation_config_builds_the_engines_sampling_params():
         "generation.temperature=nan: expected a finite number > 0",
         "generation.num_threads=0: expected an integer >= 1 or null",
     ]
+
+
+def test_a_reward_model_reading_text_gets_the_prompt_as_the_data_set_writes_it():
+    """With a chat template the policy sees the templated prompt; the server's text-reading reward
+    model gets the data set's own prompt (never the policy's template), and the decoded response."""
+    from types import SimpleNamespace
+
+    from aligner.generation.engine import GenerationOutput
+    from aligner.ppo.trainer import PPOTrainer
+    from aligner.tokenizers import CharTokenizer
+
+    tok = CharTokenizer()
+    rows = [("12:", "12"), ("3:", "3")]  # templated prompt ("N:"), response
+    seqs = [tok.encode(p) + tok.encode(r) + [tok.eos_id] for p, r in rows]
+    tokens = torch.full((2, max(map(len, seqs))), tok.pad_id)
+    for i, x in enumerate(seqs):
+        tokens[i, : len(x)] = torch.tensor(x)
+    gen = GenerationOutput(
+        tokens=tokens,
+        lengths=torch.tensor([len(x) for x in seqs]),
+        prompt_lengths=torch.tensor([len(p) for p, _ in rows]),
+        logprobs=torch.zeros(2, tokens.shape[1] - 1),
+        ended=torch.tensor([True, True]),
+    )
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(tp_rank=0, pp_rank=0),
+        critic=SimpleNamespace(needs_texts=True),
+        tokenizer=tok,
+        raw_prompts={"12:": "12"},  # "3:" was not templated: its decoded tokens stand
+    )
+    out = PPOTrainer._reward_inputs(trainer, gen, ['{"a":1}', "{}"], ["12:", "3:"])
+    assert out == {"extras": ['{"a":1}', "{}"], "prompt_texts": ["12", "3:"], "response_texts": ["12", "3"]}
+    trainer.critic.needs_texts = False
+    assert PPOTrainer._reward_inputs(trainer, gen, None, ["12:", "3:"]) == {"extras": None}
+    trainer.state.tp_rank = 1  # only the replica's first rank sends
+    assert PPOTrainer._reward_inputs(trainer, gen, None, ["12:", "3:"]) == {}

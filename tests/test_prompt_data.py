@@ -200,6 +200,10 @@ def test_chat_template_renders_prompts_and_counts_tokens_after_it(tmp_path, chat
     ]
     assert got.lengths == [7, 4]  # the markers are one token each
     assert got.extras == EXTRAS[:2]
+    assert got.texts == ["what is two plus two", "say hi"] and got.head(1).texts == got.texts[:1]
+    assert (
+        load_prompt_set(src, chat_tok, 100, cache_dir=cache).texts is None
+    )  # no template: the prompt itself
     sys_ = load_prompt_set(
         src, chat_tok, 100, chat_template=True, system_prompt="you are helpful", cache_dir=cache
     )
@@ -245,6 +249,7 @@ def test_chat_format_rows_are_templated_as_they_are(tmp_path, chat_tok, cache):
             "<|system|> you are helpful <|user|> hello <|assistant|> hi <|user|> say world <|assistant|>",
         ]
         assert got.extras == ['{"id":1}', '{"id":2}']
+        assert got.texts == ["say hi", "say world"]  # as written: the last user message
     answered = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
     with pytest.raises(ConfigError, match='answered.jsonl:1: "messages" ends with an assistant message'):
         load_prompt_set(

@@ -73,6 +73,10 @@ class PromptSet:
     """What was read: ``source``, ``split``, ``rows`` (in the split), ``read`` (rows looked at),
     ``too_long`` (dropped), ``kept``, ``max_prompt_tokens``, ``max_prompts``,
     ``chat_template``, ``prompt_tokens_mean``/``prompt_tokens_max`` (of those kept)."""
+    texts: list[str] | None = None
+    """With a chat template, each row's prompt as the data set writes it (the column's string, or
+    the last user message of a chat-format row): what a reward model reading text gets in place of
+    the templated prompt. None without a template."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -80,7 +84,8 @@ class PromptSet:
     def head(self, n: int) -> PromptSet:
         """The first ``n`` prompts (and their extras and lengths), the stats unchanged."""
         extras = None if self.extras is None else self.extras[:n]
-        return PromptSet(self.prompts[:n], extras, self.lengths[:n], dict(self.stats))
+        texts = None if self.texts is None else self.texts[:n]
+        return PromptSet(self.prompts[:n], extras, self.lengths[:n], dict(self.stats), texts)
 
     def summary(self, label: str = "data") -> str:
         """One line: ``data: kept N of M prompts from <source> (K longer than L tokens dropped)``."""
@@ -180,6 +185,7 @@ def load_prompt_set(
     prompts: list[str] = []
     extras: list[str] = []
     lengths: list[int] = []
+    texts: list[str] = []
     errors: list[str] = []
     read = too_long = 0
     first_dropped: tuple[str, int] | None = None
@@ -211,6 +217,8 @@ def load_prompt_set(
             extras.append(blob)
         prompts.append(text)
         lengths.append(n)
+        if chat_template:
+            texts.append(_raw_prompt(row[prompt_column]))
         if max_prompts is not None and len(prompts) >= max_prompts:
             break
     if errors:
@@ -237,7 +245,7 @@ def load_prompt_set(
         "prompt_tokens_mean": sum(lengths) / len(lengths),
         "prompt_tokens_max": max(lengths),
     }
-    return PromptSet(prompts, extras if extra else None, lengths, stats)
+    return PromptSet(prompts, extras if extra else None, lengths, stats, texts if chat_template else None)
 
 
 def training_prompt_set(
@@ -534,6 +542,14 @@ def _prompt_text(
     except Exception as ex:  # a template raises what its Jinja code raises
         errors.append(f"{where}: the chat template failed on this row's messages: {ex}")
         return None
+
+
+def _raw_prompt(value: Any) -> str:
+    """A row's prompt as written: the string, or a chat-format row's last user message."""
+    if isinstance(value, str):
+        return value
+    users = [m["content"] for m in value if m.get("role") == "user"]
+    return users[-1] if users else value[-1]["content"]
 
 
 def _messages(value: list, where: str, column: str, errors: list[str]) -> list[dict[str, str]] | None:

@@ -115,6 +115,7 @@ class PPOTrainer:
         checkpointer: ActorCheckpointer | None = None,
         val_prompts: list[str] | None = None,
         val_extras: list[str] | None = None,
+        raw_prompts: dict[str, str] | None = None,
         on_rollback: Callable[[int], None] | None = None,
     ) -> None:
         """``checkpointer`` saves at the configured interval and at the end, and rolls back
@@ -131,6 +132,9 @@ class PPOTrainer:
         self.checkpointer = checkpointer
         self.val_prompts = list(val_prompts) if val_prompts else []
         self.val_extras = list(val_extras) if val_extras is not None else None
+        self.raw_prompts = raw_prompts
+        """Templated prompt -> the prompt as the data set writes it (with a chat template): what
+        a reward model reading text gets as the prompt (None: the decoded prompt tokens)."""
         if self.val_extras is not None and len(self.val_extras) != len(self.val_prompts):
             raise ValueError(f"val_extras: {len(self.val_extras)} rows for {len(self.val_prompts)} prompts")
         freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers)
@@ -301,7 +305,11 @@ class PPOTrainer:
                 critic_future = None
                 if scored is None:
                     critic_future = self.critic.infer(
-                        tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
+                        tokens,
+                        gen.lengths,
+                        gen.prompt_lengths,
+                        step_id,
+                        **self._reward_inputs(gen, extras, prompts),
                     )
                 # 4. ...while the reference's and the policy's log-probs are computed.
                 orders = self._epoch_orders(step_id, tokens.shape[0])
@@ -404,7 +412,11 @@ class PPOTrainer:
             tokens = gen.tokens
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
             future = self.critic.infer(
-                tokens, gen.lengths, gen.prompt_lengths, step, **self._reward_inputs(gen, self.val_extras)
+                tokens,
+                gen.lengths,
+                gen.prompt_lengths,
+                step,
+                **self._reward_inputs(gen, self.val_extras, self.val_prompts),
             )
             start = rl.loss_start(mask)
             logprobs, _ = self._no_grad(self.policy, gen, start=start)
@@ -502,16 +514,23 @@ class PPOTrainer:
     def _generate(self, prompts: list[str], sampling: SamplingParams) -> GenerationOutput:
         return self.engine.generate([self.tokenizer.encode(x) for x in prompts], sampling)
 
-    def _reward_inputs(self, gen: GenerationOutput, extras: list[str] | None) -> dict[str, Any]:
+    def _reward_inputs(
+        self, gen: GenerationOutput, extras: list[str] | None, prompts: list[str]
+    ) -> dict[str, Any]:
         """What ``critic_infer`` carries beside the tokens, on the ranks that send it: the rows'
         extra data-set columns, and the samples' texts when the server's reward model reads text
-        with a tokenizer of its own."""
+        with a tokenizer of its own (the prompt as the data set writes it when a chat template
+        rendered it, so that the reward model never sees the policy's template)."""
         if self.state.tp_rank != 0 or self.state.pp_rank != 0:
             return {}
         out: dict[str, Any] = {"extras": extras}
         if self.critic.needs_texts:
-            out["prompt_texts"], out["response_texts"] = sample_texts(
+            decoded, out["response_texts"] = sample_texts(
                 self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths
+            )
+            raw = self.raw_prompts
+            out["prompt_texts"] = (
+                decoded if raw is None else [raw.get(x, d) for x, d in zip(prompts, decoded)]
             )
         return out
 
@@ -546,7 +565,11 @@ class PPOTrainer:
             seed = sampling.seed if rounds == 1 else sampling.seed * 1_000_003 + rounds
             gen = self._generate(prompts, dataclasses.replace(sampling, seed=seed))
             future = self.critic.infer(
-                gen.tokens, gen.lengths, gen.prompt_lengths, step_id, **self._reward_inputs(gen, extras)
+                gen.tokens,
+                gen.lengths,
+                gen.prompt_lengths,
+                step_id,
+                **self._reward_inputs(gen, extras, prompts),
             )
             fill.add(gen, *self.critic.result(future, gen.tokens.shape))
             missing = torch.tensor([fill.missing], dtype=torch.int64)

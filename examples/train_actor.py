@@ -120,7 +120,10 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None) -> dict:
             watch_restarts=state.rank == 0,
         )
         critic.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
-        if run_token is None and critic.server_info().run_token_required:
+        from aligner.rl import CRITIC_FREE_ESTIMATORS
+
+        critic_free = cfg.ppo.advantage in CRITIC_FREE_ESTIMATORS  # sends no train, save or load
+        if run_token is None and not critic_free and critic.server_info().run_token_required:
             raise ConfigError(
                 f"the critic server at {url} requires its run token for training, saving and loading the "
                 "critic: set critic.run_token_file (or $ALIGNER_RUN_TOKEN) to the server's token"

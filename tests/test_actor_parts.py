@@ -410,21 +410,29 @@ def test_the_trainer_shapes_scores_and_picks_the_estimator_the_config_names():
     rewards, _ = rl.shaped_rewards(scores, kl, mask, 0.1)
     values = torch.rand(4, 4, generator=g)
     loss_mask = rl.overlong_filter(mask, torch.tensor([True, True, True, False]))
-    sequence = scores - 0.1 * kl.sum(1)  # what the group estimators compare: the score and its KL penalty
+    sequence = scores - 0.1 * kl.sum(1)  # what RLOO compares: the score and its KL penalty
+    # GRPO: group statistics of the scores alone, plus each row's KL penalty centred on its group's
+    penalty = -0.1 * kl.sum(1)
+    centred = (penalty - penalty.reshape(2, 2).mean(1).repeat_interleave(2))[:, None] * loss_mask
     cfg.ppo.samples_per_prompt = 2
     for adv, want in (
-        ("grpo", rl.grpo_advantages(sequence, loss_mask, 2)),
+        ("grpo", rl.grpo_advantages(scores, loss_mask, 2) + centred),
         ("rloo", rl.rloo_advantages(sequence, loss_mask, 2)),
         ("reinforce_pp", rl.reinforce_pp_advantages(rewards, loss_mask, cfg.ppo.gamma)[0]),
         ("gae", rl.global_whiten(rl.compute_gae(rewards, values, mask, 1.0, 0.95)[0], loss_mask)),
     ):
         cfg.ppo.advantage = adv
-        got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask)
+        got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask, shaped_scores := scores)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=adv)
         assert not got[3].any() or adv == "gae"  # the filtered row has no advantage (GAE: no loss)
-    cfg.ppo.grpo_std_norm, cfg.ppo.advantage = False, "grpo"
-    got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask)
-    torch.testing.assert_close(got, rl.grpo_advantages(sequence, loss_mask, 2, std_norm=False))
+    cfg.ppo.advantage = "grpo"
+    got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask, shaped_scores)
+    # The group of equal scores (rows 2, 3) learns only its KL difference, at beta's scale: the std
+    # normalisation (of the scores) does not blow it up to unit size.
+    assert got[2].abs().max() < 0.1 and got[0].abs().max() > 0.5
+    cfg.ppo.grpo_std_norm = False
+    got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask, scores)
+    torch.testing.assert_close(got, rl.grpo_advantages(scores, loss_mask, 2, std_norm=False) + centred)
 
 
 # -- log-probs over the action space ---------------------------------------------------------
@@ -623,8 +631,8 @@ def test_estimator_settings_are_checked_with_key_value_and_expectation():
     p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 48, 16, 8
     assert cfg.problems(world_size=2, vocab_size=14) == [
         "ppo.advantage='ppo': expected one of ['gae', 'grpo', 'rloo', 'reinforce_pp']",
-        "ppo.mini_batch_size=16: expected a multiple of ppo.samples_per_prompt=3 (whole groups of one "
-        "prompt's samples)",
+        "ppo.mini_batch_size per data-parallel rank (8) must be divisible by ppo.samples_per_prompt (3): "
+        "each rank's minibatches hold whole groups",
     ]
     cfg.ppo.dynamic_sampling = True
     assert (
@@ -638,19 +646,26 @@ def test_estimator_settings_are_checked_with_key_value_and_expectation():
     assert cfg.problems(world_size=2, vocab_size=14) == [
         "ppo.global_batch_size per data-parallel rank (3) must be divisible by ppo.samples_per_prompt (2): each "
         "rank generates whole groups of one prompt's samples",
+        "ppo.mini_batch_size per data-parallel rank (3) must be divisible by ppo.samples_per_prompt (2): "
+        "each rank's minibatches hold whole groups",
     ]
     ok = ActorConfig()
     ok.ppo.advantage, ok.ppo.samples_per_prompt = "rloo", 4
     ok.ppo.global_batch_size, ok.ppo.mini_batch_size, ok.ppo.micro_batch_size = 64, 32, 16
     assert ok.problems(world_size=2, vocab_size=14) == []
-    ok.ppo.samples_per_prompt = 32  # 64 samples over 2 ranks: 32 each, one group per rank
+    ok.ppo.samples_per_prompt = 32  # 64 samples over 2 ranks: 32 each, one group per rank...
+    assert ok.problems(world_size=2, vocab_size=14) == [  # ...but minibatches of 16 a rank would split it
+        "ppo.mini_batch_size per data-parallel rank (16) must be divisible by ppo.samples_per_prompt (32): "
+        "each rank's minibatches hold whole groups"
+    ]
+    ok.ppo.mini_batch_size = 64
     assert ok.problems(world_size=2, vocab_size=14) == []
     ok.ppo.samples_per_prompt = 64  # a group cannot span two ranks
     assert ok.problems(world_size=2, vocab_size=14) == [
-        "ppo.mini_batch_size=32: expected a multiple of ppo.samples_per_prompt=64 (whole groups of one "
-        "prompt's samples)",
         "ppo.global_batch_size per data-parallel rank (32) must be divisible by ppo.samples_per_prompt (64): each "
         "rank generates whole groups of one prompt's samples",
+        "ppo.mini_batch_size per data-parallel rank (32) must be divisible by ppo.samples_per_prompt (64): "
+        "each rank's minibatches hold whole groups",
     ]
 
 

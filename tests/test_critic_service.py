@@ -790,3 +790,19 @@ def test_reward_tokens_chat_template_special_tokens_and_left_truncation(tmp_path
         RewardTextError, match="tokenizer 'char' failed on sample 1 of the request: .*no token"
     ):
         RewardTokens(build_tokenizer("char"), "char", max_len=8).encode(["1:", ""], ["2", ""])
+
+
+def test_a_reward_only_server_needs_no_model_section(pstate, tmp_path):
+    """mode=reward_only builds no model: its unused model section neither refuses a larger
+    tokenizer nor bounds the samples' length (a reward function takes any)."""
+    from aligner.critic.service import REWARD_ONLY_MAX_SEQ_LEN
+
+    cfg = tiny_config(tmp_path)
+    cfg.update(mode="reward_only", tokenizer="char:0123456789:,abcdefghijklmnopqrstuvwxyz")
+    svc = CriticService(build_config(cfg), pstate)
+    assert svc.critic is None and svc.limits.max_seq_len == REWARD_ONLY_MAX_SEQ_LEN
+    assert svc.limits.vocab_size == 40 > svc.cfg.model.vocab_size
+    tokens, lengths, pl, *_, prompts, responses = _batch(svc)
+    np.testing.assert_allclose(
+        svc.infer(tokens, lengths, pl).rewards, sort_reward(prompts, responses), atol=1e-6
+    )

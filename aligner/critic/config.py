@@ -428,7 +428,7 @@ class CriticServerConfig:
             borrowed = i.source in ("reward", "policy") or (
                 i.source == "auto" and (r.has_model or bool(i.policy_path))
             )  # the critic takes the architecture of the model it starts from (checked when built)
-            if not borrowed and self.model.vocab_size < tok.vocab_size:
+            if not borrowed and self.mode != "reward_only" and self.model.vocab_size < tok.vocab_size:
                 e.append(
                     f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
                     f"({tok.vocab_size} for tokenizer={self.tokenizer!r}): expected >= {tok.vocab_size}"

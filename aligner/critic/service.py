@@ -75,6 +75,10 @@ __all__ = ["CriticService"]
 log = logging.getLogger("aligner.critic")
 
 
+REWARD_ONLY_MAX_SEQ_LEN = 1 << 20
+"""The longest sample a reward-only server without a reward model on the policy's ids accepts."""
+
+
 class CriticService:
     """Critic (trained) + reward source (frozen), with the server's rules.
 
@@ -173,12 +177,18 @@ class CriticService:
             state,
             reward_reads_text=self.reward_tokens is not None,
         )
-        # A reward model that reads text cuts its own sequences to its length.
-        max_len = (
-            self.model_cfg.max_seq_len
-            if rm_cfg is None or self.reward_tokens is not None
-            else min(self.model_cfg.max_seq_len, rm_cfg.max_seq_len)
-        )
+        # A reward model that reads text cuts its own sequences to its length. Without a critic
+        # only a reward model reading the policy's ids bounds the length (a reward function
+        # takes any).
+        reads_ids = rm_cfg is not None and self.reward_tokens is None
+        if self.reward_only:
+            max_len = rm_cfg.max_seq_len if reads_ids else REWARD_ONLY_MAX_SEQ_LEN
+        else:
+            max_len = (
+                min(self.model_cfg.max_seq_len, rm_cfg.max_seq_len)
+                if reads_ids
+                else self.model_cfg.max_seq_len
+            )
         self.limits = P.Limits(
             vocab_size=self.tokenizer.vocab_size,
             max_seq_len=max_len,

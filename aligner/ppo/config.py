@@ -474,7 +474,7 @@ class PPOConfig:
                 f">= 2 with {prefix}.advantage={adv!r} (it compares the samples of one prompt)",
             )
         if valid_n:
-            for name in ("global_batch_size", "mini_batch_size"):
+            for name in ("global_batch_size",):  # minibatches per rank: ActorConfig.parallel_problems
                 v = getattr(self, name)
                 if isinstance(v, int) and v >= 1 and v % n:
                     e.append(
@@ -797,6 +797,11 @@ class ActorConfig:
             e.append(
                 f"ppo.global_batch_size per data-parallel rank ({p.global_batch_size // dp}) must be divisible "
                 f"by ppo.samples_per_prompt ({n}): each rank generates whole groups of one prompt's samples"
+            )
+        if isinstance(n, int) and n > 1 and not p.mini_batch_size % dp and (p.mini_batch_size // dp) % n:
+            e.append(
+                f"ppo.mini_batch_size per data-parallel rank ({p.mini_batch_size // dp}) must be divisible "
+                f"by ppo.samples_per_prompt ({n}): each rank's minibatches hold whole groups"
             )
         return e
 

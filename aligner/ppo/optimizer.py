@@ -41,7 +41,12 @@ def make_optimizer(
     # Given the module, an fp32 model is cast to bf16 in place (frozen weights too) and the
     # trained weights' fp32 values become the masters, unrounded.
     opt = mp.make_optimizer(model, **o.adamw(), precision=precision)
-    total = p.num_steps * p.ppo_epochs * (p.global_batch_size // p.mini_batch_size)
+    # The policy's optimizer steps: none in the critic warm-up's steps.
+    total = (
+        max(p.num_steps - p.critic_warmup_steps, 1)
+        * p.ppo_epochs
+        * (p.global_batch_size // p.mini_batch_size)
+    )
     sched = Schedule(opt, lr_lambda(o.warmup_steps, total, o.min_lr / o.lr))
     return opt, sched
 

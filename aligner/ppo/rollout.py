@@ -47,8 +47,9 @@ class Rollout:
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """``scores [b]`` (groups: contiguous blocks of ``group_size`` rows) -> ``[b / group_size]``
-    bool: True for the groups whose scores are not all equal. A group of equal scores has
-    advantages of 0 under GRPO and RLOO: nothing to learn from (DAPO's dynamic sampling drops it)."""
+    bool: True for the groups whose scores are not all equal. A group of equal scores carries no
+    signal under GRPO and RLOO (its advantages are its samples' KL differences alone): DAPO's
+    dynamic sampling drops it. The scores are the server's, before any shaping, as in DAPO."""
     g = scores.reshape(-1, group_size)
     return (g != g[:, :1]).any(dim=1)
 

@@ -338,7 +338,7 @@ class PPOTrainer:
             rewards, non_score = rl.shaped_rewards(scores, kl, mask, beta)
             # The tokens the policy loss covers: without the responses cut off (overlong filtering).
             loss_mask = rl.overlong_filter(mask, gen.ended) if p.overlong_filtering else mask
-            advantages, returns = self._advantages(rewards, values, mask, loss_mask)
+            advantages, returns = self._advantages(rewards, values, mask, loss_mask, scores)
 
             # 6. The critic's training batch for this step id; the server trains while we do.
             fault_point("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
@@ -608,15 +608,24 @@ class PPOTrainer:
         return line
 
     def _advantages(
-        self, rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor
+        self,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        scores: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(advantages, returns)`` ``[b, s-1]`` per ``ppo.advantage`` from the KL-shaped
-        ``rewards``: GAE on the critic's ``values`` over the response ``mask`` (whitened over
-        ``loss_mask``: the tokens the loss covers); critic-free, over ``loss_mask``: GRPO and RLOO
-        on each row's sequence reward (its score plus its KL penalty) within its group of
-        ``samples_per_prompt`` adjacent rows, REINFORCE++ on token-level returns whitened over
-        every data-parallel rank. Returns are the critic's targets (GAE), REINFORCE++'s
-        returns-to-go, or zeros (GRPO, RLOO)."""
+        ``rewards`` and the shaped ``scores [b]`` in them: GAE on the critic's ``values`` over the
+        response ``mask`` (whitened over ``loss_mask``: the tokens the loss covers); critic-free,
+        over ``loss_mask``: GRPO and RLOO within each group of ``samples_per_prompt`` adjacent
+        rows, REINFORCE++ on token-level returns whitened over every data-parallel rank. Returns
+        are the critic's targets (GAE), REINFORCE++'s returns-to-go, or zeros (GRPO, RLOO).
+
+        GRPO's group statistics (and its std normalisation) are the scores' alone; each row's KL
+        penalty (``-beta`` times its summed KL) enters centred on its group's, at its own scale.
+        Normalising score and KL together would blow a group of equal scores' tiny KL differences
+        up to unit-size advantages, and beta would no longer weigh the penalty."""
         p = self.cfg.ppo
         if p.advantage == "gae":
             advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
@@ -627,7 +636,11 @@ class PPOTrainer:
             return rl.reinforce_pp_advantages(rewards, loss_mask, p.gamma, group=self._dp_group)
         sequence = rewards.sum(1)  # score - beta * KL over the response (rewards are 0 off the mask)
         if p.advantage == "grpo":
-            advantages = rl.grpo_advantages(sequence, loss_mask, p.samples_per_prompt, p.grpo_std_norm)
+            n = p.samples_per_prompt
+            penalty = sequence - scores.to(sequence)  # -beta * summed KL, per row
+            centred = penalty - penalty.reshape(-1, n).mean(dim=1).repeat_interleave(n)
+            advantages = rl.grpo_advantages(scores.to(sequence), loss_mask, n, p.grpo_std_norm)
+            advantages = advantages + centred[:, None] * loss_mask
         else:
             advantages = rl.rloo_advantages(sequence, loss_mask, p.samples_per_prompt)
         return advantages, torch.zeros_like(advantages)

@@ -60,9 +60,12 @@ class ScalarHead(nn.Module):
 
     def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        # From a generator of its own, seeded with the run's seed: the same head whatever the
+        # layout (how many numbers the sharded layers drew before it depends on TP and PP).
+        g = torch.Generator().manual_seed(torch.initial_seed())
+        w = torch.randn(1, hidden_size, generator=g) / math.sqrt(hidden_size + 1)
+        self.weight = nn.Parameter(w.to(dtype))
         # Megatron's grad-norm and sync helpers look for these attributes.
         for p in (self.weight, self.bias):
             p.tensor_model_parallel = False

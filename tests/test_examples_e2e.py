@@ -17,10 +17,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from _examples import load
 
 from aligner.critic.launch import start_server
 from aligner.metrics import read_metrics
@@ -28,16 +28,6 @@ from aligner.metrics import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example(example: str, name: str):
-    key = f"_{example}_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / example / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def _server(tmp_path: Path, policy: str, *extra: str):
@@ -94,7 +84,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def test_sentiment_policy_learns_positive_continuations_from_a_classifier_with_its_own_tokenizer(tmp_path):
-    assets = _example("sentiment", "make_tiny").build(str(tmp_path / "tiny"), num_prompts=128)
+    assets = load("sentiment", "make_tiny").build(str(tmp_path / "tiny"), num_prompts=128)
     server = _server(
         tmp_path,
         assets["policy"],
@@ -135,7 +125,7 @@ def test_sentiment_policy_learns_positive_continuations_from_a_classifier_with_i
 
 
 def test_arithmetic_policy_learns_sums_checked_against_the_answer_column(tmp_path):
-    make_tiny, make_data = _example("arithmetic", "make_tiny"), _example("arithmetic", "make_data")
+    make_tiny, make_data = load("arithmetic", "make_tiny"), load("arithmetic", "make_data")
     policy = make_tiny.build_policy(str(tmp_path / "policy"))
     # The 9 sums of 0-2, 23 copies each (a step of 200 prompts sees each about 22 times), so that a
     # random-init policy learns them in tens of steps; the test split holds each sum once.

@@ -5,7 +5,8 @@ against a reward-only server.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_estimators.py [--steps 500] [--out runs/estimators]
 
 Every run uses the demo's model, learning rate and batch of 256 responses per step; the group
-estimators draw 32 prompts x 8 samples, GAE and REINFORCE++ 256 prompts x 1. Prints JSON and a
+estimators draw 32 prompts x 8 samples (GRPO also without its std normalisation: Dr. GRPO),
+GAE and REINFORCE++ 256 prompts x 1. Prints JSON and a
 table (the step and the episodes at which the 3-step mean reward first reaches 0.9, the final
 3-step mean, the mean step time) and writes the learning curves to ``<out>/estimators.png``.
 """
@@ -27,6 +28,7 @@ RUNS = {
     # name: (server mode, actor overrides)
     "gae": ("critic", ["ppo.advantage=gae"]),
     "grpo": ("reward_only", ["ppo.advantage=grpo", "ppo.samples_per_prompt=8"]),
+    "dr_grpo": ("reward_only", ["ppo.advantage=grpo", "ppo.samples_per_prompt=8", "ppo.grpo_std_norm=false"]),
     "rloo": ("reward_only", ["ppo.advantage=rloo", "ppo.samples_per_prompt=8"]),
     "reinforce_pp": ("reward_only", ["ppo.advantage=reinforce_pp"]),
 }
@@ -86,12 +88,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=500, help="PPO steps per estimator (256 episodes each)")
     ap.add_argument("--out", default="runs/estimators", help="run folders and the PNG")
     ap.add_argument("--only", nargs="*", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument(
+        "--reuse", action="store_true", help="read the runs already under --out instead of running them again"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     results: dict[str, dict] = {}
     curves: dict[str, list[float]] = {}
     for name in args.only:
-        rows = _run(name, args.steps, out)
+        if args.reuse:
+            from aligner.metrics import read_metrics
+
+            path = out / name / "actor" / "metrics.jsonl"
+            rows = [r for r in read_metrics(str(path)) if "objective/scores" in r]
+        else:
+            rows = _run(name, args.steps, out)
         scores = [r["objective/scores"] for r in rows]
         curves[name] = scores
         reach = _first_reach(scores, 0.9)

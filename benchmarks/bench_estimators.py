@@ -62,6 +62,8 @@ def _run(name: str, steps: int, out: Path) -> list[dict]:
             f"logging.run_dir={run_dir / 'actor'}",
             f"checkpoint.dir={run_dir / 'checkpoints'}",
             f"ppo.num_steps={steps}",
+            "checkpoint.resume=none",
+            "checkpoint.save_interval=0",
             "checkpoint.save_at_end=false",
             "checkpoint.keep_best=false",
             "validation.interval=0",

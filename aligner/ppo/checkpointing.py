@@ -330,14 +330,7 @@ class ActorCheckpointer:
             note = f" (newer actor steps {skipped} have no critic checkpoint)" if skipped else ""
             self._say(f"resume=auto: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
             return str(path)
-        path = Path(mode)
-        step_dir = path.parent if path.name == ROLE else path
-        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
-            raise CheckpointError(
-                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
-                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
-                f"{complete_steps(step_dir.parent, role=ROLE)}"
-            )
+        step_dir = self._named_step_dir(mode)
         step = int(read_json(step_dir / ROLE / "trainer_state.json")["trainer"]["step"])
         if step not in server_steps:
             raise CheckpointError(
@@ -346,6 +339,20 @@ class ActorCheckpointer:
             )
         self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
         return str(step_dir)
+
+    @staticmethod
+    def _named_step_dir(mode: str) -> Path:
+        """The step folder ``checkpoint.resume`` names (the step's folder or its actor folder),
+        after checking it holds a complete actor checkpoint."""
+        path = Path(mode)
+        step_dir = path.parent if path.name == ROLE else path
+        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
+                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
+                f"{complete_steps(step_dir.parent, role=ROLE)}"
+            )
+        return step_dir
 
     def _decide_critic_free(self, mode: str) -> str | None:
         """:meth:`_decide` for a critic-free run: the actor's checkpoints alone decide."""
@@ -367,14 +374,7 @@ class ActorCheckpointer:
                 f"resume=auto: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)"
             )
             return str(path)
-        path = Path(mode)
-        step_dir = path.parent if path.name == ROLE else path
-        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
-            raise CheckpointError(
-                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
-                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
-                f"{complete_steps(step_dir.parent, role=ROLE)}"
-            )
+        step_dir = self._named_step_dir(mode)
         self._say(f"resuming from {step_dir / ROLE} (critic-free: no server state)")
         return str(step_dir)
 

@@ -59,11 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if len(cores) >= 2:
             os.sched_setaffinity(0, {cores[1]})  # the actor (this process) on the other core
-        import importlib.util
+        from aligner.actor.run import run
 
-        spec = importlib.util.spec_from_file_location("train_actor", ROOT / "examples" / "train_actor.py")
-        entry = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(entry)
         with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
             dcfg = compose(
                 "actor",
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ],
             )
         cfg = OmegaConf.to_object(dcfg)
-        entry.run(cfg)
+        run(cfg)
     finally:
         server.stop()
     rows = read_metrics(str(tmp / "actor" / "metrics.jsonl"))[2:]

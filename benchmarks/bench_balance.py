@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from aligner import distributed
+    from aligner.actor.config import ActorConfig
+    from aligner.actor.logprobs import PolicyLogprobs
+    from aligner.actor.prompts import PromptSampler
     from aligner.models import gpt
-    from aligner.ppo.config import ActorConfig
-    from aligner.ppo.logprobs import PolicyLogprobs
-    from aligner.ppo.prompts import PromptSampler
     from aligner.tasks import get_task
     from aligner.tokenizers import CharTokenizer
 

@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from aligner.critic.client import RemoteCriticClient  # noqa: E402
 from aligner.critic.config import build_config  # noqa: E402
 from aligner.critic.launch import start_server  # noqa: E402
 from aligner.critic.service import CriticService  # noqa: E402
 from aligner.distributed import ParallelConfig, destroy, initialize  # noqa: E402
 from aligner.models.gpt import token_values  # noqa: E402
 from aligner.tokenizers import build_tokenizer  # noqa: E402
+from aligner.wire.client import RemoteCriticClient  # noqa: E402
 
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 14}
 

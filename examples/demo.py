@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aligner.critic.launch import ServerStartError, start_server  # noqa: E402
+from aligner.critic.launch import start_server  # noqa: E402
+from aligner.wire.readiness import ServerStartError  # noqa: E402
 
 RUN_DIR = ROOT / "runs" / "demo"
 

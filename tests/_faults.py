@@ -467,7 +467,7 @@ def judge(kind: str, needle: str, got, expected: tuple, *, atol: float) -> str |
     rewards ``[b]``) the request gets alone; values may move by ``atol``, rewards not at all."""
     import numpy as np
 
-    from aligner.critic.protocol import BATCH_PEER_MARK
+    from aligner.wire.protocol import BATCH_PEER_MARK
 
     if isinstance(got, Exception):
         text = str(got)
@@ -492,7 +492,7 @@ def send_infer(conn, inputs: dict) -> dict:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    from aligner.critic.protocol import INFER
+    from aligner.wire.protocol import INFER
 
     names = {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}
     ins = []

@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_hf_convert_tp.py (spawned, so they live in an importable module).
+"""Worker processes for tests/models/test_hf_convert_tp.py (spawned, so they live in an importable module).
 
 Each worker joins a 2-process gloo world, imports an HF folder at TP=2 or PP=2, computes what
 the test compares, exports, saves our checkpoint, and writes results under ``out_dir``

@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_weight_stream.py and tests/test_generation_layout.py
+"""Worker processes for tests/generation/test_weight_stream.py and tests/generation/test_generation_layout.py
 (spawned, so they live in an importable module).
 
 Each worker joins a gloo world and runs several layouts in one process group, tearing down

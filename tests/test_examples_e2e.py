@@ -14,7 +14,6 @@ reward module found through ``reward.python_path``, and the actor started from t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -54,9 +53,8 @@ def _actor(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    spec = importlib.util.spec_from_file_location("train_actor", ROOT / "examples" / "train_actor.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+    from aligner.actor.run import run
+
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
             "actor",
@@ -71,7 +69,7 @@ def _actor(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
                 *overrides,
             ],
         )
-    entry.run(OmegaConf.to_object(dcfg))
+    run(OmegaConf.to_object(dcfg))
     return read_metrics(str(run_dir / "metrics.jsonl"))
 
 

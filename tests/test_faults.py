@@ -253,7 +253,7 @@ def test_actor_killed_mid_step_resumes_and_ends_as_the_uninterrupted_run(shared,
     """SIGKILL after step 3's generation, before its critic_train is sent; started again with
     resume=auto it continues from step 2 and ends with the reference's weights, the critic's
     included. (Every kill point of the actor, mid-step and each point of a save, is in
-    tests/test_actor_resume.py, which compares the policy and the metrics; this one compares
+    tests/actor/test_actor_resume.py, which compares the policy and the metrics; this one compares
     both roles' final checkpoints, tensor for tensor.)"""
     ckpt = tmp_path / "ckpt"
     run = run_actor(shared.url, tmp_path, ckpt, env=actor_env(ALIGNER_FAULT_AT="mid_step@3"), ok=False)
@@ -308,8 +308,8 @@ def test_actor_checkpoint_write_on_a_full_disk_fails_cleanly_and_keeps_the_earli
 def test_server_checkpoint_write_on_a_full_disk_fails_cleanly_and_keeps_the_earlier_step(
     shared, reference, capsys
 ):
-    from aligner.critic.client import CriticServerError, RemoteCriticClient
     from aligner.critic.testing import digit_batch, train_arrays
+    from aligner.wire.client import CriticServerError, RemoteCriticClient
 
     tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=7, num_digits=3)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=7)
@@ -360,8 +360,8 @@ def test_server_checkpoint_write_on_a_full_disk_fails_cleanly_and_keeps_the_earl
 
 
 def test_a_reward_function_raising_on_one_request_of_a_merged_batch_fails_that_request_alone(shared, capsys):
-    from aligner.critic.client import CriticServerError, RemoteCriticClient
     from aligner.tasks.digits import copy_reward
+    from aligner.wire.client import CriticServerError, RemoteCriticClient
 
     s = 12  # one padded length: the batcher merges only requests of the same shape
     good = [(["123:", "456:"], ["123", "45"]), (["789:"], ["789"]), (["012:", "345:"], ["0", "345"])]
@@ -407,9 +407,9 @@ LOAD_STEP = 2000
 def test_eight_clients_with_malformed_requests_change_nothing_and_leak_nothing(shared, reference, capsys):
     import tritonclient.grpc as grpcclient
 
-    from aligner.critic.client import RemoteCriticClient
     from aligner.critic.testing import digit_batch, train_arrays
     from aligner.tasks.digits import copy_reward
+    from aligner.wire.client import RemoteCriticClient
 
     # Valid batches of 1-4 samples, 3 padded lengths; what each gets alone is what it must get.
     pool = [digit_batch(TOK, 1 + i % 4, seed=300 + i, num_digits=3, pad_to=8 + i % 3) for i in range(16)]
@@ -511,7 +511,7 @@ HANG_TIMEOUTS = (
 def test_a_hung_server_fails_the_actor_with_a_named_timeout_and_serves_again_after(
     shared, reference, tmp_path, capsys
 ):
-    from aligner.critic.client import RemoteCriticClient
+    from aligner.wire.client import RemoteCriticClient
 
     ckpt = tmp_path / "ckpt"
     actor = ActorProcess(shared.url, tmp_path, ckpt, *HANG_TIMEOUTS)

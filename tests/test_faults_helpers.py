@@ -97,7 +97,7 @@ def test_resident_memory_is_read():
 def test_the_load_case_judges_every_outcome():
     import numpy as np
 
-    from aligner.critic.protocol import BATCH_PEER_MARK
+    from aligner.wire.protocol import BATCH_PEER_MARK
 
     tokens, lengths, pl = samples_batch(["12:", "3:"], ["12", ""], 8)
     values, rewards = np.zeros((2, 7), np.float32), np.array([1.0, 0.0], np.float32)

@@ -32,13 +32,15 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from _examples import load
 from hydra.errors import ConfigCompositionException
 
-from aligner.critic import client as critic_client
 from aligner.critic import launch
-from aligner.critic import protocol as P
 from aligner.critic import wait as wait_cli
 from aligner.models.config import ConfigError
+from aligner.wire import client as critic_client
+from aligner.wire import protocol as P
+from aligner.wire import readiness
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "examples" / "k8s"
@@ -55,14 +57,7 @@ TRITON_HEALTH = {"ready": "/v2/health/ready", "live": "/v2/health/live"}
 OPERATOR_ENV = {"RANK": "1", "MASTER_ADDR": "run-actor-master-0", "MASTER_PORT": "23456"}
 
 
-def _load_module(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load_module("aligner_k8s_render", K8S / "render.py")
+render = load("k8s", "render")
 
 
 # --- rendering and config helpers ------------------------------------------------------------------
@@ -120,9 +115,10 @@ def torchrun(args: list[str]):
 
 @pytest.fixture(scope="module")
 def schemas():
-    """Register each entry point's structured config schema, as running it does."""
-    _load_module("recipes_serve_critic", ROOT / CRITIC_ENTRY)
-    _load_module("recipes_train_actor", ROOT / ACTOR_ENTRY)
+    """Register each entry point's structured config schema, as running it does (both scripts
+    forward to these modules)."""
+    import aligner.actor.run  # noqa: F401
+    import aligner.critic.server  # noqa: F401
 
 
 def compose(config: str, overrides: list[str]):
@@ -145,7 +141,7 @@ def actor_config(overrides: list[str], world_size: int):
     """The actor's checked config for these overrides at this world size."""
     from omegaconf import OmegaConf
 
-    from aligner.ppo.config import validate_actor_config
+    from aligner.actor.config import validate_actor_config
     from aligner.tokenizers import build_tokenizer
 
     cfg = OmegaConf.to_object(compose("actor", overrides))
@@ -336,7 +332,7 @@ def test_critic_ports_probes_and_service_match_what_the_server_serves(schemas):
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert resolve_port(c, c[probe]["httpGet"]["port"]) == cfg.server.http_port
     # The readiness the launcher and the actor's client wait for is the same endpoint.
-    assert TRITON_HEALTH["ready"] in Path(launch.__file__).read_text()
+    assert TRITON_HEALTH["ready"] in Path(readiness.__file__).read_text()
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == cfg.server.metrics_port
 
@@ -380,7 +376,7 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
         want = critic_token if cont is c else {}
         assert secret_env_of(cont) == want and set(want) == ({P.RUN_TOKEN_ENV} if want else set())
         url = env[critic_client.ENV_URL]
-        scheme, hostport = launch.parse_url(url)
+        scheme, hostport = readiness.parse_url(url)
         host, port = hostport.rsplit(":", 1)
         svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
         assert (scheme, host, int(port)) == ("grpc", svc["metadata"]["name"], svc_ports["grpc"])
@@ -778,18 +774,20 @@ class Layout(NamedTuple):
 
 
 ACTOR_LAYOUTS = {
-    "tp2": Layout(2, ("parallel.tensor_model_parallel_size=2",), "tests/test_actor_resume.py"),
-    "dp2": Layout(2, (), "tests/test_actor_resume.py"),
+    "tp2": Layout(2, ("parallel.tensor_model_parallel_size=2",), "tests/actor/test_actor_resume.py"),
+    "dp2": Layout(2, (), "tests/actor/test_actor_resume.py"),
     "pp2-gen-tp2": Layout(
         2,
         ("parallel.pipeline_model_parallel_size=2", "generation.tensor_parallel_size=2"),
-        "tests/test_actor_e2e.py",
+        "tests/actor/test_actor_e2e.py",
     ),
-    "tp2-dp2": Layout(4, ("parallel.tensor_model_parallel_size=2",), "tests/test_actor_e2e.py", nodes=2),
+    "tp2-dp2": Layout(
+        4, ("parallel.tensor_model_parallel_size=2",), "tests/actor/test_actor_e2e.py", nodes=2
+    ),
 }
 CRITIC_LAYOUTS = {
-    "dp2": Layout(2, ("parallel.data_parallel_size=2",), "tests/test_critic_dp.py"),
-    "tp2": Layout(2, ("parallel.tensor_model_parallel_size=2",), "tests/test_critic_tp.py"),
+    "dp2": Layout(2, ("parallel.data_parallel_size=2",), "tests/critic/test_critic_dp.py"),
+    "tp2": Layout(2, ("parallel.tensor_model_parallel_size=2",), "tests/critic/test_critic_tp.py"),
 }
 # The overrides that set a layout.
 LAYOUT_KEYS = ("parallel.", "generation.tensor_parallel_size")
@@ -1055,10 +1053,10 @@ def test_wait_cli_gives_up_when_the_server_process_exits(capsys):
 
 def test_the_recipes_and_the_local_launcher_share_one_readiness_check():
     # The CLI the recipes run and the launcher of `make demo` (start_server) both wait through
-    # launch.wait_ready; the CLI also requires every model of the wire protocol.
-    from aligner.critic import protocol
+    # readiness.wait_ready; the CLI also requires every model of the wire protocol.
+    from aligner.wire import protocol
 
-    assert wait_cli.wait_ready is launch.wait_ready
+    assert wait_cli.wait_ready is readiness.wait_ready
     assert set(wait_cli.SERVED_MODELS) == set(protocol.MODELS)
     assert "wait_ready(" in Path(launch.__file__).read_text().split("class ServerProcess")[1]
     scripts = (ROOT / "pyproject.toml").read_text()

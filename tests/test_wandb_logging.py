@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from aligner.actor.config import LoggingConfig
 from aligner.metrics import (
     WANDB_ID_FILE,
     MetricsLogger,
@@ -27,7 +28,6 @@ from aligner.metrics import (
     WandbMissingError,
     read_metrics,
 )
-from aligner.ppo.config import LoggingConfig
 
 BLOCK = 32 * 1024
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4

@@ -3,7 +3,7 @@
 - ``critic.yaml``: the critic/reward server (``python -m aligner.critic.server``), backed by
   :class:`aligner.critic.config.CriticServerConfig`;
 - ``actor.yaml``: the actor (``examples/train_actor.py``), backed by
-  :class:`aligner.ppo.config.ActorConfig`.
+  :class:`aligner.actor.config.ActorConfig`.
 
 Hydra finds them as ``config_path="pkg://aligner.configs"`` (:data:`CONFIG_PATH`), so they are
 found wherever the package is installed. This module holds no code beyond that name.

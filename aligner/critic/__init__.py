@@ -1,19 +1,5 @@
-"""The critic/reward server and its client.
-
-The contracts, which the actor imports (and nothing else of this package):
-
-- :mod:`aligner.critic.protocol`: the wire contract (model names, tensors, validation) both sides import;
-- :mod:`aligner.critic.handle`: :class:`~aligner.critic.handle.CriticHandle`, the calls the actor makes.
-
-The client side:
-
-- :mod:`aligner.critic.client`: :class:`~aligner.critic.client.RemoteCriticClient`, what the actor uses;
-  :mod:`aligner.critic.transport`: its connections and bounded futures; :mod:`aligner.critic.errors`:
-  the errors it raises (beside the service's own);
-- :mod:`aligner.critic.launch`: start a server process and wait until it is ready;
-- :mod:`aligner.critic.wait`: ``python -m aligner.critic.wait``, the readiness check the recipes run.
-
-The server:
+"""The critic/reward server. What the actor sees of it (the wire contract, the client) is
+:mod:`aligner.wire`, which this package imports and never the other way round.
 
 - :mod:`aligner.critic.server`: the entry point (``python -m aligner.critic.server``, the
   ``aligner-serve-critic`` script; ``servers/serve_critic.py`` forwards to it), which binds the
@@ -30,10 +16,12 @@ The server:
 - :mod:`aligner.critic.checkpointing`: the critic's checkpoints and the shard exchange between ranks;
 - :mod:`aligner.critic.rewards`: reward functions and reward models, and where the critic's weights
   come from; :mod:`aligner.critic.errors`: the service's errors; :mod:`aligner.critic.metrics`:
-  its metrics and request statistics; :mod:`aligner.critic.faults`: the crash points tests set;
+  its metrics and request statistics;
 - :mod:`aligner.critic.host`: the environment, stale workspaces and free ports a server needs
-  before Triton starts.
+  before Triton starts;
+- :mod:`aligner.critic.launch`: start a server process and wait until it is ready (the demo, tests,
+  benchmarks); :mod:`aligner.critic.wait`: ``python -m aligner.critic.wait``, the readiness check
+  the recipes run.
 
-:mod:`aligner.critic.testing` holds the helpers the tests and benchmarks share. Importing the
-protocol or the client does not import torch.
+:mod:`aligner.critic.testing` holds the helpers the tests and benchmarks share.
 """

@@ -49,7 +49,6 @@ from aligner.checkpoint import (
     step_dir_name,
     write_json,
 )
-from aligner.critic import protocol as P
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import fault_point
 from aligner.critic.peers import PeerLink
@@ -58,6 +57,7 @@ from aligner.distributed import ParallelState, recv_json, send_json
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
 from aligner.precision import load_master_state_dict, master_state_dict
+from aligner.wire.protocol import LOAD, ProtocolError
 
 __all__ = ["CriticCheckpoints", "LoadedCheckpoint", "ROLE", "SHARD_KINDS"]
 
@@ -221,8 +221,8 @@ class CriticCheckpoints:
         """
         d = self.root / step_dir_name(step) / ROLE
         if step not in self.steps():
-            raise P.ProtocolError(
-                P.LOAD,
+            raise ProtocolError(
+                LOAD,
                 "step",
                 f"a step with a complete critic checkpoint (have {self.steps()})",
                 f"step={step}",

@@ -328,7 +328,7 @@ class CriticServerConfig:
         if s.exit_timeout_s < 0:
             e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
         if s.run_token_file:
-            from aligner.critic.protocol import resolve_run_token
+            from aligner.wire.protocol import resolve_run_token
 
             try:
                 resolve_run_token(s.run_token_file, "server.run_token_file")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from aligner.critic import protocol as P
+from aligner.wire.protocol import TRAIN, ProtocolError, TrainResult
 
 __all__ = ["AppliedSteps", "CACHED_RESULTS"]
 
@@ -29,10 +29,10 @@ class AppliedSteps:
     def __init__(self) -> None:
         self.last = -1
         """The last applied step; -1 before the first."""
-        self.results: OrderedDict[int, P.TrainResult] = OrderedDict()
+        self.results: OrderedDict[int, TrainResult] = OrderedDict()
         """Results by step id, oldest first."""
 
-    def kept(self, step: int) -> P.TrainResult | None:
+    def kept(self, step: int) -> TrainResult | None:
         """The result ``step`` got when it was applied, if it is still kept (a repeat), else None."""
         return self.results.get(step)
 
@@ -43,15 +43,15 @@ class AppliedSteps:
             ProtocolError: ``step`` is not new and its result is no longer kept.
         """
         if step <= self.last:
-            raise P.ProtocolError(
-                P.TRAIN,
+            raise ProtocolError(
+                TRAIN,
                 "step",
                 f"a step > {self.last} (the last applied step), or "
                 f"one of the last {CACHED_RESULTS} applied steps (whose results are kept)",
                 f"step={step}",
             )
 
-    def record(self, step: int, result: P.TrainResult) -> None:
+    def record(self, step: int, result: TrainResult) -> None:
         """``step`` was applied with ``result``: it becomes the last, and the oldest kept result
         beyond :data:`CACHED_RESULTS` is dropped."""
         self.results[step] = result
@@ -67,5 +67,5 @@ class AppliedSteps:
         """Take back the state a checkpoint saved (``last`` and :meth:`to_json`'s ``results``)."""
         self.last = int(last)
         self.results = OrderedDict(
-            (int(k), P.TrainResult(**v)) for k, v in sorted(results.items(), key=lambda kv: int(kv[0]))
+            (int(k), TrainResult(**v)) for k, v in sorted(results.items(), key=lambda kv: int(kv[0]))
         )

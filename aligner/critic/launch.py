@@ -1,5 +1,5 @@
 """Start a critic server as a child process and wait until it serves (demo launcher, tests,
-benchmarks), and :func:`wait_ready`, the readiness probe the client shares."""
+benchmarks); the wait is :func:`aligner.wire.readiness.wait_ready`, the probe the client shares."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["wait_ready", "ServerProcess", "start_server", "SERVER_MODULE", "ServerStartError", "parse_url"]
+from aligner.wire.readiness import ServerStartError, wait_ready
+
+__all__ = ["ServerProcess", "start_server", "SERVER_MODULE"]
 
 SERVER_MODULE = "aligner.critic.server"
 """What the child runs, as ``python -m``: the server's entry point, found wherever the package is
@@ -50,90 +50,6 @@ _DIST_ENV = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
 )
-
-
-class ServerStartError(RuntimeError):
-    """The server process exited or did not become ready; the message carries its last output."""
-
-
-def parse_url(url: str) -> tuple[str, str]:
-    """``grpc://host:port`` or ``http://host:port`` -> (scheme, 'host:port'). A bare 'host:port'
-    is gRPC."""
-    if "://" not in url:
-        return "grpc", url
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    if scheme not in ("grpc", "http"):
-        raise ValueError(f"critic url {url!r}: expected grpc://host:port or http://host:port")
-    rest = rest.rstrip("/")
-    if ":" not in rest:
-        raise ValueError(f"critic url {url!r}: expected an explicit port (grpc://host:port)")
-    return scheme, rest
-
-
-def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: float) -> str | None:
-    """None when the server and every model are ready, else what was not."""
-    if scheme == "http":
-        paths = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in models]
-        for path in paths:
-            try:
-                with urllib.request.urlopen(f"http://{hostport}{path}", timeout=timeout_s) as r:
-                    if r.status != 200:
-                        return f"GET {path} answered {r.status}"
-            except urllib.error.HTTPError as e:
-                return f"GET {path} answered {e.code}"
-            except OSError as e:
-                return f"GET {path} failed: {e}"
-        return None
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(hostport)
-    try:
-        if not client.is_server_ready(client_timeout=timeout_s):
-            return "server is not ready"
-        for m in models:
-            if not client.is_model_ready(m, client_timeout=timeout_s):
-                return f"model {m} is not ready"
-        return None
-    except Exception as e:  # InferenceServerException, grpc errors: not up yet
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    finally:
-        client.close()
-
-
-def wait_ready(
-    url: str,
-    timeout_s: float = 120.0,
-    models: Sequence[str] = (),
-    *,
-    poll_s: float = 0.2,
-    abort: Callable[[], str | None] | None = None,
-) -> None:
-    """Block until ``url`` answers Triton's readiness (``/v2/health/ready``, and each of
-    ``models`` ready); TimeoutError naming the url and the last thing that was not ready.
-
-    ``abort``, polled between attempts, returns why waiting is pointless (e.g. the server
-    process exited) or None; a reason raises :class:`ServerStartError` at once.
-    The local launcher, the actor's client and ``python -m aligner.critic.wait`` (what the
-    cluster recipes run) all wait through this function."""
-    scheme, hostport = parse_url(url)
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
-        # Each probe within what is left of the wait (a hung server answers no probe at all).
-        probe_s = min(5.0, max(0.2, deadline - time.monotonic()))
-        last = _ready_once(scheme, hostport, models, timeout_s=probe_s) or ""
-        if not last:
-            return
-        reason = abort() if abort is not None else None
-        if reason:
-            raise ServerStartError(f"critic server at {url} will not become ready: {reason}")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"critic server at {url} not ready after {timeout_s:.0f} s: tried "
-                f"{scheme} readiness of the server and models {list(models)}; last answer: {last}"
-            )
-        time.sleep(poll_s)
 
 
 class ServerProcess:

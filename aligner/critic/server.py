@@ -15,15 +15,15 @@ own logs and metrics go to ``log.dir``. ``servers/serve_critic.py`` forwards her
 
 Errors. PyTriton 0.7 turns an exception raised by an inference callable into a Triton error
 for *every* request of that execution, and the server stays up (checked in
-``tests/test_critic_server.py``). Triton itself rejects a wrong dtype, rank, fixed
+``tests/critic/test_critic_server.py``). Triton itself rejects a wrong dtype, rank, fixed
 dimension or an over-long critic_infer batch per request, before the dynamic batcher merges
 anything. What is left, value checks, is done per request inside the callables, which take
 PyTriton's raw request list (no ``@batch``) for exactly this reason: a lone bad request gets
-its own :class:`~aligner.critic.protocol.ProtocolError`. When the batcher has merged a bad
+its own :class:`~aligner.wire.protocol.ProtocolError`. When the batcher has merged a bad
 critic_infer request with good ones, PyTriton cannot fail just one of them; nothing is run,
 and every request of that execution gets one error that names the bad request's field and
-carries :data:`~aligner.critic.protocol.BATCH_PEER_MARK`, which tells
-:class:`~aligner.critic.client.RemoteCriticClient` (whose requests were validated before
+carries :data:`~aligner.wire.protocol.BATCH_PEER_MARK`, which tells
+:class:`~aligner.wire.client.RemoteCriticClient` (whose requests were validated before
 sending) to retry. A request the reward function fails on is no such case: the others run as
 they would alone, and the failing one gets its message in its ``error`` output (alone in its
 execution, as its error). Training, save and load are never batched, so their errors are their
@@ -33,7 +33,7 @@ Optional inputs. critic_infer's ``prompt_text``, ``response_text`` and ``extras`
 with ``optional=True``: a request may leave them out, and ``server_info``'s ``infer_inputs``
 names those this server needs (:attr:`~aligner.critic.service.CriticService.infer_inputs`).
 Triton's dynamic batcher was seen to keep requests with different sets of inputs in separate
-executions (``tests/test_reward_inputs.py`` sends such requests together); if it merges them,
+executions (``tests/critic/test_reward_inputs.py`` sends such requests together); if it merges them,
 the callable still reads each request's own inputs, a request without ``extras`` gives the
 reward function no columns, and one without texts the server needs is refused as any invalid
 request of a merged execution is.
@@ -81,7 +81,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from aligner.configs import CONFIG_PATH
-from aligner.critic import protocol as P
 from aligner.critic.config import ConfigError, CriticServerConfig, build_config
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import FAULT_ENV, parse_fault
@@ -94,6 +93,23 @@ from aligner.critic.host import (
 )
 from aligner.critic.rewards import RequestRewardError
 from aligner.critic.service import CriticService
+from aligner.wire.protocol import (
+    BATCH_PEER_MARK,
+    ERROR_MARK,
+    INFER,
+    INFO,
+    LOAD,
+    MODEL_NAMES,
+    MODELS,
+    OPTIONAL_INFER_INPUTS,
+    RUN_TOKEN_ENV,
+    SAVE,
+    TRAIN,
+    InferRequest,
+    ProtocolError,
+    infer_error_wire,
+    validate_infer,
+)
 
 __all__ = ["CriticTritonServer", "run_server", "main"]
 
@@ -152,48 +168,48 @@ class CriticTritonServer:
         try:
             out = fn(requests)
             ok = True
-            rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == P.INFER else len(out)
+            rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == INFER else len(out)
             return out
-        except (P.ProtocolError, CriticServiceError) as e:
+        except (ProtocolError, CriticServiceError) as e:
             log.warning("%s rejected: %s", model, e)
             raise
         finally:
             self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows, len(requests))
 
     def infer_fn(self, requests) -> list[dict[str, np.ndarray]]:
-        return self._timed(P.INFER, self._infer, requests)
+        return self._timed(INFER, self._infer, requests)
 
     def _infer(self, requests) -> list[dict[str, np.ndarray]]:
-        parsed: list[P.InferRequest] = []
-        errors: list[tuple[int, P.ProtocolError]] = []
+        parsed: list[InferRequest] = []
+        errors: list[tuple[int, ProtocolError]] = []
         require = self.service.required_inputs
         for i, r in enumerate(requests):
             try:
                 parsed.append(
-                    P.validate_infer(
+                    validate_infer(
                         r["tokens"],
                         r["lengths"],
                         r["prompt_lengths"],
                         self.service.limits,
                         # Each request's own optional inputs: Triton may merge requests that carry
                         # different sets of them (an absent one is not in that request's dict).
-                        **{name: _optional(r, name) for name in P.OPTIONAL_INFER_INPUTS},
+                        **{name: _optional(r, name) for name in OPTIONAL_INFER_INPUTS},
                         require=require,
                     )
                 )
-            except P.ProtocolError as e:
+            except ProtocolError as e:
                 errors.append((i, e))
         if errors:
             if len(requests) == 1:
                 raise errors[0][1]
-            detail = " | ".join(f"request {i}: {str(e)[len(P.ERROR_MARK) :]}" for i, e in errors)
+            detail = " | ".join(f"request {i}: {str(e)[len(ERROR_MARK) :]}" for i, e in errors)
             # One message for the whole execution (PyTriton cannot fail one request of a batch):
             # the bad request reads its field, the valid ones read that they may retry.
-            raise P.ProtocolError(
-                P.INFER,
+            raise ProtocolError(
+                INFER,
                 errors[0][1].field,
                 errors[0][1].expected,
-                f"{errors[0][1].got}; {P.BATCH_PEER_MARK}{len(errors)} of {len(requests)} requests merged into "
+                f"{errors[0][1].got}; {BATCH_PEER_MARK}{len(errors)} of {len(requests)} requests merged into "
                 f"this dynamic batch were invalid ({detail}); nothing was run and the valid ones may be retried",
             )
         results = self.service.infer_many(parsed)
@@ -202,9 +218,7 @@ class CriticTritonServer:
         # Merged: a request the reward function failed on gets its message in its `error` output
         # (PyTriton can fail only a whole execution), the others their values and rewards.
         return [
-            P.infer_error_wire(str(r), p.tokens.shape[0])
-            if isinstance(r, RequestRewardError)
-            else r.to_wire()
+            infer_error_wire(str(r), p.tokens.shape[0]) if isinstance(r, RequestRewardError) else r.to_wire()
             for r, p in zip(results, parsed)
         ]
 
@@ -225,7 +239,7 @@ class CriticTritonServer:
                 out.append(res.to_wire())
             return out
 
-        return self._timed(P.TRAIN, run, requests)
+        return self._timed(TRAIN, run, requests)
 
     def save_fn(self, requests) -> list[dict[str, np.ndarray]]:
         def run(reqs):
@@ -235,7 +249,7 @@ class CriticTritonServer:
                 out.append({"ok": np.ones((1, 1), dtype=np.int64)})
             return out
 
-        return self._timed(P.SAVE, run, requests)
+        return self._timed(SAVE, run, requests)
 
     def load_fn(self, requests) -> list[dict[str, np.ndarray]]:
         def run(reqs):
@@ -245,14 +259,14 @@ class CriticTritonServer:
                 out.append({"ok": np.ones((1, 1), dtype=np.int64)})
             return out
 
-        return self._timed(P.LOAD, run, requests)
+        return self._timed(LOAD, run, requests)
 
     def info_fn(self, requests) -> list[dict[str, np.ndarray]]:
         def run(reqs):
             blob = self.service.info().to_json()
             return [{"info": _bytes_array(blob)} for _ in reqs]
 
-        return self._timed(P.INFO, run, requests)
+        return self._timed(INFO, run, requests)
 
     # ------------------------------------------------------------------------------------------
 
@@ -301,13 +315,13 @@ class CriticTritonServer:
             return [Tensor(name=t.name, dtype=t.dtype, shape=t.shape, optional=t.optional) for t in specs]
 
         fns = {
-            P.INFER: self.infer_fn,
-            P.TRAIN: self.train_fn,
-            P.SAVE: self.save_fn,
-            P.LOAD: self.load_fn,
-            P.INFO: self.info_fn,
+            INFER: self.infer_fn,
+            TRAIN: self.train_fn,
+            SAVE: self.save_fn,
+            LOAD: self.load_fn,
+            INFO: self.info_fn,
         }
-        for name, spec in P.MODELS.items():
+        for name, spec in MODELS.items():
             if spec.batched:
                 # Without a dynamic batcher Triton still takes [b, ...] inputs but runs every
                 # request alone.
@@ -331,9 +345,9 @@ class CriticTritonServer:
                 strict=True,
             )
         self.triton.run()
-        from aligner.critic.launch import wait_ready
+        from aligner.wire.readiness import wait_ready
 
-        wait_ready(self.http_url, timeout_s=120.0, models=P.MODEL_NAMES)
+        wait_ready(self.http_url, timeout_s=120.0, models=MODEL_NAMES)
 
     def is_alive(self) -> bool:
         return self.triton is not None and self.triton.is_alive()
@@ -489,7 +503,7 @@ def run_server(cfg: CriticServerConfig) -> int:
                 "serving on %s without a run token: anyone who reaches this server may train, save "
                 "and load its critic; set $%s or server.run_token_file (and the same on the actor)",
                 cfg.server.host,
-                P.RUN_TOKEN_ENV,
+                RUN_TOKEN_ENV,
             )
         workspace_root = prepare_environment(cfg.server.workspace_root)
         server = CriticTritonServer(service, cfg, workspace_root)

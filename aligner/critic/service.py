@@ -22,7 +22,7 @@ models and composes one collaborator per concern:
 Reward-only mode (``mode: reward_only``, for critic-free actors): no critic, no optimizer and no
 checkpoints are built; ``critic_infer`` answers the rewards with values of zeros ``[b, s-1]`` (the
 wire stays what clients expect), ``critic_train``, ``critic_save`` and ``critic_load`` are refused
-with a :class:`~aligner.critic.protocol.ProtocolError` naming the mode, and ``server_info`` says
+with a :class:`~aligner.wire.protocol.ProtocolError` naming the mode, and ``server_info`` says
 ``critic: false``.
 
 Tensor and data parallelism. Rank 0 owns PyTriton and calls the public methods; every other
@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from aligner.critic import protocol as P
 from aligner.critic.checkpointing import CriticCheckpoints, LoadedCheckpoint
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError, ServiceClosedError
@@ -69,6 +68,30 @@ from aligner.distributed import ParallelState
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import build_critic, load_state_dict_strict, set_forwards, tensor_state_dict
 from aligner.precision import make_optimizer, precision_dtype, resolve_precision
+from aligner.wire.protocol import (
+    INFER,
+    LOAD,
+    PROTOCOL_VERSION,
+    SAVE,
+    TEXT_INPUTS,
+    TRAIN,
+    FencedError,
+    InferRequest,
+    InferResponse,
+    Limits,
+    ProtocolError,
+    ServerInfo,
+    TrainRequest,
+    TrainResult,
+    check_run_token,
+    critic_step_after_load,
+    resolve_run_token,
+    validate_expected_step,
+    validate_infer,
+    validate_run_token,
+    validate_step,
+    validate_train,
+)
 
 __all__ = ["CriticService"]
 
@@ -108,7 +131,7 @@ class CriticService:
         self.instance_id = uuid.uuid4().hex
         """Made once per process start: a client that finds another one talks to another server."""
         # Checked at start-up by the config (a bad file is a config error naming the key).
-        self.run_token = P.resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
+        self.run_token = resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
 
         self.reward_only = cfg.mode == "reward_only"
         """No critic: the server scores responses and nothing else (``mode: reward_only``)."""
@@ -189,7 +212,7 @@ class CriticService:
                 if reads_ids
                 else self.model_cfg.max_seq_len
             )
-        self.limits = P.Limits(
+        self.limits = Limits(
             vocab_size=self.tokenizer.vocab_size,
             max_seq_len=max_len,
             max_batch=cfg.server.max_batch_size,
@@ -276,7 +299,7 @@ class CriticService:
             f"this server's reward model reads text with its own tokenizer ({self.reward_tokens.spec!r}, "
             "not the policy's), so the actor sends each sample's prompt and response text"
         )
-        return dict.fromkeys(P.TEXT_INPUTS, why)
+        return dict.fromkeys(TEXT_INPUTS, why)
 
     @property
     def infer_inputs(self) -> list[str]:
@@ -335,11 +358,11 @@ class CriticService:
         if self._closed:
             raise ServiceClosedError()
 
-    def info(self) -> P.ServerInfo:
+    def info(self) -> ServerInfo:
         """What clients check before they send anything."""
         c = self.cfg
-        return P.ServerInfo(
-            protocol_version=P.PROTOCOL_VERSION,
+        return ServerInfo(
+            protocol_version=PROTOCOL_VERSION,
             vocab_size=self.limits.vocab_size,
             max_seq_len=self.limits.max_seq_len,
             tokenizer=c.tokenizer,
@@ -384,7 +407,7 @@ class CriticService:
             batching={
                 "dynamic_batching": c.server.dynamic_batching,
                 "max_queue_delay_us": c.server.max_queue_delay_us,
-                **self.request_stats.batching(P.INFER),
+                **self.request_stats.batching(INFER),
             },
             extra={
                 "mode": self.cfg.mode,
@@ -409,7 +432,7 @@ class CriticService:
         prompt_texts: Any = None,
         response_texts: Any = None,
         extras: Any = None,
-    ) -> P.InferResponse:
+    ) -> InferResponse:
         """Values and rewards of one batch (validated here).
 
         Args:
@@ -424,7 +447,7 @@ class CriticService:
         Raises:
             RequestRewardError: the reward function (or the reward tokenizer) failed on these samples.
         """
-        req = P.validate_infer(
+        req = validate_infer(
             tokens,
             lengths,
             prompt_lengths,
@@ -439,7 +462,7 @@ class CriticService:
             raise out
         return out
 
-    def infer_many(self, requests: list[P.InferRequest]) -> list[P.InferResponse | RequestRewardError]:
+    def infer_many(self, requests: list[InferRequest]) -> list[InferResponse | RequestRewardError]:
         """Score several *validated* requests (e.g. merged by Triton's batcher) in as few forwards
         as possible: requests of the same padded length share one forward, whose rows are split
         across the data-parallel replicas; a reward model that reads text gets a second forward
@@ -451,15 +474,15 @@ class CriticService:
         Each request's optional inputs are its own: one without ``extras`` gives the reward
         function no columns.
         """
-        out: list[P.InferResponse | RequestRewardError | None] = [None] * len(requests)
+        out: list[InferResponse | RequestRewardError | None] = [None] * len(requests)
         # The reward model's own ids, tokenized before the lock (a failing request fails alone).
         rm_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.reward_tokens is not None:
             for i, r in enumerate(requests):
-                missing = [n for n in P.TEXT_INPUTS if n not in r.texts()]
+                missing = [n for n in TEXT_INPUTS if n not in r.texts()]
                 if missing:  # validated requests carry them; an in-process caller may not
-                    raise P.ProtocolError(
-                        P.INFER, missing[0], self.required_inputs[missing[0]], "a request without it"
+                    raise ProtocolError(
+                        INFER, missing[0], self.required_inputs[missing[0]], "a request without it"
                     )
                 try:
                     rm_inputs[i] = self.reward_tokens.encode(r.prompt_texts, r.response_texts)
@@ -512,9 +535,7 @@ class CriticService:
                     out[i] = fn_score
                 else:
                     rm = None if scores is None else scores[start : start + n]
-                    out[i] = P.InferResponse(
-                        values[start : start + n], self._combine_rewards(fn_score, rm, n)
-                    )
+                    out[i] = InferResponse(values[start : start + n], self._combine_rewards(fn_score, rm, n))
                 start += n
         return out  # type: ignore[return-value]
 
@@ -529,7 +550,7 @@ class CriticService:
         expected_step: Any = None,
         *,
         run_token: Any = None,
-    ) -> P.TrainResult:
+    ) -> TrainResult:
         """Apply one critic update for ``step``, exactly once (:mod:`aligner.critic.exactly_once`).
 
         Checked in order (docs/design.md, "Wire protocol"): the contract; the run token; a
@@ -543,16 +564,16 @@ class CriticService:
             ProtocolError, UnauthorizedError, FencedError: with nothing applied (a ProtocolError
             naming the mode in reward-only mode).
         """
-        self._check_has_critic(P.TRAIN)
-        req = P.validate_train(tokens, lengths, returns, old_values, mask, step, expected_step, self.limits)
-        self._check_token(P.TRAIN, run_token)
+        self._check_has_critic(TRAIN)
+        req = validate_train(tokens, lengths, returns, old_values, mask, step, expected_step, self.limits)
+        self._check_token(TRAIN, run_token)
         with self._lock:
             self._check_open()
             earlier = self.applied.kept(req.step)
             if earlier is not None:
                 log.info("train step %d repeated: returning its earlier result, nothing applied", req.step)
                 return earlier
-            self._check_fence(P.TRAIN, req.step, req.expected_step)
+            self._check_fence(TRAIN, req.step, req.expected_step)
             self.applied.check_new(req.step)
             b, s = req.tokens.shape
             self.peers.broadcast(
@@ -594,25 +615,25 @@ class CriticService:
         Raises:
             ProtocolError, UnauthorizedError, FencedError: with nothing written.
         """
-        self._check_has_critic(P.SAVE)
-        step = P.validate_step(P.SAVE, step)
-        expected = None if expected_step is None else P.validate_expected_step(P.SAVE, expected_step)
-        self._check_token(P.SAVE, run_token)
+        self._check_has_critic(SAVE)
+        step = validate_step(SAVE, step)
+        expected = None if expected_step is None else validate_expected_step(SAVE, expected_step)
+        self._check_token(SAVE, run_token)
         with self._lock:
             self._check_open()
-            self._check_fence(P.SAVE, step, expected)
+            self._check_fence(SAVE, step, expected)
             return self._save_locked(step)
 
     def load(self, step: Any, *, run_token: Any = None) -> None:
         """Restore the critic, optimiser, RNG and bookkeeping saved at ``step`` (resume); the
-        server then holds critic step ``step`` (:func:`~aligner.critic.protocol.critic_step_after_load`).
+        server then holds critic step ``step`` (:func:`~aligner.wire.protocol.critic_step_after_load`).
 
         Raises:
             ProtocolError, UnauthorizedError, CriticServiceError: with nothing changed.
         """
-        self._check_has_critic(P.LOAD)
-        step = P.validate_step(P.LOAD, step)
-        self._check_token(P.LOAD, run_token)
+        self._check_has_critic(LOAD)
+        step = validate_step(LOAD, step)
+        self._check_token(LOAD, run_token)
         with self._lock:
             self._check_open()
             loaded = self.checkpoints.read(step)  # raises before anything changes
@@ -624,7 +645,7 @@ class CriticService:
     def _check_has_critic(self, model: str) -> None:
         """Refuse a request that needs the critic in reward-only mode, naming the mode."""
         if self.reward_only:
-            raise P.ProtocolError(
+            raise ProtocolError(
                 model,
                 "mode",
                 "a server with a critic (mode=critic), which an actor with ppo.advantage=gae needs",
@@ -637,12 +658,12 @@ class CriticService:
         input, empty for none) must be the server's token, if it has one. None: a caller that
         holds this service in-process (the server itself, tests), which needs none."""
         if run_token is not None:
-            P.check_run_token(model, self.run_token, P.validate_run_token(model, run_token))
+            check_run_token(model, self.run_token, validate_run_token(model, run_token))
 
     def _check_fence(self, model: str, step: int, expected_step: int | None) -> None:
         """Refuse a request that expects another critic step than the one held (under the lock)."""
         if expected_step is not None and expected_step != self.critic_step:
-            raise P.FencedError(model, step, expected_step, self.critic_step)
+            raise FencedError(model, step, expected_step, self.critic_step)
 
     def latest_checkpoint(self) -> int | None:
         return None if self.checkpoints is None else self.checkpoints.latest()
@@ -675,7 +696,7 @@ class CriticService:
         self.peers.broadcast(Op.SAVE, step=step)
         bookkeeping = {
             "critic_step": self.critic_step,
-            "protocol_version": P.PROTOCOL_VERSION,
+            "protocol_version": PROTOCOL_VERSION,
             "tokenizer": self.cfg.tokenizer,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),
             "init_source": self.init_source,
@@ -690,7 +711,7 @@ class CriticService:
         train) included."""
         self.update.drop_kept()  # computed with the weights being replaced
         meta = self.checkpoints.apply(loaded)
-        self.applied.restore(P.critic_step_after_load(int(meta["step"])), meta["results"])
+        self.applied.restore(critic_step_after_load(int(meta["step"])), meta["results"])
 
     # ------------------------------------------------------------------------------------------
     # Peers (every rank but 0)
@@ -706,7 +727,7 @@ class CriticService:
                 self.replicas.score(*r.arrays)
             elif r.op == Op.TRAIN:
                 try:
-                    self.applied.record(r.step, self.update.train_step(P.TrainRequest(*r.arrays, r.step)))
+                    self.applied.record(r.step, self.update.train_step(TrainRequest(*r.arrays, r.step)))
                 except CriticServiceError as e:  # rank 0 fails the same way and reports it
                     log.warning("rank %d: %s", self.state.rank, e)
             elif r.op == Op.SAVE:

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import numpy as np
 
-from aligner.critic import protocol as P
+from aligner.wire.protocol import (
+    INFO,
+    LOAD,
+    MODELS,
+    SAVE,
+    TRAIN,
+    ServerInfo,
+    TrainRequest,
+    load_inputs,
+    save_inputs,
+)
 
 __all__ = [
     "TINY_MODEL",
@@ -163,7 +173,7 @@ def raw_infer(
             i = mod.InferInput(name, list(a.shape), dtype)
             i.set_data_from_numpy(a)
             ins.append(i)
-        outputs = outputs or [t.name for t in P.MODELS[model].outputs]
+        outputs = outputs or [t.name for t in MODELS[model].outputs]
         r = client.infer(model, ins, outputs=[mod.InferRequestedOutput(n) for n in outputs])
         return {n: r.as_numpy(n) for n in outputs}
     finally:
@@ -179,21 +189,21 @@ def raw_error(url: str, model: str, inputs: dict[str, np.ndarray]) -> str:
     raise AssertionError(f"{model} accepted a request that breaks the contract: {sorted(inputs)}")
 
 
-def raw_info(url: str) -> P.ServerInfo:
+def raw_info(url: str) -> ServerInfo:
     """``server_info`` through a bare tritonclient."""
-    return P.ServerInfo.from_json(raw_infer(url, P.INFO, {})["info"].reshape(-1)[0])
+    return ServerInfo.from_json(raw_infer(url, INFO, {})["info"].reshape(-1)[0])
 
 
-def raw_train(url: str, req: P.TrainRequest, run_token: str | None = None) -> dict[str, np.ndarray]:
+def raw_train(url: str, req: TrainRequest, run_token: str | None = None) -> dict[str, np.ndarray]:
     """One critic_train of ``req`` (its ``expected_step`` set) through a bare tritonclient."""
-    return raw_infer(url, P.TRAIN, req.to_wire(run_token))
+    return raw_infer(url, TRAIN, req.to_wire(run_token))
 
 
 def raw_save(url: str, step: int, expected_step: int, run_token: str | None = None) -> None:
     """critic_save of ``step`` when the server holds ``expected_step``, through a bare tritonclient."""
-    raw_infer(url, P.SAVE, P.save_inputs(step, expected_step, run_token))
+    raw_infer(url, SAVE, save_inputs(step, expected_step, run_token))
 
 
 def raw_load(url: str, step: int, run_token: str | None = None) -> None:
     """critic_load of ``step`` through a bare tritonclient."""
-    raw_infer(url, P.LOAD, P.load_inputs(step, run_token))
+    raw_infer(url, LOAD, load_inputs(step, run_token))

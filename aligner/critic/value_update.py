@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from aligner.critic import protocol as P
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.faults import fault_point
@@ -26,6 +25,7 @@ from aligner.critic.replicas import row_slices
 from aligner.distributed import ParallelState, comm_device
 from aligner.models.gpt import sequence_scores, token_values
 from aligner.rl import explained_variance, loss_start, value_loss
+from aligner.wire.protocol import TrainRequest, TrainResult
 
 __all__ = ["ValueUpdate"]
 
@@ -161,7 +161,7 @@ class ValueUpdate:
             offset += g.numel()
         return flat[offset:]
 
-    def train_step(self, req: P.TrainRequest) -> P.TrainResult:
+    def train_step(self, req: TrainRequest) -> TrainResult:
         """Apply ``req`` (validated): every epoch and minibatch, on every TP rank alike.
 
         Under data parallelism every rank receives the whole batch; in each minibatch replica
@@ -261,7 +261,7 @@ class ValueUpdate:
             dist.all_reduce(first_pass_values, group=st.dp_group)
             first_pass_values = first_pass_values.to(dev)
         ev = float(explained_variance(first_pass_values, returns, mask))
-        return P.TrainResult(
+        return TrainResult(
             loss=float(np.mean(losses)),
             grad_norm=float(np.mean(norms)),
             applied_step=req.step,

@@ -21,13 +21,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from aligner.critic import protocol as P
-from aligner.critic.client import DEFAULT_URL, ENV_URL, resolve_critic_url
-from aligner.critic.launch import ServerStartError, wait_ready
+from aligner.wire.client import DEFAULT_URL, ENV_URL, resolve_critic_url
+from aligner.wire.protocol import MODELS
+from aligner.wire.readiness import ServerStartError, wait_ready
 
 __all__ = ["main", "SERVED_MODELS"]
 
-SERVED_MODELS: tuple[str, ...] = tuple(P.MODELS)
+SERVED_MODELS: tuple[str, ...] = tuple(MODELS)
 """The models a server must have loaded before an actor can use it."""
 
 

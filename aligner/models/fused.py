@@ -24,7 +24,7 @@ the local layer spec ``aligner.models.gpt`` builds, no dropout, no activation re
 pipeline stages); anything else runs Megatron's forward. A model with LoRA adapters
 (:mod:`aligner.models.lora`) runs each adapter's low-rank path unmerged, with the arithmetic and
 the collectives of the module forward's hooks (no LoRA dropout: with it, Megatron's forward);
-``tests/test_lora.py`` checks it. ``tests/test_fused_forward.py`` compares logits, values,
+``tests/models/test_lora.py`` checks it. ``tests/models/test_fused_forward.py`` compares logits, values,
 scores and every parameter's gradient with Megatron's, at TP=1 and TP=2.
 """
 

@@ -38,10 +38,10 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from aligner.actor.config import ActorConfig
     from aligner.critic.config import CriticServerConfig
     from aligner.critic.launch import start_server
     from aligner.metrics import read_metrics
-    from aligner.ppo.config import ActorConfig
 
     cores = os.cpu_count() or 1
     actor_threads = args.actor_threads or max(1, cores - args.server_threads)
@@ -138,16 +138,13 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         env={"OMP_NUM_THREADS": str(args.server_threads)},
     )
     try:
-        import importlib.util
+        from aligner.actor.run import run
 
-        spec = importlib.util.spec_from_file_location("train_actor", ROOT / "examples" / "train_actor.py")
-        entry = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(entry)
         with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
             dcfg = compose("actor", overrides=[f"critic.url={server.url}", *actor_overrides])
         cfg = OmegaConf.to_object(dcfg)
         t0 = time.time()
-        entry.run(cfg)
+        run(cfg)
         wall = time.time() - t0
     finally:
         server.stop()

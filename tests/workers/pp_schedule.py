@@ -1,10 +1,10 @@
 """Run under ``torchrun --nproc_per_node 2``: the same weights at PP=1 (each rank alone) and at
 PP=2 (one stage per rank); log-probs, entropies and the PPO loss's gradients through the pipeline
-schedule (:class:`aligner.ppo.pipeline.PipelineSchedule`) against the unpipelined ones, with and
+schedule (:class:`aligner.actor.pipeline.PipelineSchedule`) against the unpipelined ones, with and
 without a tied embedding, and with a last micro-batch that needs padding.
 
 Prints ``RESULT <json>`` from global rank 0: the largest differences found. Used by
-tests/test_actor_pipeline.py.
+tests/actor/test_actor_pipeline.py.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from aligner import distributed, rl
+from aligner.actor.logprobs import PolicyLogprobs
+from aligner.actor.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
 from aligner.models import gpt
 from aligner.models.config import ModelConfig
 from aligner.models.layout import ParallelLayout, iter_megatron_tensors, load_megatron_tensors
-from aligner.ppo.logprobs import PolicyLogprobs
-from aligner.ppo.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
 from aligner.precision import make_optimizer
 
 
@@ -123,7 +123,7 @@ def freeze_case() -> dict[str, float]:
     frozen, and the tied-gradient sum is skipped on both stages alike (no lone collective)."""
     from megatron.core import parallel_state as mpu
 
-    from aligner.ppo.optimizer import freeze_all_but_last_layers
+    from aligner.actor.optimizer import freeze_all_but_last_layers
 
     cfg = ModelConfig(
         num_layers=4,

@@ -1,0 +1,666 @@
+"""The actor's checkpoints: saving both roles at the same step, and resuming exactly.
+
+Layout under the run's checkpoint root (shared with the critic server when both mount it)::
+
+    <root>/step_00000040/actor/     written here (complete.json last, then renamed into place)
+        policy/                     the policy as a full model checkpoint (meta.json + model.safetensors,
+                                    any TP layout loads it; ``init_from`` and ``aligner-convert export``
+                                    read it)
+        policy_lora/                instead of policy/ when the policy has LoRA adapters (``lora.rank``
+                                    > 0): the adapters alone, fp32, at their full shapes (adapter.safetensors
+                                    + adapter.json, :func:`aligner.models.lora.save_lora_adapter`) and the
+                                    frozen base weights' fingerprint; a resume needs the same base
+        optim_tp00_pp00.safetensors fp32 masters and AdamW moments of model-parallel rank (0, 0)
+                                    (+ optim_tp00_pp00.json), shared by its data-parallel replicas
+        rng_tp00_pp00_dp000.safetensors
+                                    every RNG state of the rank at (tp 0, pp 0, dp 0)
+        trainer_state.json          step, KL controller, score normaliser, data position, LR
+                                    schedule position, the config it was made with, checks
+    <root>/step_00000040/critic/    written by the server (``critic_save``)
+    <root>/best -> step_000000NN    the step with the best validation score (``best.json``)
+
+The per-rank files are named by :func:`aligner.checkpoint.shard_file`. The trainer hands the
+checkpointer an :class:`ActorState` (its policy, optimizer and training-state JSON at a step,
+taken after the critic's pending training has finished) and applies what a load returns; the
+checkpointer never reaches into the trainer.
+
+One step is saved in this order: the critic's pending training has finished,
+``critic_save(step)`` (the server writes and answers), then the actor's files into
+``<step>/.tmp.actor`` from every rank, then rank 0 writes ``trainer_state.json`` and the marker
+and renames the folder. A kill
+at any point leaves the previous complete step as the newest step both roles completed, which
+is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
+
+``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
+the save, or in the middle of a step (:data:`FAULT_POINTS`): how the tests show a crash never
+yields a checkpoint that loads wrongly.
+
+A critic-free run (``ppo.advantage`` grpo, rloo or reinforce_pp) has no server side: the server
+holds no state of the run (it may be a reward-only one), so nothing is saved or loaded there, and
+a step counts as complete with the actor's folder alone. A critic-free checkpoint never resumes
+into a run with a critic ('gae'), nor the other way round.
+
+A timeout or a restarted server met during the critic's save raises before the actor writes
+anything of that step: its previous checkpoints stay as they were and the step is not
+committed. After a server restart (``critic.on_restart=resume``), :meth:`ActorCheckpointer.rollback_dir`
+names the newest step both roles still hold, and :meth:`ActorCheckpointer.load` restores it
+in-process, as it does at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aligner.actor.config import ActorConfig, PolicyOptimConfig
+from aligner.actor.critic_link import server_mode_problem
+from aligner.checkpoint import (
+    COMPLETE_MARKER,
+    CheckpointError,
+    commit_directory,
+    complete_steps,
+    load_tensors,
+    prune_checkpoints,
+    read_json,
+    restore_rng_state,
+    rng_state_tensors,
+    rng_to_restore,
+    save_tensors,
+    shard_file,
+    step_dir_name,
+    write_json,
+)
+from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
+from aligner.models.config import ModelConfig
+from aligner.models.lora import LoraConfig, load_lora_adapter, lora_config_of, save_lora_adapter
+from aligner.precision import MixedPrecisionAdamW
+from aligner.tokenizers import Tokenizer
+from aligner.wire.handle import CriticHandle, CriticRestartedError
+from aligner.wire.protocol import ServerInfo
+
+__all__ = [
+    "ROLE",
+    "FAULT_POINTS",
+    "fault_point",
+    "ActorState",
+    "ActorCheckpointer",
+    "checkpoint_root",
+    "weights_fingerprint",
+    "config_differences",
+]
+
+log = logging.getLogger(__name__)
+
+ROLE = "actor"
+FORMAT_VERSION = 1
+FAULT_POINTS = (
+    "mid_step",
+    "before_critic_save",
+    "after_critic_save",
+    "mid_actor_write",
+    "before_commit",
+    "after_commit",
+)
+"""Where ``ALIGNER_FAULT_AT=<point>@<step>`` kills the actor: ``mid_step`` after the generation of
+step N, before its critic_train is sent (:class:`~aligner.actor.trainer.PPOTrainer`); the others
+at the named moment of the save of step N (:meth:`ActorCheckpointer.save`)."""
+_TMP = ".tmp." + ROLE
+LORA_DIR = "policy_lora"
+"""The adapters of a LoRA policy in an actor checkpoint (in place of ``policy/``)."""
+
+
+@dataclass
+class ActorState:
+    """What an actor checkpoint holds of the trainer at one step (every rank has its own: its
+    policy shard, its optimizer shard)."""
+
+    step: int
+    """PPO steps completed."""
+    policy: torch.nn.Module
+    """The policy (this rank's tensor-parallel shard), loaded into in place."""
+    optimizer: MixedPrecisionAdamW
+    """Its optimizer: fp32 masters and AdamW moments (this rank's shard), loaded into in place."""
+    precision: str
+    """What the policy computes in ('bf16' or 'fp32')."""
+    training: dict[str, Any]
+    """Everything else the next step depends on, as JSON (KL controller, score normaliser, data
+    position, LR schedule position, the critic's last result): ``PPOTrainer.training_state()``."""
+
+
+def checkpoint_root(cfg: ActorConfig) -> Path:
+    """``checkpoint.dir``, or ``<logging.run_dir>/checkpoints``."""
+    return Path(cfg.checkpoint.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
+
+
+def fault_point(point: str, step: int) -> None:
+    """Kill this process (SIGKILL) when ``$ALIGNER_FAULT_AT`` names ``point`` (one of
+    :data:`FAULT_POINTS`) at ``step``, or at any step when it names no step: the crashes the
+    resume tests start from. Does nothing when the variable is unset."""
+    want = os.environ.get("ALIGNER_FAULT_AT")
+    if not want:
+        return
+    name, _, at = want.partition("@")
+    if name == point and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
+    """A digest of a model's weights (summed over its TP shards, joined over its pipeline
+    stages), to recognise the same frozen reference model on resume without storing it.
+    Collective over the TP and PP groups."""
+    from aligner.models.gpt import tensor_state_dict
+
+    h = hashlib.sha256()
+    for name, t in sorted(tensor_state_dict(model).items()):
+        t = t.detach().to("cpu", torch.float64)
+        stats = torch.stack([t.sum(), (t * t).sum(), t.abs().max() if t.numel() else t.new_zeros(())])
+        if state.tp_size > 1:
+            stats = stats.to(comm_device())
+            dist.all_reduce(stats, group=state.tp_group)
+            stats = stats.cpu()
+        h.update(name.encode())
+        h.update(stats.numpy().tobytes())
+    digest = h.hexdigest()[:32]
+    if state.pp_size > 1:
+        # One digest for the whole model: each stage's, in stage order.
+        mine = torch.tensor(list(digest.encode()), dtype=torch.uint8, device=comm_device())
+        stages = [torch.empty_like(mine) for _ in range(state.pp_size)]
+        dist.all_gather(stages, mine, group=state.pp_group)
+        digest = hashlib.sha256(b"".join(bytes(t.cpu().tolist()) for t in stages)).hexdigest()[:32]
+    return digest
+
+
+def config_differences(
+    saved: dict[str, Any], cfg: ActorConfig, state: ParallelState, tokenizer: Tokenizer, precision: str
+) -> list[str]:
+    """What differs between a checkpoint's recorded settings and this run in ways that make it
+    impossible to continue (the architecture, the tokenizer, the tensor- and pipeline-parallel
+    layout, the set of trained parameters). A changed learning rate, step budget or batch size is not listed."""
+    out = []
+    diff = ModelConfig.from_dict(saved["model_config"]).architecture_diff(cfg.model)
+    if diff:
+        out.append("model (checkpoint vs config): " + "; ".join(diff))
+    if saved["tokenizer_fingerprint"] != tokenizer.fingerprint():
+        out.append(
+            f"tokenizer: the checkpoint was made with tokenizer={saved['tokenizer']!r} "
+            f"(fingerprint {saved['tokenizer_fingerprint']}), this run uses {cfg.tokenizer!r} "
+            f"(fingerprint {tokenizer.fingerprint()})"
+        )
+    if saved["tensor_model_parallel_size"] != state.tp_size:
+        out.append(
+            f"parallel.tensor_model_parallel_size: the checkpoint's optimizer state is sharded for "
+            f"{saved['tensor_model_parallel_size']}, this run uses {state.tp_size} (resume at the saved "
+            "size; the policy alone loads at any size through init_from=<step>/actor/policy)"
+        )
+    pp_saved = saved.get("pipeline_model_parallel_size", 1)
+    if pp_saved != state.pp_size:
+        out.append(
+            f"parallel.pipeline_model_parallel_size: the checkpoint's optimizer state is sharded for "
+            f"{pp_saved} stage(s), this run uses {state.pp_size} (resume at the saved size; the policy alone "
+            "loads at any size through init_from=<step>/actor/policy)"
+        )
+    adv_saved = (saved.get("config") or {}).get("ppo", {}).get("advantage", "gae")
+    if _critic_free(adv_saved) != _critic_free(cfg.ppo.advantage):
+        has = lambda a: "without a critic" if _critic_free(a) else "with a critic"  # noqa: E731
+        out.append(
+            f"ppo.advantage: the checkpoint was made by a run {has(adv_saved)} (ppo.advantage={adv_saved!r}), "
+            f"this run is one {has(cfg.ppo.advantage)} (ppo.advantage={cfg.ppo.advantage!r}); resume with "
+            f"ppo.advantage={adv_saved!r}, or start fresh"
+        )
+    n_saved, n_now = saved.get("trainable_last_n_layers"), cfg.optim.trainable_last_n_layers
+    if n_saved != n_now:
+        out.append(f"optim.trainable_last_n_layers: checkpoint {n_saved}, config {n_now}")
+    lora_saved, lora_now = saved.get("lora") or LoraConfig().to_dict(), cfg.lora.to_dict()
+    for key in ("rank", "alpha", "targets"):  # what the adapters' tensors and their scale depend on
+        if lora_saved.get(key) != lora_now[key]:
+            out.append(f"lora.{key}: checkpoint {lora_saved.get(key)!r}, config {lora_now[key]!r}")
+    if saved["precision"] != precision:
+        out.append(
+            f"precision: the checkpoint was trained in {saved['precision']}, this run computes in {precision} "
+            f"(set precision={saved['precision']})"
+        )
+    return out
+
+
+def _critic_free(advantage: str) -> bool:
+    from aligner.rl import CRITIC_FREE_ESTIMATORS
+
+    return advantage in CRITIC_FREE_ESTIMATORS
+
+
+class ActorCheckpointer:
+    """Saves and restores one run's actor state; asks the server to do the same for the critic.
+
+    Collective: every method that touches files is called on every rank."""
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        state: ParallelState,
+        critic: CriticHandle,
+        tokenizer: Tokenizer,
+        *,
+        reference_fingerprint: str | None = None,
+        print_fn: Callable[..., None] = print,
+    ) -> None:
+        self.cfg, self.state, self.critic, self.tokenizer = cfg, state, critic, tokenizer
+        self.root = checkpoint_root(cfg)
+        self.critic_free = _critic_free(cfg.ppo.advantage)
+        """A run without a critic: the server holds nothing of it, and is neither saved nor loaded."""
+        self.reference_fingerprint = reference_fingerprint
+        self.print_fn = print_fn if state.rank == 0 else None
+        self.last_saved = -1
+        self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
+        best_file = self.root / "best.json"
+        if best_file.is_file():
+            try:
+                self.best = read_json(best_file)
+            except CheckpointError:
+                self.best = None
+
+    def _say(self, msg: str) -> None:
+        log.info(msg)
+        if self.print_fn is not None:
+            self.print_fn(msg, flush=True)
+
+    # -- which step to resume ---------------------------------------------------------------------
+
+    def resolve_resume(self) -> Path | None:
+        """The actor step folder to resume from, or None for a fresh start, per
+        ``checkpoint.resume``; resets the server's critic to step 0 for a fresh start when it has
+        trained. Call on every rank (rank 0 asks the server and decides; the rest follow)."""
+        decision: list[Any] = [None, None]
+        if self.state.rank == 0:
+            try:
+                decision = [self._decide(), None]
+            except Exception as e:  # every rank raises, not only rank 0
+                decision = [None, f"{type(e).__name__}: {e}"]
+        path, error = broadcast_json(decision)
+        if error is not None:
+            raise CheckpointError(error)
+        return None if path is None else Path(path)
+
+    def _decide(self) -> str | None:
+        mode = self.cfg.checkpoint.resume
+        info = self.critic.server_info()
+        problem = server_mode_problem(self.cfg.ppo.advantage, info, self.critic.url)
+        if problem is not None:
+            raise CheckpointError(problem)
+        server_steps = sorted(int(s) for s in info.checkpoint_steps)
+        if self.critic_free:
+            return self._decide_critic_free(mode)
+        if mode == "none":
+            mine = complete_steps(self.root, role=ROLE)
+            if mine:
+                raise CheckpointError(
+                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
+                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
+                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
+                )
+            self._reset_critic(info, server_steps, "checkpoint.resume=none")
+            return None
+        if mode == "auto":
+            mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+            common = sorted(set(mine) & set(server_steps))
+            if not mine:
+                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
+                self._reset_critic(info, server_steps, "a fresh start")
+                return None
+            if not common:
+                raise CheckpointError(
+                    f"resume=auto: actor checkpoints under {self.root} are at steps {mine}, but the critic "
+                    f"server at {self.critic.url} has critic checkpoints at {server_steps or 'no steps'}; "
+                    "no step is complete for both roles. Point the server's checkpoint.dir at this run's "
+                    "checkpoints, resume from a folder with checkpoint.resume=PATH, or start over with "
+                    "checkpoint.resume=none"
+                )
+            step = common[-1]
+            path = self.root / step_dir_name(step)
+            skipped = [s for s in mine if s > step]
+            note = f" (newer actor steps {skipped} have no critic checkpoint)" if skipped else ""
+            self._say(f"resume=auto: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
+            return str(path)
+        step_dir = self._named_step_dir(mode)
+        step = int(read_json(step_dir / ROLE / "trainer_state.json")["trainer"]["step"])
+        if step not in server_steps:
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r} is step {step}, but the critic server at {self.critic.url} has "
+                f"critic checkpoints at {server_steps or 'no steps'} only"
+            )
+        self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
+        return str(step_dir)
+
+    @staticmethod
+    def _named_step_dir(mode: str) -> Path:
+        """The step folder ``checkpoint.resume`` names (the step's folder or its actor folder),
+        after checking it holds a complete actor checkpoint."""
+        path = Path(mode)
+        step_dir = path.parent if path.name == ROLE else path
+        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
+            raise CheckpointError(
+                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
+                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
+                f"{complete_steps(step_dir.parent, role=ROLE)}"
+            )
+        return step_dir
+
+    def _decide_critic_free(self, mode: str) -> str | None:
+        """:meth:`_decide` for a critic-free run: the actor's checkpoints alone decide."""
+        mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+        if mode == "none":
+            if mine:
+                raise CheckpointError(
+                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
+                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
+                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
+                )
+            return None
+        if mode == "auto":
+            if not mine:
+                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
+                return None
+            path = self.root / step_dir_name(mine[-1])
+            self._say(
+                f"resume=auto: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)"
+            )
+            return str(path)
+        step_dir = self._named_step_dir(mode)
+        self._say(f"resuming from {step_dir / ROLE} (critic-free: no server state)")
+        return str(step_dir)
+
+    def _reset_critic(self, info: ServerInfo, server_steps: list[int], why: str) -> None:
+        if info.critic_step < 1:
+            return
+        if 0 not in server_steps:
+            raise CheckpointError(
+                f"{why}, but the critic server at {self.critic.url} has already applied training step "
+                f"{info.critic_step} and holds no step-0 checkpoint to reset to (checkpoint.save_initial "
+                "was off); start a fresh server, or resume the run that trained it"
+            )
+        self.critic.load(0)
+        self._say(f"{why}: reset the critic server to its initial state (its step-0 checkpoint)")
+
+    # -- save --------------------------------------------------------------------------------------
+
+    def after_step(
+        self, step: int, metrics: dict[str, float], actor_state: Callable[[], ActorState], *, last: bool
+    ) -> None:
+        """After step ``step``: save when the interval says so, at the end, or (``keep_best``) at a
+        new best validation. ``actor_state`` is called only to save."""
+        c = self.cfg.checkpoint
+        new_best = (
+            c.keep_best
+            and "val/scores" in metrics
+            and (self.best is None or metrics["val/scores"] > float(self.best["val/scores"]))
+        )
+        due = (c.save_interval and step % c.save_interval == 0) or (last and c.save_at_end) or new_best
+        if new_best:
+            self.best = {"step": step, "val/scores": float(metrics["val/scores"])}
+        if due and self.last_saved != step:
+            self.save(actor_state())
+        if new_best and self.state.rank == 0:
+            self._write_best()
+            self._say(
+                f"new best validation score {self.best['val/scores']:.4f} at step {step}: {self.root / 'best'}"
+            )
+
+    def save(self, state: ActorState) -> Path:
+        """Both roles' checkpoints of ``state.step`` (the critic's by the server). Returns the
+        actor's folder."""
+        step, st = state.step, self.state
+        fault_point("before_critic_save", step)
+        # A timeout or a restarted server raises here, on every rank, before anything of this
+        # step is written: the previous checkpoints stay as they were.
+        if not self.critic_free:  # a critic-free run has nothing on the server to save
+            self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
+        fault_point("after_critic_save", step)
+        step_dir = self.root / step_dir_name(step)
+        final, tmp = step_dir / ROLE, step_dir / _TMP
+        if st.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
+            tmp.mkdir(parents=True)
+        barrier()
+        from aligner.models.checkpoint_io import save_model_checkpoint
+
+        if lora_config_of(state.policy) is not None:
+            # LoRA: the adapters (their fp32 masters) and the digest of the frozen base they adapt.
+            base = weights_fingerprint(state.policy, st)
+            save_lora_adapter(
+                state.policy, tmp / LORA_DIR, optimizer=state.optimizer, meta={"base_fingerprint": base}
+            )
+        else:
+            save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
+        fault_point("mid_actor_write", step)
+        if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
+            tensors, meta = state.optimizer.state_tensors()
+            save_tensors(tmp / self._optim_file(), tensors)
+            write_json(tmp / self._optim_file(".json"), meta)
+        save_tensors(tmp / self._rng_file(), rng_state_tensors())
+        barrier()
+        fault_point("before_commit", step)
+        if st.rank == 0:
+            write_json(tmp / "trainer_state.json", self._state_json(state))
+            commit_directory(tmp, final, {"step": step, "role": ROLE})
+        barrier()
+        self.last_saved = step
+        fault_point("after_commit", step)
+        if st.rank == 0:
+            self._prune()
+        self._say(f"saved checkpoint step {step}: {final}")
+        return final
+
+    def _optim_file(self, suffix: str = ".safetensors") -> str:
+        """This rank's optimizer shard (one per tensor/pipeline-parallel rank)."""
+        return shard_file("optim", tp=self.state.tp_rank, pp=self.state.pp_rank, suffix=suffix)
+
+    def _rng_file(self) -> str:
+        """This rank's random states (one per rank)."""
+        st = self.state
+        return shard_file("rng", tp=st.tp_rank, pp=st.pp_rank, dp=st.dp_rank)
+
+    def _state_json(self, state: ActorState) -> dict[str, Any]:
+        from omegaconf import OmegaConf
+
+        cfg, st = self.cfg, self.state
+        return {
+            "format_version": FORMAT_VERSION,
+            "role": ROLE,
+            "trainer": state.training,
+            "best": self.best,
+            "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+            "model_config": cfg.model.to_dict(),
+            "tokenizer": cfg.tokenizer,
+            "tokenizer_fingerprint": self.tokenizer.fingerprint(),
+            "tensor_model_parallel_size": st.tp_size,
+            "pipeline_model_parallel_size": st.pp_size,
+            "data_parallel_size": st.dp_size,
+            "world_size": st.world_size,
+            "trainable_last_n_layers": cfg.optim.trainable_last_n_layers,
+            "lora": cfg.lora.to_dict(),
+            "precision": state.precision,
+            "reference_fingerprint": self.reference_fingerprint,
+            "critic_url": self.critic.url,
+        }
+
+    def _write_best(self) -> None:
+        """``best.json`` and the ``best`` link (to the step folder), or neither when there is no best."""
+        link, tmp_link = self.root / "best", self.root / ".best.tmp"
+        for p in (tmp_link,) if self.best else (tmp_link, link, self.root / "best.json"):
+            if p.is_symlink() or p.exists():
+                p.unlink()
+        if not self.best:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json(self.root / "best.json", self.best)
+        os.symlink(step_dir_name(int(self.best["step"])), tmp_link)
+        os.replace(tmp_link, link)
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last`` steps up to the one just saved, and the best; steps after
+        it belong to a continuation this run abandoned (see :func:`prune_checkpoints`)."""
+        protect = {int(self.best["step"])} if self.best else set()
+        prune_checkpoints(self.root, ROLE, self.last_saved, self.cfg.checkpoint.keep_last, protect)
+
+    # -- load --------------------------------------------------------------------------------------
+
+    def load(self, state: ActorState, step_dir: Path) -> dict[str, Any]:
+        """Restore the policy and optimizer of ``state`` in place from ``step_dir``, and the
+        server's critic from the same step; returns the saved training state for the trainer to
+        apply (``PPOTrainer.load_training_state``). Everything is checked before anything
+        changes. Random states come back when the process layout is the checkpoint's; device
+        states that do not fit this process (a GPU's generators on a CPU) are left out with a
+        warning."""
+        st = self.state
+        d = Path(step_dir) / ROLE
+        saved = read_json(d / "trainer_state.json")
+        if saved.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{d / 'trainer_state.json'}: format_version={saved.get('format_version')!r}, expected "
+                f"{FORMAT_VERSION}"
+            )
+        problems = config_differences(saved, self.cfg, st, self.tokenizer, state.precision)
+        ref = saved.get("reference_fingerprint")
+        if ref is not None and self.reference_fingerprint is not None and ref != self.reference_fingerprint:
+            problems.append(
+                "reference model: its weights differ from the ones the checkpoint was trained against "
+                "(init_from or seed changed?)"
+            )
+        lora = lora_config_of(state.policy) is not None
+        if lora and (d / LORA_DIR / "adapter.json").is_file():  # else: lora.rank differs, listed above
+            # The adapters were trained on a base model: only the same base continues them.
+            base = read_json(d / LORA_DIR / "adapter.json").get("base_fingerprint")
+            if base != weights_fingerprint(state.policy, st):
+                problems.append(
+                    f"LoRA base model: the frozen base weights differ from the ones the adapters in "
+                    f"{d / LORA_DIR} were trained on (fingerprint {base}; init_from or seed changed?)"
+                )
+        if problems:
+            raise CheckpointError(f"cannot resume from {d}:\n  " + "\n  ".join(problems))
+        step = int(saved["trainer"]["step"])
+        optim_t = load_tensors(d / self._optim_file())
+        optim_meta = read_json(d / self._optim_file(".json"))
+        rng_file = d / self._rng_file()
+        same_layout = saved["world_size"] == st.world_size and saved["data_parallel_size"] == st.dp_size
+        rng = load_tensors(rng_file) if same_layout else None
+        if rng is not None:  # checked before anything is applied
+            try:
+                rng, rng_note = rng_to_restore(rng, rng_state_tensors(), str(rng_file))
+            except CheckpointError as e:
+                raise CheckpointError(f"cannot resume from {d}: {e}") from e
+            if rng_note:  # device states saved on another kind of device: left out
+                log.warning("%s", rng_note)
+
+        problems = state.optimizer.state_problems(optim_t, optim_meta)
+        if problems:
+            raise CheckpointError(f"cannot resume from {d}: optimizer state: " + "; ".join(problems))
+
+        from aligner.models.checkpoint_io import load_model_checkpoint
+
+        if lora:
+            load_lora_adapter(state.policy, d / LORA_DIR)
+        else:
+            load_model_checkpoint(state.policy, d / "policy")
+        state.optimizer.load_state_tensors(optim_t, optim_meta)  # masters, then bf16 weights from them
+        _apply_current_hyperparameters(state.optimizer, self.cfg.optim)
+        if rng is not None:
+            restore_rng_state(rng)
+        else:
+            self._say(
+                f"the checkpoint was made with {saved['world_size']} rank(s) (DP={saved['data_parallel_size']}), "
+                f"this run has {st.world_size} (DP={st.dp_size}): random states are not restored"
+            )
+        self.best = saved.get("best")
+        if st.rank == 0:
+            later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
+            if later:
+                self._say(
+                    f"actor checkpoints after step {step} ({later}) belong to the abandoned continuation of "
+                    "this run; they are removed at the next save"
+                )
+            self._write_best()
+        barrier()
+        if not self.critic_free:  # a critic-free run has nothing on the server to load
+            self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
+        self.last_saved = step
+        return saved["trainer"]
+
+    # -- a restarted server ------------------------------------------------------------------------
+
+    def rollback_dir(self, error: CriticRestartedError) -> tuple[Path, int]:
+        """The step folder to roll both roles back to after ``error``: the newest step that both
+        this run's actor checkpoints and the server's critic checkpoints (as the server lists
+        them now) hold; and the critic step the server holds now. CheckpointError naming both
+        lists when there is none. Call on every rank."""
+        decision: list[Any] = [None, None, None]
+        if self.state.rank == 0:
+            try:
+                info = self.critic.server_info()
+                server_steps = sorted(int(s) for s in info.checkpoint_steps)
+                mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
+                common = mine if self.critic_free else sorted(set(mine) & set(server_steps))
+                if common:
+                    decision = [str(self.root / step_dir_name(common[-1])), None, info.critic_step]
+                else:
+                    decision = [
+                        None,
+                        f"cannot roll back after the critic server restarted ({error}): no step is "
+                        f"complete for both roles (actor checkpoints under {self.root}: {mine or 'none'}; "
+                        f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
+                        "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's",
+                        None,
+                    ]
+            except CriticRestartedError as e:  # restarted again: the caller counts it and retries
+                decision = [None, {"restarted": e.to_json()}, None]
+            except Exception as e:  # every rank raises, not only rank 0
+                decision = [None, f"{type(e).__name__}: {e}", None]
+        path, problem, critic_step = broadcast_json(decision)
+        if isinstance(problem, dict):
+            raise CriticRestartedError.from_json(problem["restarted"])
+        if problem is not None:
+            raise CheckpointError(problem)
+        return Path(path), int(critic_step)
+
+    def _on_rank0(self, what: str, fn: Callable[[], None]) -> None:
+        """``fn()`` on rank 0 (a request to the server), and its outcome on every rank: rank 0
+        raises its own error, the others the same CriticRestartedError, or a CheckpointError
+        naming ``what``."""
+        if self.state.world_size == 1:
+            fn()
+            return
+        outcome: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if self.state.rank == 0:
+            try:
+                fn()
+            except CriticRestartedError as e:
+                error, outcome = e, {"restarted": e.to_json()}
+            except Exception as e:  # every rank raises, not only rank 0
+                error, outcome = e, {"error": f"{type(e).__name__}: {e}"}
+        outcome = broadcast_json(outcome)
+        if error is not None:
+            raise error
+        if outcome is not None:
+            if "restarted" in outcome:
+                raise CriticRestartedError.from_json(outcome["restarted"])
+            raise CheckpointError(f"{what} failed on rank 0: {outcome['error']}")
+
+
+def _apply_current_hyperparameters(optimizer: torch.optim.Optimizer, o: PolicyOptimConfig) -> None:
+    """Loaded param groups carry the old run's settings; this run's config wins (the LR is set
+    from the schedule when the trainer applies its training state)."""
+    for g in optimizer.param_groups:
+        g["betas"] = (o.adam_beta1, o.adam_beta2)
+        g["eps"] = o.adam_eps
+        g["weight_decay"] = o.weight_decay
+        g["initial_lr"] = o.lr
+        g["lr"] = o.lr

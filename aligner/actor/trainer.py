@@ -1,0 +1,783 @@
+"""The actor's PPO loop against a remote critic, one step at a time.
+
+Each step reads as the steps of docs/design.md, "Roles and data flow":
+
+1. refit the generation engine from the current policy;
+2. generate responses for a batch of prompts;
+3. send them to ``critic_infer`` (values and scores) without waiting;
+4. meanwhile, the policy's and the reference's log-probs;
+5. KL-shaped per-token rewards -> advantages (``ppo.advantage``: GAE, whitened; or critic-free
+   GRPO, RLOO, REINFORCE++);
+6. send ``critic_train`` this step's batch, without waiting for it (not in critic-free runs);
+7. PPO epochs x minibatches of clipped-surrogate updates (not during the critic warm-up);
+8. every N steps: validation on fixed prompts, and checkpoints of both roles at the same step.
+
+Algorithms (``ppo.*``, :class:`~aligner.actor.config.PPOConfig`):
+
+- ``samples_per_prompt = n``: each step draws ``global_batch_size / n`` prompts, each a group of
+  ``n`` adjacent rows on one data-parallel rank; the engine samples every row from its own
+  random stream, so a group's copies draw different responses. PPO's minibatch orders permute
+  whole groups.
+- Critic-free estimators (``grpo``, ``rloo``, ``reinforce_pp``): the scores come from
+  ``critic_infer`` as before; its values are not used (a reward-only server answers zeros) and
+  no ``critic_train`` is sent. GRPO and RLOO compare each sample's sequence reward (its score
+  plus its KL penalty, ``-beta * sum_t kl_t``) with its group's; REINFORCE++ takes token-level
+  returns of the KL-shaped rewards, whitened over the global batch.
+- Overlong handling (DAPO): ``overlong_filtering`` takes responses that never ended out of the
+  loss mask; ``overlong_buffer`` adds the soft overlong penalty to the score, beside
+  ``missing_eos_penalty``.
+- ``critic_warmup_steps``: the first steps send the critic its training batch as usual but leave
+  the policy, its LR schedule and the KL controller as they are.
+- ``dynamic_sampling`` (DAPO; GRPO and RLOO): step 2 becomes rounds of generating and scoring,
+  each keeping the groups whose scores differ, until the batch is full (at most
+  ``max_generation_rounds``); step 3's scores are then those rounds'.
+
+All numbers come from :mod:`aligner.rl`; this file only moves tensors between the pieces, each
+in a module of its own: the prompts (:mod:`aligner.actor.prompts`), the critic as the actor's
+ranks see it (:mod:`aligner.actor.critic_link`), log-probs over this rank's vocabulary shard
+(:mod:`aligner.actor.logprobs`), the optimizer and its schedule (:mod:`aligner.actor.optimizer`),
+the rollout and the step's record (:mod:`aligner.actor.rollout`), checkpoints
+(:mod:`aligner.actor.checkpointing`), the frozen reference and where its weights live
+(:mod:`aligner.actor.reference`).
+
+A restarted critic server (:class:`~aligner.wire.handle.CriticRestartedError`) is met in
+:meth:`PPOTrainer.train`: per ``critic.on_restart`` it rolls both roles back to the newest step
+both checkpointed and redoes the steps after it (at most ``critic.max_restarts`` times), or stops.
+
+Shapes: ``b`` this data-parallel rank's samples (its prompts times ``samples_per_prompt``), ``s``
+padded length, ``v`` vocabulary shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aligner import rl
+from aligner.actor.checkpointing import ActorCheckpointer, ActorState, fault_point
+from aligner.actor.config import ActorConfig
+from aligner.actor.critic_link import CriticLink, sample_texts
+from aligner.actor.logprobs import PolicyLogprobs
+from aligner.actor.optimizer import freeze_all_but_last_layers, make_policy_optimizer, set_schedule_position
+from aligner.actor.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
+from aligner.actor.prompts import PromptSampler
+from aligner.actor.reference import ReferenceModel
+from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, global_mean
+from aligner.distributed import ParallelState, comm_device
+from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
+from aligner.metrics import MetricsLogger, Timers
+from aligner.models import gpt
+from aligner.precision import resolve_precision
+from aligner.tokenizers import Tokenizer
+from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PPOTrainer", "group_order"]
+
+#: The first PPO pass's ``(logits [b, s - start, v], logprobs [b, s-1])``, with their graph.
+FirstPass = tuple[torch.Tensor, torch.Tensor]
+
+
+def group_order(b: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A random order of ``b`` rows that permutes whole groups (contiguous blocks of
+    ``group_size`` rows), keeping each group's rows together and in order; ``group_size`` 1 is
+    ``torch.randperm(b)``."""
+    if group_size <= 1:
+        return torch.randperm(b, generator=generator)
+    if b % group_size:
+        raise ValueError(f"{b} rows do not split into groups of {group_size}")
+    groups = torch.randperm(b // group_size, generator=generator)
+    return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+
+
+class PPOTrainer:
+    """Owns the policy, the reference, the engine and the critic connection for one run."""
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        state: ParallelState,
+        policy: torch.nn.Module,
+        reference: torch.nn.Module | None,
+        engine: GenerationEngine,
+        critic: CriticHandle,
+        tokenizer: Tokenizer,
+        sampler: PromptSampler,
+        logger: MetricsLogger,
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+        *,
+        checkpointer: ActorCheckpointer | None = None,
+        val_prompts: list[str] | None = None,
+        val_extras: list[str] | None = None,
+        raw_prompts: dict[str, str] | None = None,
+        on_rollback: Callable[[int], None] | None = None,
+    ) -> None:
+        """``checkpointer`` saves at the configured interval and at the end, and rolls back
+        after a server restart; ``val_prompts``: this data-parallel rank's share of the fixed
+        evaluation prompts (validation is off without them), ``val_extras`` their data-set rows'
+        extra columns (JSON objects, for the reward function); ``on_rollback(step)``: called
+        after a rollback to ``step`` (the entry point rewinds its metrics and progress bar)."""
+        self.cfg, self.state = cfg, state
+        self.policy, self.engine = policy, engine
+        self.critic = CriticLink(critic, state, tokenizer.pad_id)
+        self.tokenizer, self.sampler, self.logger = tokenizer, sampler, logger
+        self.on_step = on_step
+        self.on_rollback = on_rollback
+        self.checkpointer = checkpointer
+        self.val_prompts = list(val_prompts) if val_prompts else []
+        self.val_extras = list(val_extras) if val_extras is not None else None
+        self.raw_prompts = raw_prompts
+        """Templated prompt -> the prompt as the data set writes it (with a chat template): what
+        a reward model reading text gets as the prompt (None: the decoded prompt tokens)."""
+        if self.val_extras is not None and len(self.val_extras) != len(self.val_prompts):
+            raise ValueError(f"val_extras: {len(self.val_extras)} rows for {len(self.val_prompts)} prompts")
+        freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers)
+        self.precision = resolve_precision(cfg.precision, state.device)
+        self.optimizer, self.scheduler = make_policy_optimizer(policy, cfg, self.precision)
+        # After the optimizer: it casts the policy to its compute dtype, the dtype the engine
+        # serves it in (the first step refits the engine).
+        self.model_forward = gpt.set_forwards(
+            {"policy": policy, "reference": reference},
+            cfg.model_forward,
+            state.tp_size,
+            log if state.is_logging_rank else None,
+        )
+        # After the forwards are set (they read the parameters at each call): with
+        # ppo.reference_on_cpu on an accelerator, the reference's weights leave it here.
+        self.reference = (
+            ReferenceModel(
+                reference, state.device, offload=cfg.ppo.reference_on_cpu and state.device.type != "cpu"
+            )
+            if reference is not None
+            else None
+        )
+        self._engine_stale = True
+        self.logprobs = PolicyLogprobs.for_actor(cfg, state, tokenizer)
+        # Under pipeline parallelism every forward and backward runs through Megatron's schedule.
+        self.pipeline = PipelineSchedule(state, self.logprobs) if state.pp_size > 1 else None
+        p = cfg.ppo
+        # The first PPO pass's forward doubles as the rollout log-prob forward when that pass is
+        # one forward over the whole batch with the same weights, and the forward ignores
+        # train/eval mode (the fused path: no dropout).
+        per_rank = p.global_batch_size // state.dp_size
+        self.reuse_rollout_forward = bool(
+            p.reuse_rollout_forward
+            and p.ppo_epochs >= 1
+            and p.mini_batch_size // state.dp_size == per_rank
+            and p.micro_batch_size == per_rank
+            and getattr(policy, "aligner_fused", None) is not None
+            and self.pipeline is None
+        )
+        if state.is_logging_rank:
+            log.info(
+                "rollout log-probs: %s",
+                "the first PPO forward's" if self.reuse_rollout_forward else "a separate no-grad forward",
+            )
+        self.kl_ctl = (
+            rl.AdaptiveKLController(p.init_kl_coef, p.kl_target, p.kl_horizon)
+            if p.adaptive_kl
+            else rl.FixedKLController(p.init_kl_coef)
+        )
+        self.score_moments = rl.RunningMoments()
+        self.critic_free = p.advantage in rl.CRITIC_FREE_ESTIMATORS
+        """No critic in this run (``ppo.advantage``): its values are not used, nor is it trained."""
+        if self.critic_free and hasattr(critic, "watch_restarts"):
+            # The server holds nothing this run depends on: a restarted one is simply reconnected.
+            critic.watch_restarts = False
+        server_critic = self.critic.check_mode(p.advantage)  # 'gae' refuses a reward-only server
+        if state.is_logging_rank:
+            print(self._estimator_line(server_critic), flush=True)
+        self.step_count = 0
+        self.restarts = 0
+        """Server restarts this run rolled back from."""
+        self._current = 0  # the step being run, or saved: where a restart is found
+        self._tp_group = state.tp_group if state.tp_size > 1 else None
+        self._dp_group = state.dp_group if state.dp_size > 1 else None
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def train(self, num_steps: int | None = None) -> None:
+        """Steps until ``num_steps`` (default ``ppo.num_steps``), then wait for the last critic
+        update. A restarted server met on the way is handled per ``critic.on_restart``."""
+        end = num_steps if num_steps is not None else self.cfg.ppo.num_steps
+        v = self.cfg.validation
+        while True:
+            try:
+                if v.before_train and self.val_prompts and self.step_count == 0:
+                    self.logger.log(0, self.validate(0))
+                while self.step_count < end:
+                    metrics = self.step()
+                    if self.on_step is not None:
+                        self.on_step(self.step_count, metrics)
+                    # 8. (continued) Checkpoints of both roles at this step, when due.
+                    if self.checkpointer is not None:
+                        last = self.step_count >= end
+                        self.checkpointer.after_step(self.step_count, metrics, self.actor_state, last=last)
+                self.finish()
+                return
+            except CriticRestartedError as e:
+                self._roll_back(e)
+
+    def _roll_back(self, error: CriticRestartedError) -> None:
+        """After a restarted server: per ``critic.on_restart``, stop naming the server's critic
+        step and the actor's, or roll both roles back to the newest step both checkpointed (the
+        server loads its half; this process reloads its own in place, as a resume at start-up
+        does) so that the steps after it are redone. On every rank."""
+        c, reached = self.cfg.critic, max(self._current, self.step_count)
+        self.critic.drop()  # the update in flight (if any) failed with the server it was sent to
+        held = "?" if error.critic_step is None else error.critic_step
+        expected = "?" if error.expected_step is None else error.expected_step
+        # Found by another instance_id alone, the server may hold the very step expected: say so.
+        new = "a new instance at " if held == expected else ""
+        found = (
+            f"critic server restarted ({new}critic step {held}, expected {expected}) during step {reached}"
+        )
+        if c.on_restart == "fail":
+            raise CriticError(
+                f"{found}: critic.on_restart=fail, stopping. The server at {self.critic.critic.url} holds "
+                f"critic step {held}; the actor completed step {self.step_count} and expected critic step "
+                f"{expected}. Run again with checkpoint.resume=auto to continue from the newest step both "
+                f"roles saved. ({error})"
+            ) from error
+        if self.checkpointer is None:
+            raise CriticError(f"{found}, and this trainer has no checkpointer to roll back with") from error
+        self.restarts += 1
+        if self.restarts > c.max_restarts:
+            raise CriticError(
+                f"{found}: that is {self.restarts} restarts in this run, more than critic.max_restarts="
+                f"{c.max_restarts}; stopping. ({error})"
+            ) from error
+        try:
+            step_dir, held_now = self.checkpointer.rollback_dir(error)
+            self.load_training_state(self.checkpointer.load(self.actor_state(), step_dir))
+        except CriticRestartedError as again:  # restarted again meanwhile: counted, and retried
+            self._roll_back(again)
+            return
+        if error.critic_step is None:
+            held = held_now
+        to = self.step_count
+        msg = (
+            f"critic server restarted (critic step {held}, expected {expected}): rolled both roles back to "
+            f"step {to}; steps {to + 1}..{max(reached, to + 1)} are redone "
+            f"(restart {self.restarts} of at most {c.max_restarts})"
+        )
+        log.warning("%s", msg)
+        if self.state.is_logging_rank:
+            print(msg, flush=True)
+        if self.on_rollback is not None:
+            self.on_rollback(to)
+
+    def step(self) -> dict[str, float]:
+        cfg, p = self.cfg, self.cfg.ppo
+        step_id = self._current = self.step_count + 1
+        timed = Timers()
+        with timed("step"):
+            # 1. Refit the generation engine from the current policy.
+            with timed("refit"):
+                refit = self._refit_engine()
+
+            # 2. Generate responses for a batch of prompts.
+            with timed("critic_wait"):
+                self._wait_before_generating()
+            # Critic warm-up: the critic trains on this step's rollout, the policy stays as it is.
+            warmup = self.step_count < p.critic_warmup_steps
+            with timed("generate"):
+                sampling = cfg.generation.sampling(seed=cfg.seed * 100_003 + step_id)
+                scored, sampled = None, {}
+                if p.dynamic_sampling:  # rounds of generation and scoring until the groups fill the batch
+                    gen, scored, sampled = self._dynamic_rollout(step_id, sampling)
+                else:
+                    # Each prompt samples_per_prompt times in a row (a group, whole on this rank).
+                    prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
+                    gen = self._generate(prompts, sampling)
+                tokens = gen.tokens
+                mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
+                start = rl.loss_start(mask)
+
+            with timed("logprobs"):
+                # 3. Values and scores from critic_infer, without waiting (dynamic sampling has them)...
+                critic_future = None
+                if scored is None:
+                    critic_future = self.critic.infer(
+                        tokens,
+                        gen.lengths,
+                        gen.prompt_lengths,
+                        step_id,
+                        **self._reward_inputs(gen, extras, prompts),
+                    )
+                # 4. ...while the reference's and the policy's log-probs are computed.
+                orders = self._epoch_orders(step_id, tokens.shape[0])
+                beta = self.kl_ctl.value
+                ref_logprobs = None
+                if self.reference is not None and beta > 0:
+                    with self.reference.on_device() as reference:
+                        ref_logprobs, _ = self._no_grad(reference, gen, start=start)
+                first = None
+                if self.reuse_rollout_forward and not warmup:
+                    first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
+                else:
+                    old_logprobs, entropy = self._no_grad(self.policy, gen, with_entropy=True, start=start)
+                if ref_logprobs is None:
+                    ref_logprobs = old_logprobs
+            with timed("critic_wait"):
+                values, raw_scores = (
+                    scored if scored is not None else self.critic.result(critic_future, tokens.shape)
+                )
+                self.critic.wait()  # last step's critic update, normally long done
+                last_train = self.critic.take_completed()
+
+            # 5. KL-shaped per-token rewards -> advantages (GAE and whitening, or critic-free).
+            scores = self._shape_scores(raw_scores, gen.ended, gen.response_lengths)
+            kl = rl.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
+            rewards, non_score = rl.shaped_rewards(scores, kl, mask, beta)
+            # The tokens the policy loss covers: without the responses cut off (overlong filtering).
+            loss_mask = rl.overlong_filter(mask, gen.ended) if p.overlong_filtering else mask
+            advantages, returns = self._advantages(rewards, values, mask, loss_mask, scores)
+
+            # 6. The critic's training batch for this step id; the server trains while we do.
+            fault_point("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
+            if not self.critic_free:
+                self.critic.train(tokens, gen.lengths, returns, values, mask, step_id)
+
+            # 7. PPO epochs x minibatches of clipped-surrogate updates.
+            with timed("train"):
+                rollout = Rollout(
+                    tokens,
+                    gen.lengths,
+                    gen.prompt_lengths,
+                    loss_mask,
+                    old_logprobs,
+                    values,
+                    advantages,
+                    returns,
+                    start,
+                )
+                handoff = [first] if first is not None else []
+                del first  # the first minibatch step holds the only reference: freed once it is done
+                # During the critic warm-up: no optimizer step, no schedule step, no KL update.
+                policy_stats = {} if warmup else self._update_policy(rollout, orders, handoff)
+            if not warmup:
+                self.kl_ctl.update(float(global_mean(kl.sum(1), None, self._dp_group)), p.global_batch_size)
+            self.step_count = step_id
+
+        record = StepRecord(
+            gen=gen,
+            mask=mask,
+            scores=raw_scores,
+            kl=kl,
+            non_score=non_score,
+            entropy=entropy,
+            old_logprobs=old_logprobs,
+            values=values,
+            returns=returns,
+            kl_coef=beta,
+            lr=self.scheduler.get_last_lr()[0],
+            policy_stats=policy_stats,
+            critic_stats=last_train,
+            timers=timed.seconds,
+            critic_free=self.critic_free,
+            loss_mask=loss_mask if p.overlong_filtering else None,
+        )
+        metrics = record.metrics(self._dp_group)
+        metrics.update(sampled)
+        if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
+            spread = rl.group_score_std(scores, p.samples_per_prompt).reshape(1)
+            metrics["rollout/group_score_std"] = float(global_mean(spread, None, self._dp_group))
+        if p.critic_warmup_steps:
+            metrics["ppo/critic_warmup"] = float(warmup)
+        if hasattr(self.engine, "last_refit"):  # what this step's refit moved into the engine, on this rank
+            metrics["refit/mbytes"] = float(refit.bytes) / 1e6 if refit is not None else 0.0
+        # 8. Validation every N steps (the checkpoints follow the step: see train()).
+        v = cfg.validation
+        if self.val_prompts and v.interval and step_id % v.interval == 0:
+            metrics.update(self.validate(step_id))
+        self.logger.log(step_id, metrics)
+        return metrics
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy responses to the fixed evaluation prompts, scored by the server: ``val/scores``,
+        ``val/kl`` (summed over the response, policy vs reference), ``val/response_length``; a
+        samples table goes to the logger. Changes no training state and draws no randomness."""
+        timed = Timers()
+        with timed("validation"):
+            self._refit_engine()
+            self._wait_before_generating()
+            gen = self._generate(self.val_prompts, self.cfg.generation.sampling(greedy=True, seed=0))
+            tokens = gen.tokens
+            mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
+            future = self.critic.infer(
+                tokens,
+                gen.lengths,
+                gen.prompt_lengths,
+                step,
+                **self._reward_inputs(gen, self.val_extras, self.val_prompts),
+            )
+            start = rl.loss_start(mask)
+            logprobs, _ = self._no_grad(self.policy, gen, start=start)
+            if self.reference is not None:
+                with self.reference.on_device() as reference:
+                    ref_logprobs, _ = self._no_grad(reference, gen, start=start)
+                kl = ((logprobs - ref_logprobs) * mask).sum(1)
+            else:
+                kl = torch.zeros(tokens.shape[0])
+            _, scores = self.critic.result(future, tokens.shape)
+            self.logger.samples(step, self._sample_rows(gen, scores))
+            metrics = {  # means over every data-parallel rank's prompts
+                key: float(global_mean(x, None, self._dp_group))
+                for key, x in (
+                    ("val/scores", scores),
+                    ("val/kl", kl),
+                    ("val/response_length", gen.response_lengths.float()),
+                )
+            }
+        return {**metrics, **timed.seconds}
+
+    def finish(self) -> None:
+        """Wait for the critic's last training request."""
+        self.critic.wait()
+
+    # -- state for checkpoints ---------------------------------------------------------------
+
+    def actor_state(self) -> ActorState:
+        """What a checkpoint of this step holds, once the critic's pending update has finished
+        (both roles are saved at the same step)."""
+        self._current = self.step_count
+        self.critic.wait()
+        return ActorState(self.step_count, self.policy, self.optimizer, self.precision, self.training_state())
+
+    def training_state(self) -> dict[str, Any]:
+        """Everything besides weights and optimizer moments that the next step depends on, as
+        JSON (once no critic training request is in flight)."""
+        if self.critic.pending is not None:
+            raise RuntimeError("training_state() while a critic training request is in flight")
+        return {
+            "step": self.step_count,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "score_moments": self.score_moments.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "scheduler_last_epoch": int(self.scheduler.last_epoch),
+            "last_critic_train": self.critic.completed,
+        }
+
+    def load_training_state(self, d: dict[str, Any]) -> None:
+        """Inverse of :meth:`training_state`, after the checkpointer has loaded the weights and
+        optimizer of :meth:`actor_state`. The learning-rate schedule continues from the saved
+        position under *this* run's settings (a changed LR or step budget takes effect)."""
+        self.step_count = int(d["step"])
+        self.kl_ctl.load_state_dict(d["kl_ctl"])
+        self.score_moments.load_state_dict(d["score_moments"])
+        self.sampler.load_state_dict(d["sampler"])
+        set_schedule_position(self.scheduler, self.optimizer, int(d["scheduler_last_epoch"]))
+        self.critic.completed = d.get("last_critic_train")
+        self.critic.pending = None
+        self._engine_stale = True  # the policy's weights were replaced
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _no_grad(
+        self, model: torch.nn.Module, gen: GenerationOutput, *, with_entropy: bool = False, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model``'s log-probs (and entropy) ``[b, s-1]`` of the generated rows, without
+        gradient, in micro-batches: through the pipeline schedule under PP (one sequence length
+        per call), else each micro-batch cut to its longest row."""
+        mb = self.cfg.ppo.micro_batch_size
+        if self.pipeline is not None:
+            return self.pipeline.no_grad(model, gen.tokens, mb, with_entropy=with_entropy, start=start)
+        return self.logprobs.no_grad(
+            model, gen.tokens, mb, with_entropy=with_entropy, start=start, lengths=gen.lengths
+        )
+
+    def _refit_engine(self) -> Any:
+        """Give the engine the policy's current weights, once after each change (collective: an
+        engine in a layout of its own streams them from every rank). Returns the engine's
+        account of that refit (``last_refit``: seconds, bytes), or None when there was none."""
+        if not self._engine_stale:
+            return None
+        self.engine.refit(self.policy)
+        self._engine_stale = False
+        return getattr(self.engine, "last_refit", None)
+
+    def _wait_before_generating(self) -> None:
+        """Generation on more threads than training takes the cores the server's pending critic
+        update runs on (two busy processes on one core stall every parallel region of the
+        generation): let that update finish first."""
+        n = self.cfg.generation.num_threads
+        if n is not None and n > torch.get_num_threads():
+            self.critic.wait()
+
+    def _generate(self, prompts: list[str], sampling: SamplingParams) -> GenerationOutput:
+        return self.engine.generate([self.tokenizer.encode(x) for x in prompts], sampling)
+
+    def _reward_inputs(
+        self, gen: GenerationOutput, extras: list[str] | None, prompts: list[str]
+    ) -> dict[str, Any]:
+        """What ``critic_infer`` carries beside the tokens, on the ranks that send it: the rows'
+        extra data-set columns, and the samples' texts when the server's reward model reads text
+        with a tokenizer of its own (the prompt as the data set writes it when a chat template
+        rendered it, so that the reward model never sees the policy's template)."""
+        if self.state.tp_rank != 0 or self.state.pp_rank != 0:
+            return {}
+        out: dict[str, Any] = {"extras": extras}
+        if self.critic.needs_texts:
+            decoded, out["response_texts"] = sample_texts(
+                self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths
+            )
+            raw = self.raw_prompts
+            out["prompt_texts"] = (
+                decoded if raw is None else [raw.get(x, d) for x, d in zip(prompts, decoded)]
+            )
+        return out
+
+    def _sample_rows(self, gen: GenerationOutput, scores: torch.Tensor) -> list[dict[str, Any]]:
+        """The first ``validation.num_samples`` prompts, responses and scores, for the samples table."""
+        rows = []
+        for i in range(min(self.cfg.validation.num_samples, gen.tokens.shape[0])):
+            pl, ln = int(gen.prompt_lengths[i]), int(gen.lengths[i])
+            response = self.tokenizer.decode(gen.tokens[i, pl:ln].tolist())
+            rows.append({"prompt": self.val_prompts[i], "response": response, "score": float(scores[i])})
+        return rows
+
+    def _dynamic_rollout(
+        self, step_id: int, sampling: SamplingParams
+    ) -> tuple[GenerationOutput, tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
+        """DAPO's dynamic sampling: rounds of drawing a step's prompts, generating and scoring them
+        (``critic_infer``, waited for), each keeping the groups whose scores differ, until every
+        rank's batch is full or ``ppo.max_generation_rounds`` ran out (then it is filled up with
+        groups of equal scores). Every rank runs the same rounds (one all-reduce each), so the
+        prompt order stays one. Returns the batch, its ``(values, scores)``, and the metrics
+        ``rollout/filtered_groups`` (groups of equal scores met, over every rank and round) and
+        ``rollout/generation_rounds``."""
+        p = self.cfg.ppo
+        fill = GroupFilter(
+            p.global_batch_size // self.state.dp_size, p.samples_per_prompt, self.tokenizer.pad_id
+        )
+        rounds = 0
+        while True:
+            rounds += 1
+            prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
+            # Another seed for every round: the same prompts may come again.
+            seed = sampling.seed if rounds == 1 else sampling.seed * 1_000_003 + rounds
+            gen = self._generate(prompts, dataclasses.replace(sampling, seed=seed))
+            future = self.critic.infer(
+                gen.tokens,
+                gen.lengths,
+                gen.prompt_lengths,
+                step_id,
+                **self._reward_inputs(gen, extras, prompts),
+            )
+            fill.add(gen, *self.critic.result(future, gen.tokens.shape))
+            missing = torch.tensor([fill.missing], dtype=torch.int64)
+            if self.state.world_size > 1:  # every rank goes on while any rank's batch is short
+                missing = missing.to(comm_device())
+                dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+            if int(missing.item()) == 0 or rounds >= p.max_generation_rounds:
+                break
+        filtered = torch.tensor([float(fill.filtered)])
+        if self._dp_group is not None:
+            filtered = filtered.to(comm_device())
+            dist.all_reduce(filtered, group=self._dp_group)
+        gen, values, scores = fill.batch()
+        stats = {
+            "rollout/filtered_groups": float(filtered.item()),
+            "rollout/generation_rounds": float(rounds),
+        }
+        return gen, (values, scores), stats
+
+    def _estimator_line(self, server_critic: bool) -> str:
+        """The console line that says which advantage estimator this run uses."""
+        p = self.cfg.ppo
+        what = {
+            "gae": f"gae (the critic's values, lambda {p.lam}{', whitened' if p.whiten_advantages else ''})",
+            "grpo": f"grpo ({'std-normalised' if p.grpo_std_norm else 'not std-normalised: Dr. GRPO'})",
+            "rloo": "rloo (leave-one-out baseline)",
+            "reinforce_pp": f"reinforce_pp (returns-to-go, gamma {p.gamma}, whitened over the batch)",
+        }[p.advantage]
+        line = f"ppo: advantage estimator {what}, {p.samples_per_prompt} sample(s) per prompt"
+        if self.critic_free:
+            line += "; critic-free: no critic values used, no critic_train sent"
+            if server_critic:
+                line += " (this server holds a critic it will not use: start it with mode=reward_only)"
+        elif p.critic_warmup_steps:
+            line += f"; critic warm-up: the policy waits for the first {p.critic_warmup_steps} step(s)"
+        return line
+
+    def _advantages(
+        self,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        scores: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)`` ``[b, s-1]`` per ``ppo.advantage`` from the KL-shaped
+        ``rewards`` and the shaped ``scores [b]`` in them: GAE on the critic's ``values`` over the
+        response ``mask`` (whitened over ``loss_mask``: the tokens the loss covers); critic-free,
+        over ``loss_mask``: GRPO and RLOO within each group of ``samples_per_prompt`` adjacent
+        rows, REINFORCE++ on token-level returns whitened over every data-parallel rank. Returns
+        are the critic's targets (GAE), REINFORCE++'s returns-to-go, or zeros (GRPO, RLOO).
+
+        GRPO and RLOO compare each row's sequence reward, its score plus its KL penalty
+        (``-beta`` times its summed KL). Under GRPO's std normalisation a group of equal scores
+        gets its samples' KL differences at unit size: within such a group the penalty pulls
+        toward the reference at full strength, whatever beta is. Measured on 3-digit copy
+        (tests/actor/test_group_estimators.py): this form reaches a 5-step mean of 0.8 by step 41;
+        normalising the scores alone and adding the KL penalty centred at beta's scale reached 0.64
+        in 50 steps, and the scores alone 0.43 (each group's samples collapse onto one response).
+        """
+        p = self.cfg.ppo
+        if p.advantage == "gae":
+            advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
+            if p.whiten_advantages:
+                advantages = rl.global_whiten(advantages, loss_mask, shift_mean=True, group=self._dp_group)
+            return advantages, returns
+        if p.advantage == "reinforce_pp":
+            return rl.reinforce_pp_advantages(rewards, loss_mask, p.gamma, group=self._dp_group)
+        sequence = rewards.sum(1)  # score - beta * KL over the response (rewards are 0 off the mask)
+        if p.advantage == "grpo":
+            advantages = rl.grpo_advantages(sequence, loss_mask, p.samples_per_prompt, p.grpo_std_norm)
+        else:
+            advantages = rl.rloo_advantages(sequence, loss_mask, p.samples_per_prompt)
+        return advantages, torch.zeros_like(advantages)
+
+    def _shape_scores(
+        self, scores: torch.Tensor, ended: torch.Tensor, response_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The server's scores ``[b]`` as the rewards use them: the missing-EOS penalty, the soft
+        overlong penalty (``ppo.overlong_buffer``), clipping, and the running normalisation
+        (whose statistics this updates)."""
+        p = self.cfg.ppo
+        scores = rl.apply_missing_eos_penalty(scores, ended, p.missing_eos_penalty)
+        if p.overlong_buffer:
+            max_new = self.cfg.generation.max_new_tokens
+            scores = scores + rl.overlong_penalty(
+                response_lengths, max_new, p.overlong_buffer, p.overlong_penalty
+            )
+        scores = rl.clip_scores(scores, p.score_clip)
+        if p.normalize_scores:
+            self.score_moments.update(scores, group=self._dp_group)
+            scores = self.score_moments.normalize(scores)
+        return scores
+
+    def _epoch_orders(self, step_id: int, b: int) -> list[torch.Tensor]:
+        """Each PPO epoch's row order: the same on every rank of a TP group (seeded by step and
+        DP rank); whole groups of ``ppo.samples_per_prompt`` rows stay together."""
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
+        return [group_order(b, self.cfg.ppo.samples_per_prompt, gen) for _ in range(self.cfg.ppo.ppo_epochs)]
+
+    def _first_forward(
+        self, tokens: torch.Tensor, order: torch.Tensor, start: int = 0
+    ) -> tuple[FirstPass, torch.Tensor, torch.Tensor]:
+        """The first PPO pass's forward (one minibatch of one micro-batch: every row, in the
+        first epoch's order), with gradients. Returns ``(logits, logprobs)`` for that pass and,
+        detached and back in row order, the rollout's log-probs and entropy ``[b, s-1]``."""
+        self.policy.train()
+        rows = tokens[order]
+        logits = self.logprobs.logits(self.policy, rows, start)
+        logp = self.logprobs.sequence_logprobs(logits, rows, start)
+        old_logprobs = torch.empty_like(logp, requires_grad=False)
+        old_logprobs[order] = logp.detach()
+        with torch.no_grad():
+            ent = self.logprobs.entropy(logits.detach(), start)
+        entropy = torch.empty_like(ent)
+        entropy[order] = ent
+        return (logits, logp), old_logprobs, entropy
+
+    def _update_policy(
+        self, r: Rollout, orders: list[torch.Tensor], handoff: list[FirstPass]
+    ) -> dict[str, float]:
+        """PPO epochs over ``orders`` (one row permutation per epoch); ``handoff``: empty, or the
+        first pass's ``(logits, logprobs)`` from :meth:`_first_forward` (taken out of the list,
+        so that nothing keeps them once the first minibatch is done)."""
+        first = handoff.pop() if handoff else None
+        p = self.cfg.ppo
+        b = r.tokens.shape[0]
+        per_rank_mini = p.mini_batch_size // self.state.dp_size
+        n_micro = per_rank_mini // p.micro_batch_size
+        sums: dict[str, float] = {}
+        count = 0
+        self.policy.train()
+        for order in orders:
+            for start in range(0, b, per_rank_mini):
+                stats = self._minibatch_step(r, order[start : start + per_rank_mini], n_micro, first)
+                first = None
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        self._engine_stale = True
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _minibatch_step(
+        self, r: Rollout, idx: torch.Tensor, n_micro: int, first: FirstPass | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on the rollout rows ``idx``, accumulated over ``n_micro`` micro-batches."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is not None:
+            acc = self._pipeline_backward(r, idx)
+        else:
+            acc = {}
+            for micro in idx.chunk(n_micro):
+                if first is not None:  # this pass's forward was run for the rollout log-probs
+                    (logits, logp), first = first, None
+                else:
+                    logits = self.logprobs.logits(self.policy, r.tokens[micro], r.start)
+                    logp = None
+                loss, stats = self._micro_loss(r, micro, logits, logp)
+                (loss / n_micro).backward()
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0.0) + float(v) / n_micro
+        self.optimizer.allreduce_grads(self._dp_group, self.state.dp_size)  # fp32 master grads
+        acc["policy/grad_norm"] = self.optimizer.clip_grad_norm(
+            self.cfg.optim.grad_clip,
+            self._tp_group,
+            self.state.tp_size,
+            self.state.tp_rank,
+            pp_group=self.state.pp_group if self.state.pp_size > 1 else None,
+        )
+        self.optimizer.step()  # skipped (and counted in grad_norm as inf/nan) on a non-finite norm
+        self.scheduler.step()
+        return acc
+
+    def _micro_loss(
+        self, r: Rollout, micro: torch.Tensor, logits: torch.Tensor, logp: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped surrogate (minus the entropy bonus) of the rollout rows ``micro`` from
+        their ``logits [m, s - start, v]`` (``logp`` when already computed), and its statistics."""
+        p = self.cfg.ppo
+        mask = r.mask[micro]
+        if logp is None:
+            logp = self.logprobs.sequence_logprobs(logits, r.tokens[micro], r.start)
+        loss, stats = rl.policy_loss(
+            logp,
+            r.old_logprobs[micro],
+            r.advantages[micro],
+            mask,
+            clip_eps_low=p.clip_eps,
+            clip_eps_high=p.clip_eps_high,
+            dual_clip=p.dual_clip,
+            agg=p.loss_agg,
+        )
+        if p.entropy_coef > 0:
+            ent = self.logprobs.entropy(logits, r.start)
+            loss = loss - p.entropy_coef * rl.aggregate(ent, mask, p.loss_agg)
+        out = {"loss/policy": loss.detach()}
+        out.update({f"policy/{k}": v for k, v in stats.items()})
+        return loss, out
+
+    def _pipeline_backward(self, r: Rollout, idx: torch.Tensor) -> dict[str, float]:
+        """Forward and backward of the rows ``idx`` through the pipeline schedule (the last stage
+        computes each micro-batch's loss); the statistics reach every stage."""
+
+        def loss_fn(logits: torch.Tensor, rows: torch.Tensor):
+            return self._micro_loss(r, idx[rows], logits)
+
+        stats = self.pipeline.train(
+            self.policy, r.tokens[idx], self.cfg.ppo.micro_batch_size, loss_fn, r.start
+        )
+        allreduce_tied_embedding_grads(self.policy, self.optimizer)
+        return stats

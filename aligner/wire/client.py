@@ -1,0 +1,660 @@
+"""RemoteCriticClient: the actor's handle on the critic/reward server.
+
+- ``infer`` and ``train`` return futures (:class:`CriticFuture`) so the actor overlaps them with
+  its own work (docs/design.md, "Roles and data flow", steps 3-4 and 6-7); ``save``/``load``/``info``
+  block.
+- Ordering: trains run one at a time in submission order, and an ``infer`` submitted after a
+  ``train`` is sent only once that train has returned, so it sees the update (the server's
+  lock then guarantees the rest). ``save`` waits for pending trains too.
+- Requests are validated with :mod:`aligner.wire.protocol` (against the limits the server
+  advertises in ``server_info``) before anything is sent. Of critic_infer's optional inputs
+  (texts and extras) exactly those the server names in ``infer_inputs`` are sent.
+- Retries with exponential backoff on connection errors, timeouts, "unavailable" and models
+  that are (re)loading; before retrying after a connection error the client waits (up to
+  ``ready_timeout_s``) for the server to be ready again. Retrying ``train`` is safe because the
+  server applies each step id exactly once.
+- Bounded waits: every wait on the server ends within ``wait_timeout_s`` (a future's
+  ``result()``, ``save``, ``load``, one request's retries all together) or raises
+  :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step and the address.
+- Fencing (docs/design.md, "Wire protocol"): the client keeps the critic step it believes the
+  server holds (:attr:`RemoteCriticClient.expected_step`): the server's at connection, then the
+  step the actor had it load, then each applied train's step; never taken from ``server_info``
+  later. ``critic_train`` and ``critic_save`` carry it as ``expected_step``, with the run token.
+  A server that no longer holds it refuses them (``FencedError``), and a reconnect that finds
+  another server process (``instance_id``) is caught too: both raise
+  :class:`~aligner.wire.errors.CriticRestartedError`, and every later ``infer``, ``train`` and
+  ``save`` raises it again until the actor has the server ``load`` a step.
+- Thread-safe: every thread (pool workers and callers) gets its own tritonclient client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import numpy as np
+
+from aligner.wire.errors import (
+    CriticError,
+    CriticIncompatibleError,
+    CriticRequestError,
+    CriticRestartedError,
+    CriticServerError,
+    CriticTimeoutError,
+    CriticUnavailableError,
+)
+from aligner.wire.protocol import (
+    BATCH_PEER_MARK,
+    ERROR_MARK,
+    FENCED_MARK,
+    INFER,
+    INFO,
+    LOAD,
+    MODEL_NAMES,
+    MODELS,
+    OPTIONAL_INFER_INPUTS,
+    PROTOCOL_VERSION,
+    SAVE,
+    TEXT_INPUTS,
+    TRAIN,
+    UNAUTHORIZED_MARK,
+    UNAVAILABLE_MARK,
+    InferRequest,
+    Limits,
+    ServerInfo,
+    TrainResult,
+    UnauthorizedError,
+    as_numpy,
+    critic_step_after_load,
+    extract_error,
+    extract_fenced,
+    extract_unauthorized,
+    load_inputs,
+    save_inputs,
+    validate_infer,
+    validate_step,
+    validate_train,
+)
+from aligner.wire.readiness import parse_url, wait_ready
+from aligner.wire.transport import Connection, CriticFuture, run_into
+
+__all__ = [
+    "RemoteCriticClient",
+    "resolve_critic_url",
+    "ENV_URL",
+    "DEFAULT_URL",
+]
+
+log = logging.getLogger("aligner.wire.client")
+
+ENV_URL = "ALIGNER_CRITIC_URL"
+DEFAULT_URL = "grpc://127.0.0.1:8001"
+
+
+def resolve_critic_url(configured: str | None) -> str:
+    """The critic server's URL: ``configured`` if set, else ``$ALIGNER_CRITIC_URL``, else
+    ``grpc://127.0.0.1:8001``. Checked to be ``grpc://host:port`` or ``http://host:port``."""
+    url = (configured or "").strip() or os.environ.get(ENV_URL, "").strip() or DEFAULT_URL
+    parse_url(url)
+    return url
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors on the wire
+# ----------------------------------------------------------------------------------------------
+
+
+def _classify(exc: BaseException) -> str:
+    """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
+    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
+    after readiness), or 'server' (a real server-side failure)."""
+    text = str(exc)
+    if FENCED_MARK.strip() in text:
+        return "fenced"
+    if UNAUTHORIZED_MARK.strip() in text:
+        return "unauthorized"
+    if BATCH_PEER_MARK.strip() in text:
+        return "peer"
+    if ERROR_MARK.strip() in text:
+        return "request"
+    if UNAVAILABLE_MARK.strip() in text:
+        return "unavailable"
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return "unavailable"
+    if "Traceback (most recent call last)" in text:
+        return "server"  # raised inside the server's callable: a real failure, not a lost connection
+    status = ""
+    try:
+        status = str(exc.status() or "")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    lowered = text.lower()
+    for needle in (
+        "unavailable",
+        "deadline",
+        "failed to connect",
+        "connection refused",
+        "connection reset",
+        "socket closed",
+        "broken pipe",
+        "timed out",
+        "timeout",
+        "unknown model",
+        "is not ready",
+        "is not healthy",  # a Python-backend stub Triton restarts (seen under heavy CPU load)
+        "not found",
+        "cancelled",
+        "eof",
+        "503",
+        "502",
+        "connect",
+    ):
+        if needle in lowered or needle in status.lower():
+            return "unavailable"
+    try:
+        import gevent
+
+        if isinstance(exc, gevent.Timeout):
+            return "unavailable"
+    except ImportError:
+        pass
+    return "server"
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed attempt ran out of time (rather than finding no server)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "deadline" in text or "timed out" in text
+
+
+_EXC_LINE = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.+?)(?:\\n|\n|$)")
+
+
+def _detail(exc: BaseException) -> str:
+    """The informative line of a (traceback-laden) Triton error."""
+    text = str(exc)
+    found = extract_error(text)
+    if found:
+        return found
+    lines = [
+        f"{name}: {msg}"
+        for name, msg in _EXC_LINE.findall(text)
+        if not name.endswith(("TritonModelException", "InferenceServerException"))
+    ]
+    if lines:
+        return lines[-1][:500]
+    return (text.strip().splitlines() or [repr(exc)])[-1][:500]
+
+
+# ----------------------------------------------------------------------------------------------
+# The client
+# ----------------------------------------------------------------------------------------------
+
+
+class RemoteCriticClient:
+    """Client of the critic/reward server (gRPC ``grpc://host:port`` or HTTP ``http://host:port``).
+
+    Args:
+        url: the server's URL (see :func:`resolve_critic_url`).
+        timeout_s: per-request timeout (one attempt).
+        ready_timeout_s: how long to wait for the server to be ready, at start and after a
+            connection loss.
+        wait_timeout_s: bounds every wait on a server result: a future's ``result()``,
+            ``save``, ``load``, and one request's attempts and retries together.
+        retries: retries of a request after a retryable failure.
+        backoff_s: first backoff; doubles with each retry (capped at 8 s).
+        max_workers: threads that send ``infer`` requests concurrently.
+        run_token: the run's shared secret, sent with ``critic_train``, ``critic_save`` and
+            ``critic_load`` (``aligner.wire.protocol.resolve_run_token``); None sends none.
+        watch_restarts: after a reconnect, check that the same server process answers
+            (CriticRestartedError otherwise). Off for clients that only send ``critic_infer``
+            beside one that trains (the actor's other ranks): the fencing of the trainer's
+            requests catches a restart for all of them.
+
+    Raises (at construction): CriticTimeoutError when the server is not ready within
+    ``ready_timeout_s``; CriticIncompatibleError when it speaks another protocol version.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        ready_timeout_s: float = 120.0,
+        wait_timeout_s: float = 600.0,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        max_workers: int = 4,
+        run_token: str | None = None,
+        watch_restarts: bool = True,
+    ) -> None:
+        self.url = url
+        self.scheme, self.hostport = parse_url(url)
+        self.timeout_s = timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.wait_timeout_s = wait_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._run_token = run_token
+        self.watch_restarts = watch_restarts
+        self._local = threading.local()
+        self._conns: list[Connection] = []
+        self._conns_lock = threading.Lock()
+        self._order_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._pending_train: CriticFuture | None = None
+        self._closed = False
+        self._restarted: CriticRestartedError | None = None
+        self.instance_id: str | None = None
+        """The server process this client trains with (``server_info``'s ``instance_id``)."""
+        self._expected_step = -1
+        self._wait_ready("connecting", time.monotonic() + ready_timeout_s, ready_timeout_s)
+        self._info = self.server_info()
+        if self._info.protocol_version != PROTOCOL_VERSION:
+            raise CriticIncompatibleError(
+                f"critic server at {url} speaks protocol version "
+                f"{self._info.protocol_version}, this client {PROTOCOL_VERSION}"
+            )
+        self.instance_id = self._info.instance_id
+        self._expected_step = self._info.critic_step
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="critic-infer")
+        self._train_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="critic-train")
+
+    # ------------------------------------------------------------------------------------------
+    # Plumbing
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def limits(self) -> Limits:
+        return self._info.limits
+
+    @property
+    def expected_step(self) -> int:
+        """The critic step this client believes the server holds: the server's when the client
+        connected, then the step the actor had it load, then each applied train's step."""
+        with self._state_lock:
+            return self._expected_step
+
+    def _conn(self) -> Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = Connection(self.scheme, self.hostport, self.timeout_s)
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+
+    def _wait_ready(self, call: str, deadline: float, limit: float, step: int | None = None) -> None:
+        """Wait for readiness until ``deadline`` (at most ``ready_timeout_s``); CriticTimeoutError
+        naming ``call`` when the server does not get ready in time."""
+        budget = min(self.ready_timeout_s, deadline - time.monotonic())
+        try:
+            if budget <= 0:
+                raise TimeoutError("no time left")
+            wait_ready(self.url, timeout_s=budget, models=MODEL_NAMES)
+        except TimeoutError as e:
+            raise CriticTimeoutError(
+                call, self.url, limit, step=step, what=f"waiting for the server to be ready: {e}"
+            ) from None
+
+    def _read_info(self, timeout_s: float) -> ServerInfo | None:
+        """One ``server_info`` attempt, no retries (None when it fails)."""
+        try:
+            out = self._conn().infer(INFO, {}, ["info"], timeout_s=timeout_s)
+            return ServerInfo.from_json(out["info"].reshape(-1)[0])
+        except Exception:
+            return None
+
+    def _restart(self, call: str, reason: str, info: ServerInfo | None) -> CriticRestartedError:
+        """Record that the server is not the one trained with: every later infer, train and save
+        raises until :meth:`load`. Returns the error to raise."""
+        with self._state_lock:
+            err = CriticRestartedError(self.url, info, self._expected_step, call=call, reason=reason)
+            self._restarted = err
+            if info is not None:
+                self.instance_id = info.instance_id
+        log.warning("%s", err)
+        return err
+
+    def _check_restarted(self, call: str) -> None:
+        with self._state_lock:
+            err = self._restarted
+        if err is not None:
+            raise CriticRestartedError(
+                self.url,
+                err.info,
+                err.expected_step,
+                call=call,
+                reason=f"{err.call} found it restarted earlier, and the actor has not had it load a step since",
+            )
+
+    def _call(
+        self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], *, step: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """One request with retries, all within ``wait_timeout_s``; raises a
+        :class:`~aligner.wire.errors.CriticError` subclass (or ``UnauthorizedError``)."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        attempt = 0
+        while True:
+            if self._closed:
+                raise CriticError(f"client for {self.url} is closed")
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError(f"{model}: no time left")
+                return self._conn().infer(model, inputs, outputs, timeout_s=left)
+            except Exception as e:
+                kind = _classify(e)
+                detail = _detail(e)
+                if kind == "fenced":
+                    info = self._read_info(min(self.timeout_s, max(deadline - time.monotonic(), 1.0)))
+                    fenced = extract_fenced(str(e))
+                    raise self._restart(model, str(fenced) if fenced else detail, info) from None
+                if kind == "unauthorized":  # not retried: the same token would be refused again
+                    raise (extract_unauthorized(str(e)) or UnauthorizedError(model)) from None
+                if kind == "request":
+                    raise CriticRequestError(extract_error(str(e)) or str(e)) from None
+                if kind == "server":
+                    raise CriticServerError(
+                        f"{model} failed on the critic server at {self.url}: {detail}"
+                    ) from e
+                ran_out = time.monotonic() >= deadline
+                if ran_out or (attempt >= self.retries and _timed_out(e)):  # a hung server, not a lost one
+                    limit = self.wait_timeout_s if ran_out else self.timeout_s
+                    what = f"{attempt + 1} attempt(s), the last: {detail}"
+                    raise CriticTimeoutError(model, self.url, limit, step=step, what=what) from None
+                if attempt >= self.retries:
+                    raise CriticUnavailableError(
+                        f"{model} to the critic server at {self.url} failed after "
+                        f"{attempt + 1} attempt(s): {detail}"
+                    ) from e
+                # A batch-peer error is no sign of trouble: resend at once.
+                delay = 0.0 if kind == "peer" else min(self.backoff_s * 2**attempt, 8.0)
+                attempt += 1
+                last = str(e).strip().splitlines()[-1][:200] if str(e) else ""
+                log.warning(
+                    "%s to %s failed (%s: %s); retry %d/%d in %.1f s",
+                    model,
+                    self.url,
+                    type(e).__name__,
+                    last,
+                    attempt,
+                    self.retries,
+                    delay,
+                )
+                if kind != "unavailable":
+                    time.sleep(delay)
+                    continue
+                self._drop_conn()
+                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+                self._wait_ready(model, deadline, self.wait_timeout_s, step)
+                self._check_instance(model, deadline)
+
+    def _check_instance(self, call: str, deadline: float) -> None:
+        """After a reconnect: CriticRestartedError when another server process answers (a
+        failed read is left to the next attempt)."""
+        if not self.watch_restarts or self.instance_id is None:
+            return
+        info = self._read_info(min(self.timeout_s, max(deadline - time.monotonic(), 0.001)))
+        if info is not None and info.instance_id != self.instance_id:
+            raise self._restart(
+                call, f"reconnected to server instance {info.instance_id}, not {self.instance_id}", info
+            )
+
+    def _wait_pending_train(self, call: str, step: int, *, reraise: bool) -> None:
+        """Wait (at most ``wait_timeout_s``) for the train in flight; ``reraise``: its error, if it failed."""
+        with self._order_lock:
+            pending = self._pending_train
+        if pending is None:
+            return
+        done, _ = wait_futures([pending], timeout=self.wait_timeout_s)
+        if not done:
+            raise CriticTimeoutError(
+                call,
+                self.url,
+                self.wait_timeout_s,
+                step=step,
+                what=f"waiting for the critic_train of step {pending.step} submitted before it",
+            )
+        if reraise and pending.exception() is not None:
+            raise pending.exception()
+
+    def _submit(self, pool: ThreadPoolExecutor, call: str, step: int | None, fn, *args: Any) -> CriticFuture:
+        future = CriticFuture(call, self.url, self.wait_timeout_s, step)
+        pool.submit(run_into, future, fn, *args)
+        return future
+
+    # ------------------------------------------------------------------------------------------
+    # API
+    # ------------------------------------------------------------------------------------------
+
+    def server_info(self) -> ServerInfo:
+        """The server's :class:`~aligner.wire.protocol.ServerInfo` (fresh, not cached)."""
+        out = self._call(INFO, {}, ["info"])
+        blob = out["info"].reshape(-1)[0]
+        return ServerInfo.from_json(blob)
+
+    def info(self) -> dict[str, Any]:
+        """``server_info`` as a dict: protocol version, vocab size, max sequence length, tokenizer
+        fingerprint, critic step, reward source, model config, parallel sizes, ..."""
+        out = self._call(INFO, {}, ["info"])
+        return json.loads(out["info"].reshape(-1)[0])
+
+    def check_compatible(self, vocab_size: int, max_seq_len: int, tokenizer_fingerprint: str) -> None:
+        """Raise :class:`CriticIncompatibleError` naming every field where the actor and server differ.
+
+        The actor's ``vocab_size`` (its tokenizer's) and ``tokenizer_fingerprint`` must equal the
+        server's, and its ``max_seq_len`` (prompt + response) must not exceed the server's.
+        """
+        info = self.server_info()
+        self._info = info
+        problems = []
+        if info.protocol_version != PROTOCOL_VERSION:
+            problems.append(f"protocol_version: server {info.protocol_version}, client {PROTOCOL_VERSION}")
+        if vocab_size != info.vocab_size:
+            problems.append(f"vocab_size: actor {vocab_size}, server {info.vocab_size}")
+        if max_seq_len > info.max_seq_len:
+            problems.append(f"max_seq_len: actor {max_seq_len} exceeds the server's {info.max_seq_len}")
+        if tokenizer_fingerprint != info.tokenizer_fingerprint:
+            problems.append(
+                f"tokenizer_fingerprint: actor {tokenizer_fingerprint!r}, server "
+                f"{info.tokenizer_fingerprint!r} (tokenizer {info.tokenizer!r})"
+            )
+        if problems:
+            raise CriticIncompatibleError(
+                f"critic server at {self.url} is incompatible with this actor: " + "; ".join(problems)
+            )
+
+    @staticmethod
+    def _ints(x: Any) -> np.ndarray:
+        a = as_numpy(x)
+        if a.dtype.kind in "iu" and a.dtype != np.int64:
+            a = a.astype(np.int64)
+        return a
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise CriticError(f"client for {self.url} is closed")
+
+    def infer(
+        self,
+        tokens: Any,
+        lengths: Any,
+        prompt_lengths: Any,
+        step: int | None = None,
+        *,
+        prompt_texts: list[str] | None = None,
+        response_texts: list[str] | None = None,
+        extras: list[str] | None = None,
+    ) -> CriticFuture:
+        """Values and rewards of a batch, as a future of ``(values [b, s-1] float32, rewards [b] float32)``.
+
+        Args:
+            tokens: ``[b, s]`` integer ids (NumPy or torch); lengths, prompt_lengths: ``[b]``.
+            step: the caller's step these samples belong to (named in errors and timeouts).
+            prompt_texts, response_texts: each sample's prompt and response as text (the response
+                up to its end-of-sequence, special tokens skipped); sent when the server needs
+                them (``server_info``'s ``infer_inputs``: its reward model reads text).
+            extras: each sample's extra data-set columns as one compact JSON object ('{}' for
+                none); sent when the server has a reward function ('{}' per row when None).
+
+        Only the optional inputs the server names in ``infer_inputs`` are sent.
+
+        Raises (immediately): ProtocolError if the batch breaks the contract; ValueError when the
+        server needs the texts and they are not given; CriticRestartedError while a restart the
+        actor has not handled is known. Batches larger than the server's ``max_batch_size`` are
+        split into several requests (each with its rows of every input).
+        """
+        self._check_not_closed()
+        self._check_restarted(INFER)
+        tokens = self._ints(tokens)
+        lengths = self._ints(lengths)
+        prompt_lengths = self._ints(prompt_lengths)
+        limits = self.limits
+        b = tokens.shape[0] if tokens.ndim == 2 else 0
+        whole = Limits(
+            limits.vocab_size, limits.max_seq_len, max(limits.max_batch, b), limits.max_train_batch
+        )
+        needs = set(self._info.infer_inputs or ())
+        given = {"prompt_text": prompt_texts, "response_text": response_texts, "extras": extras}
+        missing = [n for n in TEXT_INPUTS if n in needs and given[n] is None]
+        if missing:
+            text = (self._info.reward or {}).get("text") or {}
+            raise ValueError(
+                f"critic_infer to {self.url}: the server needs {missing} (server_info's infer_inputs): its "
+                f"reward model reads text with a tokenizer of its own ({text.get('tokenizer')!r}, not the "
+                "policy's), so each sample's prompt and response go as text: pass prompt_texts= and "
+                "response_texts="
+            )
+        if "extras" in needs and extras is None:
+            given["extras"] = ["{}"] * b
+        send = {n: given[n] if n in needs else None for n in OPTIONAL_INFER_INPUTS}
+        req = validate_infer(tokens, lengths, prompt_lengths, whole, **send)
+        with self._order_lock:
+            after = self._pending_train
+        return self._submit(self._pool, INFER, step, self._infer_task, req, after, step)
+
+    def _infer_task(
+        self, req: InferRequest, after: CriticFuture | None, step: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if after is not None:
+            done, _ = wait_futures([after], timeout=self.wait_timeout_s)
+            if not done:
+                raise CriticTimeoutError(
+                    INFER,
+                    self.url,
+                    self.wait_timeout_s,
+                    step=step,
+                    what=f"waiting for the critic_train of step {after.step} submitted before it",
+                )
+        self._check_restarted(INFER)
+        n = self.limits.max_batch
+        values, rewards = [], []
+        for start in range(0, req.tokens.shape[0], n):
+            chunk = req.rows(start, start + n)
+            out = self._call(INFER, chunk.to_wire(), ["values", "rewards", "error"], step=step)
+            failed = [m for m in np.asarray(out["error"]).reshape(-1) if m]
+            if failed:  # this request's samples failed on their own (in a merged execution)
+                text = (
+                    failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
+                )
+                raise CriticServerError(f"{INFER} failed on the critic server at {self.url}: {text}")
+            values.append(out["values"].astype(np.float32, copy=False))
+            rewards.append(out["rewards"].reshape(-1).astype(np.float32, copy=False))
+        return np.concatenate(values), np.concatenate(rewards)
+
+    def train(
+        self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: int
+    ) -> CriticFuture:
+        """One critic update for ``step``; a future of ``{"loss", "grad_norm", "applied_step",
+        "explained_variance", "value_clipfrac"}``.
+
+        Shapes: tokens ``[b, s]``; lengths ``[b]``; returns, old_values, mask ``[b, s-1]`` (float32;
+        other float dtypes are cast). Trains run one at a time in the order they were submitted;
+        each carries the critic step the previous one left (``expected_step``).
+        """
+
+        self._check_not_closed()
+        self._check_restarted(TRAIN)
+
+        def f32(x: Any) -> np.ndarray:
+            a = as_numpy(x)
+            return a.astype(np.float32) if a.dtype.kind == "f" and a.dtype != np.float32 else a
+
+        arrays = (self._ints(tokens), self._ints(lengths), f32(returns), f32(old_values), f32(mask))
+        # Checked here with the belief of now; sent with the belief the previous train leaves.
+        validate_train(*arrays, int(step), self.expected_step, self.limits)
+        with self._order_lock:
+            fut = self._submit(self._train_pool, TRAIN, int(step), self._train_task, arrays, int(step))
+            self._pending_train = fut
+        return fut
+
+    def _train_task(self, arrays: tuple[np.ndarray, ...], step: int) -> dict[str, float | int]:
+        self._check_restarted(TRAIN)
+        req = validate_train(*arrays, step, self.expected_step, self.limits)
+        names = [t.name for t in MODELS[TRAIN].outputs]
+        result = TrainResult.from_wire(self._call(TRAIN, req.to_wire(self._run_token), names, step=step))
+        with self._state_lock:
+            self._expected_step = result.applied_step
+        return result.to_dict()
+
+    def save(self, step: int) -> None:
+        """Ask the server to save the critic at ``step`` (under its own checkpoint dir); blocks until
+        written, after every train submitted before it. The server must hold critic step
+        ``step`` (fenced otherwise: CriticRestartedError)."""
+        step = validate_step(SAVE, int(step))
+        self._check_not_closed()
+        self._check_restarted(SAVE)
+        self._wait_pending_train(SAVE, step, reraise=True)
+        # The server must hold critic step `step` to save it as step `step`.
+        out = self._call(SAVE, save_inputs(step, step, self._run_token), ["ok"], step=step)
+        if int(out["ok"].reshape(-1)[0]) != 1:
+            raise CriticServerError(f"critic_save of step {step} at {self.url} did not report ok")
+
+    def load(self, step: int) -> None:
+        """Restore the critic and its optimiser saved at ``step`` (blocks). The client then
+        expects the server at that step, and a restart it had found counts as handled."""
+        step = validate_step(LOAD, int(step))
+        self._check_not_closed()
+        self._wait_pending_train(LOAD, step, reraise=False)
+        out = self._call(LOAD, load_inputs(step, self._run_token), ["ok"], step=step)
+        if int(out["ok"].reshape(-1)[0]) != 1:
+            raise CriticServerError(f"critic_load of step {step} at {self.url} did not report ok")
+        with self._state_lock:
+            self._expected_step = critic_step_after_load(step)
+            self._restarted = None
+
+    def close(self) -> None:
+        """Wait for submitted requests (each ends within ``wait_timeout_s``), then release
+        threads and connections."""
+        if self._closed:
+            return
+        self._train_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        self._closed = True
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            c.close()
+
+    def __enter__(self) -> RemoteCriticClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,95 @@
+"""How the critic client's requests travel: one tritonclient connection per thread, and the
+future a request's caller waits on, bounded in time.
+
+:class:`~aligner.wire.client.RemoteCriticClient` is built on these; nothing else uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from aligner.wire.errors import CriticTimeoutError
+
+__all__ = ["Connection", "CriticFuture", "run_into", "WIRE_DTYPES"]
+
+
+WIRE_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}
+
+
+class Connection:
+    """One tritonclient client (gRPC or HTTP) owned by one thread."""
+
+    def __init__(self, scheme: str, hostport: str, timeout_s: float) -> None:
+        self.scheme = scheme
+        self.timeout_s = timeout_s
+        if scheme == "grpc":
+            import tritonclient.grpc as mod
+
+            self.client = mod.InferenceServerClient(hostport)
+        else:
+            import tritonclient.http as mod
+
+            self.client = mod.InferenceServerClient(
+                hostport, connection_timeout=timeout_s, network_timeout=timeout_s
+            )
+        self.mod = mod
+
+    def infer(
+        self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], timeout_s: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """One request; ``timeout_s`` (gRPC: at most the per-request timeout) bounds it."""
+        mod = self.mod
+        binary = {} if self.scheme == "grpc" else {"binary_data": True}
+        ins = []
+        for name, a in inputs.items():
+            i = mod.InferInput(name, list(a.shape), WIRE_DTYPES[a.dtype])
+            i.set_data_from_numpy(np.ascontiguousarray(a) if a.dtype != np.object_ else a, **binary)
+            ins.append(i)
+        outs = [mod.InferRequestedOutput(n, **binary) for n in outputs]
+        if self.scheme == "grpc":
+            limit = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
+            r = self.client.infer(model, ins, outputs=outs, client_timeout=max(limit, 0.001))
+        else:
+            r = self.client.infer(model, ins, outputs=outs)
+        return {n: r.as_numpy(n) for n in outputs}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+class CriticFuture(Future):
+    """A request's future whose :meth:`result` waits at most ``timeout_s`` unless told otherwise,
+    and then raises :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step
+    and the address (instead of a bare ``TimeoutError``)."""
+
+    def __init__(self, call: str, url: str, timeout_s: float, step: int | None = None) -> None:
+        super().__init__()
+        self.call, self.url, self.timeout_s, self.step = call, url, timeout_s, step
+
+    def result(self, timeout: float | None = None) -> Any:
+        limit = self.timeout_s if timeout is None else timeout
+        try:
+            return super().result(limit)
+        except TimeoutError:
+            if self.done():  # the request itself raised a timeout: that one, as it is
+                raise
+            raise CriticTimeoutError(
+                self.call, self.url, limit, step=self.step, what="waiting for its result"
+            ) from None
+
+
+def run_into(future: CriticFuture, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` (on a pool thread) and settle ``future`` with its result or error."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to whoever waits on the future
+        future.set_exception(e)

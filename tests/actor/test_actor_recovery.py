@@ -1,0 +1,306 @@
+"""The actor's side of a restarted or hung critic server, in one process, against a toy server.
+
+:class:`ToyCritic` stands where the client and the server would: a critic whose values depend on
+every update it applied, checkpoints by step, and the client's fencing (the critic step it
+expects, a restart remembered until a ``load``). It can "restart" (come back with its newest
+checkpoint, as ``checkpoint.resume=auto`` does) during the update of a given step, or after
+applying one. A run that meets such a restart rolls both roles back and must end with the
+uninterrupted run's policy weights, critic and metrics; ``critic.on_restart=fail`` and
+``critic.max_restarts`` stop it, naming the steps; a timeout during the critic's save leaves the
+previous checkpoint intact and the new step uncommitted. The real server's side of this (kills,
+restarts, fault points) is the fault suite's.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.checkpoint import COMPLETE_MARKER, complete_steps, step_dir_name
+from aligner.distributed import ParallelConfig, destroy, initialize
+from aligner.metrics import MetricsLogger, read_metrics
+from aligner.tasks import get_task
+from aligner.tokenizers import CharTokenizer
+from aligner.wire import protocol as P
+from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError, CriticTimeoutError
+
+STEPS = 4
+TOK = CharTokenizer()
+
+
+class ToyCritic:
+    """A critic server and its client in one object (:class:`CriticHandle`).
+
+    The critic is one number ``w``: values are ``w * token / 10`` and each update adds a tenth
+    of the mean masked return, so every value depends on every update applied before. Scores
+    are the copy task's. ``restart_in_train=N``: the server restarts while it runs the update of
+    step N (not applied; the request fails as a reconnect to another instance);
+    ``restart_after_train=N``: it restarts right after applying it (the next update is
+    fenced). Either way it comes back with its newest checkpoint.
+    """
+
+    url = "toy://critic"
+
+    def __init__(self, restart_in_train: int | None = None, restart_after_train: int | None = None) -> None:
+        self.w, self.critic_step, self.expected = 0.0, -1, -1
+        self.checkpoints: dict[int, tuple[float, int]] = {0: (0.0, 0)}  # checkpoint.save_initial
+        self.instance = 1
+        self.restarted: CriticRestartedError | None = None
+        self.restart_in_train, self.restart_after_train = restart_in_train, restart_after_train
+        self.save_error: Exception | None = None
+        self.applied: list[int] = []
+
+    # -- the server's state --------------------------------------------------------------------
+
+    def server_info(self) -> P.ServerInfo:
+        return P.ServerInfo(
+            protocol_version=P.PROTOCOL_VERSION,
+            vocab_size=TOK.vocab_size,
+            max_seq_len=32,
+            tokenizer="char",
+            tokenizer_fingerprint=TOK.fingerprint(),
+            critic_step=self.critic_step,
+            max_batch_size=64,
+            max_train_batch=64,
+            checkpoint_steps=sorted(self.checkpoints),
+            instance_id=f"toy{self.instance}",
+        )
+
+    def _come_back(self) -> None:
+        """Killed and started again: the newest checkpoint, as checkpoint.resume=auto loads it."""
+        newest = max(self.checkpoints)
+        self.w, self.critic_step = self.checkpoints[newest]
+        self.instance += 1
+
+    def _restart(self, call: str, reason: str) -> CriticRestartedError:
+        self.restarted = CriticRestartedError(
+            self.url, self.server_info(), self.expected, call=call, reason=reason
+        )
+        return self.restarted
+
+    # -- the calls -------------------------------------------------------------------------------
+
+    def check_compatible(self, vocab_size, max_seq_len, tokenizer_fingerprint) -> None:
+        return None
+
+    def infer(self, tokens, lengths, prompt_lengths, step=None) -> Future:
+        if self.restarted is not None:
+            raise self.restarted
+        values = self.w * tokens[:, :-1].float() / 10
+        prompts, responses = [], []
+        for row, n, p in zip(tokens.tolist(), lengths.tolist(), prompt_lengths.tolist()):
+            prompts.append(TOK.decode(row[:p]))
+            responses.append(TOK.decode(row[p:n]))
+        scores = torch.tensor(get_task("copy", 3).reward(prompts, responses), dtype=torch.float32)
+        return _done((values.numpy(), scores.numpy()))
+
+    def train(self, tokens, lengths, returns, old_values, mask, step) -> Future:
+        if self.restarted is not None:
+            raise self.restarted
+        if step == self.restart_in_train:
+            self.restart_in_train = None
+            self._come_back()
+            return _failed(self._restart(P.TRAIN, "reconnected to another server instance"))
+        if self.expected != self.critic_step:
+            return _failed(self._restart(P.TRAIN, "fenced"))
+        self.w += 0.1 * float((returns * mask).sum() / mask.sum())
+        self.critic_step = self.expected = step
+        self.applied.append(step)
+        if step == self.restart_after_train:
+            self.restart_after_train = None
+            self._come_back()
+        return _done({"loss": self.w, "grad_norm": 1.0, "applied_step": step})
+
+    def save(self, step: int) -> None:
+        if self.save_error is not None:
+            raise self.save_error
+        if self.restarted is not None:
+            raise self.restarted
+        if self.critic_step != step:
+            raise self._restart(P.SAVE, "fenced")
+        self.checkpoints[step] = (self.w, step)
+
+    def load(self, step: int) -> None:
+        self.w, self.critic_step = self.checkpoints[step]
+        self.expected, self.restarted = step, None
+
+    def close(self) -> None:
+        return None
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _failed(error: BaseException) -> Future:
+    f: Future = Future()
+    f.set_exception(error)
+    return f
+
+
+def _config(root: Path, **critic) -> ActorConfig:
+    cfg = ActorConfig()
+    cfg.data.task, cfg.data.num_digits = "copy", 3
+    cfg.generation.max_new_tokens = 4
+    p = cfg.ppo
+    p.num_steps, p.global_batch_size, p.mini_batch_size, p.micro_batch_size = STEPS, 16, 16, 16
+    p.normalize_scores, p.adaptive_kl = True, True
+    cfg.optim.min_lr, cfg.optim.warmup_steps = 1e-4, 1  # a decaying schedule: its position matters
+    cfg.precision = "fp32"
+    cfg.checkpoint.dir, cfg.checkpoint.save_interval = str(root / "ckpt"), 2
+    cfg.checkpoint.keep_last, cfg.checkpoint.keep_best, cfg.checkpoint.resume = 0, False, "none"
+    cfg.validation.interval, cfg.validation.before_train = 0, False
+    cfg.logging.run_dir, cfg.logging.tensorboard, cfg.logging.progress_bar = str(root / "run"), False, False
+    for k, v in critic.items():
+        setattr(cfg.critic, k, v)
+    validate_actor_config(cfg, vocab_size=TOK.vocab_size)
+    return cfg
+
+
+def _run(root: Path, critic: ToyCritic, printed: list[str] | None = None, **critic_cfg):
+    """A whole run as examples/train_actor.py makes it; returns (trainer, messages printed)."""
+    from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
+    from aligner.actor.prompts import PromptSampler
+    from aligner.actor.trainer import PPOTrainer
+    from aligner.generation.native import NativeEngine
+    from aligner.models import gpt
+
+    cfg = _config(root, **critic_cfg)
+    state = initialize(ParallelConfig(), seed=cfg.seed)
+    policy = gpt.build_policy(cfg.model)
+    reference = gpt.build_policy(cfg.model)
+    gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
+    reference.eval().requires_grad_(False)
+    checkpointer = ActorCheckpointer(
+        cfg, state, critic, TOK, reference_fingerprint=weights_fingerprint(reference, state)
+    )
+    assert checkpointer.resolve_resume() is None
+    engine = NativeEngine(policy, TOK, parallel_state=state, vocab_size=TOK.sample_vocab_size)
+    prompts = get_task("copy", 3).prompts(256, seed=cfg.seed)
+    sampler = PromptSampler(prompts, cfg.ppo.global_batch_size, 0, 1, cfg.seed)
+    logger = MetricsLogger(cfg.logging.run_dir, tensorboard=False)
+    rollbacks: list[int] = []
+    trainer = PPOTrainer(
+        cfg,
+        state,
+        policy,
+        reference,
+        engine,
+        critic,
+        TOK,
+        sampler,
+        logger,
+        checkpointer=checkpointer,
+        on_rollback=rollbacks.append,
+    )
+    try:
+        trainer.train()
+    finally:
+        logger.close()
+    trainer.rollbacks = rollbacks
+    return trainer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group():
+    yield
+    destroy()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    critic = ToyCritic()
+    trainer = _run(root, critic)
+    assert critic.applied == list(range(1, STEPS + 1)) and trainer.restarts == 0
+    return (
+        root,
+        critic,
+        {
+            k: v.detach().clone()
+            for k, v in trainer.policy.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        },
+    )
+
+
+def test_the_toy_is_a_critic_handle():
+    assert isinstance(ToyCritic(), CriticHandle)
+
+
+@pytest.mark.parametrize(
+    "restart, redone",
+    [({"restart_in_train": 4}, "steps 3..4"), ({"restart_after_train": 3}, "steps 3..4")],
+    ids=["killed_during_train_4", "restarted_after_train_3"],
+)
+def test_a_restarted_server_is_rolled_back_and_the_run_ends_as_the_uninterrupted_one(
+    tmp_path, uninterrupted, capsys, restart, redone
+):
+    want_root, want_critic, want_weights = uninterrupted
+    critic = ToyCritic(**restart)
+    trainer = _run(tmp_path, critic)
+    out = capsys.readouterr().out
+    assert trainer.restarts == 1 and trainer.rollbacks == [2]
+    assert f"rolled both roles back to step 2; {redone} are redone" in out, out
+    assert "critic server restarted (critic step 2, expected 3)" in out
+    # Both roles end exactly where the uninterrupted run ended.
+    assert critic.w == want_critic.w and critic.critic_step == STEPS
+    got = trainer.policy.state_dict()
+    for name, w in want_weights.items():
+        assert torch.equal(got[name], w), name
+    want_rows = read_metrics(str(want_root / "run" / "metrics.jsonl"))
+    got_rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert [r["step"] for r in got_rows] == list(range(1, STEPS + 1))
+    for a, b in zip(got_rows, want_rows):
+        for k in b:
+            if not k.startswith(("timers/", "throughput/")) and k != "time":
+                assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+    assert complete_steps(tmp_path / "ckpt", role="actor") == [2, STEPS]
+
+
+def test_on_restart_fail_stops_naming_the_servers_step_and_the_actors(tmp_path):
+    with pytest.raises(CriticError) as e:
+        _run(tmp_path, ToyCritic(restart_in_train=4), on_restart="fail")
+    msg = str(e.value)
+    assert "critic.on_restart=fail" in msg and "holds critic step 2" in msg, msg
+    assert "completed step 4 and expected critic step 3" in msg, msg
+    assert isinstance(e.value.__cause__, CriticRestartedError)
+
+
+def test_more_restarts_than_max_restarts_stop_the_run(tmp_path):
+    with pytest.raises(CriticError, match=r"more than critic.max_restarts=0"):
+        _run(tmp_path, ToyCritic(restart_after_train=3), max_restarts=0)
+
+
+def test_a_restart_before_any_common_checkpoint_stops_with_both_lists(tmp_path):
+    from aligner.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"no step is complete for both roles") as e:
+        _run(tmp_path, ToyCritic(restart_in_train=2))
+    assert "critic checkpoints on the server: [0]" in str(e.value)
+
+
+def test_a_timeout_during_the_critics_save_leaves_the_previous_checkpoint_and_commits_nothing(tmp_path):
+    critic = ToyCritic()
+    original_save = critic.save
+
+    def save(step: int) -> None:
+        if step == STEPS:
+            raise CriticTimeoutError(P.SAVE, critic.url, 600.0, step=step)
+        original_save(step)
+
+    critic.save = save
+    with pytest.raises(
+        CriticTimeoutError, match=rf"critic_save of step {STEPS} to the critic server at toy://critic"
+    ):
+        _run(tmp_path, critic)
+    ckpt = tmp_path / "ckpt"
+    assert complete_steps(ckpt, role="actor") == [2]
+    assert (ckpt / step_dir_name(2) / "actor" / COMPLETE_MARKER).is_file()
+    assert not (ckpt / step_dir_name(STEPS)).exists()  # not even a temporary folder

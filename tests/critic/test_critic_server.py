@@ -1,0 +1,497 @@
+"""The critic server end to end: a real PyTriton server (one for the module), real clients.
+
+The server scores the sort task with a reward function *and* a reward model the test wrote, and
+its critic starts from that reward model, so every number it returns can be recomputed here. It
+has a run token: train, save and load go through bare tritonclients (aligner.critic.testing's
+raw_* helpers) that carry it and the critic step they expect; infer and info need none.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from aligner.checkpoint import load_tensors
+from aligner.critic.launch import start_server
+from aligner.critic.testing import (
+    TINY_MODEL,
+    digit_batch,
+    encode_samples,
+    raw_error,
+    raw_infer,
+    raw_info,
+    raw_load,
+    raw_save,
+    raw_train,
+    tiny_overrides,
+    train_arrays,
+)
+from aligner.distributed import ParallelConfig, destroy, initialize
+from aligner.models.checkpoint_io import save_model_checkpoint
+from aligner.models.config import ModelConfig
+from aligner.models.gpt import (
+    build_critic,
+    build_reward_model,
+    sequence_scores,
+    token_values,
+)
+from aligner.tasks.digits import sort_reward
+from aligner.tokenizers import build_tokenizer
+from aligner.wire import protocol as P
+from aligner.wire.client import RemoteCriticClient
+from aligner.wire.errors import CriticIncompatibleError
+
+pytestmark = pytest.mark.server
+MAX_BATCH = 16
+TOK = build_tokenizer("char")
+TOKEN = "the-run-token-of-this-module"
+REWARD_FN = "aligner.critic.testing:picky_reward"  # the sort reward, and bad samples to fail on
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """(server, reward model, in-process critic builder, root) for the whole module."""
+    root = tmp_path_factory.mktemp("critic_server")
+    state = initialize(ParallelConfig(), seed=77)
+    cfg = ModelConfig(**TINY_MODEL)
+    rm = build_reward_model(cfg)
+    save_model_checkpoint(rm, cfg, root / "rm", role="reward")
+    (root / "token").write_text(TOKEN + "\n")
+    server = start_server(
+        tiny_overrides(
+            root,
+            **{
+                "reward.model_path": root / "rm",
+                "reward.fn": REWARD_FN,
+                "server.run_token_file": root / "token",
+                "server.max_batch_size": MAX_BATCH,
+                "server.max_request_batch": MAX_BATCH,
+                "server.max_queue_delay_us": 3000,
+                # fp32: values are compared with an fp32 in-process forward, and merged batches
+                # with unmerged ones, to 1e-5.
+                "precision": "fp32",
+            },
+        ),
+        log_path=root / "server.stderr",
+    )
+    try:
+        yield {"server": server, "rm": rm, "cfg": cfg, "root": root, "state": state}
+    finally:
+        server.stop()
+        destroy()
+
+
+@pytest.fixture(scope="module")
+def client(env):
+    with RemoteCriticClient(env["server"].url, timeout_s=30, max_workers=8) as c:
+        yield c
+
+
+def _in_process_values(env, tokens, step_label):
+    """Save the server's critic (as ``step_label``), load it here, and run the same forward."""
+    url = env["server"].url
+    raw_save(url, step_label, raw_info(url).critic_step, TOKEN)
+    state = load_tensors(
+        env["root"] / "ckpt" / f"step_{step_label:08d}" / "critic" / "model_tp00_pp00.safetensors"
+    )
+    critic = build_critic(env["cfg"], init_from=state)
+    with torch.no_grad():
+        return token_values(critic, torch.from_numpy(tokens)).numpy()
+
+
+def _train(env, tokens, lengths, returns, old_values, mask, step, expected_step=None, token=TOKEN):
+    """critic_train through a bare client; ``expected_step`` defaults to the server's step."""
+    url = env["server"].url
+    expected = raw_info(url).critic_step if expected_step is None else expected_step
+    req = P.TrainRequest(tokens, lengths, returns, old_values, mask, step, expected)
+    return P.TrainResult.from_wire(raw_train(url, req, token)).to_dict()
+
+
+def _next_step(env) -> int:
+    return raw_info(env["server"].url).critic_step + 1
+
+
+def test_server_info_and_compatibility(env, client):
+    info = client.info()
+    assert info["protocol_version"] == P.PROTOCOL_VERSION
+    assert (info["vocab_size"], info["max_seq_len"]) == (TOK.vocab_size, TINY_MODEL["max_seq_len"])
+    assert info["tokenizer_fingerprint"] == TOK.fingerprint() and info["tokenizer"] == "char"
+    assert info["reward"]["fn"] == REWARD_FN
+    assert (
+        info["run_token_required"] is True and int(info["instance_id"], 16) and len(info["instance_id"]) == 32
+    )
+    assert info["reward"]["model_path"] == str(env["root"] / "rm")
+    assert (
+        info["model"]["hidden_size"] == TINY_MODEL["hidden_size"] and info["extra"]["init_source"] == "reward"
+    )
+    assert info["max_batch_size"] == MAX_BATCH and info["parallel"]["tensor_model_parallel_size"] == 1
+    client.check_compatible(TOK.vocab_size, 24, TOK.fingerprint())
+    with pytest.raises(CriticIncompatibleError) as e:
+        client.check_compatible(TOK.vocab_size + 1, 64, "char:other")
+    msg = str(e.value)
+    assert "vocab_size: actor 15, server 14" in msg and "max_seq_len: actor 64 exceeds the server's 32" in msg
+    assert "tokenizer_fingerprint" in msg and env["server"].url in msg
+
+
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
+def test_values_and_rewards_equal_an_in_process_forward(env, client, scheme):
+    url = env["server"].url if scheme == "grpc" else env["server"].http_url
+    tokens, lengths, pl, prompts, responses = digit_batch(TOK, 6, seed=1)
+    with RemoteCriticClient(url, timeout_s=30) as c:
+        values, rewards = c.infer(torch.from_numpy(tokens), torch.from_numpy(lengths), pl).result()
+    assert values.shape == (6, tokens.shape[1] - 1) and values.dtype == np.float32 and rewards.shape == (6,)
+    np.testing.assert_allclose(values, _in_process_values(env, tokens, 900), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        scores = sequence_scores(env["rm"], torch.from_numpy(tokens), torch.from_numpy(lengths)).numpy()
+    np.testing.assert_allclose(
+        rewards, np.asarray(sort_reward(prompts, responses)) + scores, rtol=0, atol=1e-5
+    )
+
+
+def test_train_then_infer_sees_the_update_and_steps_apply_once(env, client):
+    tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=2)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=2)
+    step = _next_step(env)
+    v0, _ = client.infer(tokens, lengths, pl).result()
+    result = _train(env, tokens, lengths, returns, old_values, mask, step)
+    v1, _ = client.infer(tokens, lengths, pl).result()
+    assert result["applied_step"] == step and np.isfinite(result["loss"]) and result["grad_norm"] > 0
+    assert set(result) >= {"loss", "grad_norm", "applied_step", "explained_variance", "value_clipfrac"}
+    assert not np.allclose(v0, v1)
+    # Repeating the step (a client retry) returns the first result and changes nothing, whatever
+    # critic step the retry expects.
+    for expected in (step - 1, step, step + 40):
+        assert _train(env, tokens, lengths, returns * 5, old_values, mask, step, expected) == result
+    v2, _ = client.infer(tokens, lengths, pl).result()
+    np.testing.assert_array_equal(v1, v2)
+    assert client.info()["critic_step"] == step
+
+
+def test_a_stale_expected_step_is_refused_naming_both_steps_and_changes_nothing(env, client):
+    tokens, lengths, pl, *_ = digit_batch(TOK, 3, seed=6)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=6)
+    held = raw_info(env["server"].url).critic_step
+    before, _ = client.infer(tokens, lengths, pl).result()
+    text = raw_error(
+        env["server"].url,
+        P.TRAIN,
+        P.TrainRequest(tokens, lengths, returns, old_values, mask, held + 9, held + 8).to_wire(TOKEN),
+    )
+    fenced = P.extract_fenced(text)
+    assert fenced is not None, text[-800:]
+    assert str(fenced) == str(P.FencedError(P.TRAIN, held + 9, held + 8, held))
+    text = raw_error(env["server"].url, P.SAVE, P.save_inputs(held + 8, held + 8, TOKEN))
+    want = P.FencedError(P.SAVE, held + 8, held + 8, held)
+    assert str(want).startswith(f"[critic-fenced] critic_save step {held + 8}: ") and str(want) in text
+    after, _ = client.infer(tokens, lengths, pl).result()
+    np.testing.assert_array_equal(after, before)
+    info = raw_info(env["server"].url)
+    assert info.critic_step == held and held + 8 not in info.checkpoint_steps
+
+
+def test_each_mutating_endpoint_needs_the_run_token_and_never_shows_it(env, client):
+    url = env["server"].url
+    tokens, lengths, pl, *_ = digit_batch(TOK, 3, seed=7)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=7)
+    held = raw_info(url).critic_step
+    before, _ = client.infer(tokens, lengths, pl).result()  # infer and info need none
+    requests = {
+        P.TRAIN: lambda tok: P.TrainRequest(
+            tokens, lengths, returns, old_values, mask, held + 1, held
+        ).to_wire(tok),
+        P.SAVE: lambda tok: P.save_inputs(held + 1, held, tok),
+        P.LOAD: lambda tok: P.load_inputs(0, tok),
+    }
+    for model, inputs in requests.items():
+        for tok, how in ((None, "missing"), (TOKEN[:-1], "wrong"), (TOKEN + "x", "wrong")):
+            text = raw_error(url, model, inputs(tok))
+            refused = P.extract_unauthorized(text)
+            assert refused is not None and (refused.model, refused.missing) == (model, how == "missing"), (
+                text[-800:]
+            )
+            assert TOKEN[:-1] not in text
+    after, _ = client.infer(tokens, lengths, pl).result()
+    np.testing.assert_array_equal(after, before)
+    info = raw_info(url)
+    assert info.critic_step == held and held + 1 not in info.checkpoint_steps
+    log = (env["root"] / "log" / "server.log").read_text()
+    assert "critic-unauthorized" in log and TOKEN[:-1] not in log
+
+
+def _bad_requests(tokens, lengths, pl, returns, old_values, mask):
+    """(model, inputs, field or message) for every way a request can break the contract."""
+
+    def col(a):
+        return np.asarray(a, np.int64).reshape(-1, 1)
+
+    step = np.array([[10_000]], np.int64)
+
+    def infer(**kw):
+        return {"tokens": tokens, "lengths": col(lengths), "prompt_lengths": col(pl), **kw}
+
+    def train(**kw):
+        return {
+            "tokens": tokens,
+            "lengths": col(lengths),
+            "returns": returns,
+            "old_values": old_values,
+            "mask": mask,
+            "step": step,
+            "expected_step": np.array([[9_999]], np.int64),
+            "run_token": P.run_token_array(TOKEN),
+            **kw,
+        }
+
+    big = np.concatenate([tokens] * 6)  # 18 rows > MAX_BATCH
+    nan = returns.copy()
+    nan[0, -1] = np.nan
+    half = mask.copy()
+    half[mask == 1] = 0.5
+    empty_row = mask.copy()
+    empty_row[1] = 0
+    return [
+        (P.INFER, infer(tokens=tokens.astype(np.int32)), "tokens"),
+        (P.INFER, infer(tokens=tokens.astype(np.float32)), "tokens"),
+        (P.INFER, infer(tokens=tokens[:, :, None]), "tokens"),
+        (P.INFER, infer(tokens=tokens + TOK.vocab_size), "tokens"),
+        (P.INFER, infer(tokens=-tokens - 1), "tokens"),
+        # Triton rejects an over-long batch of a batched model itself, before any Python runs.
+        (
+            P.INFER,
+            infer(tokens=big, lengths=col(np.tile(lengths, 6)), prompt_lengths=col(np.tile(pl, 6))),
+            f"batch-size must be <= {MAX_BATCH}",
+        ),
+        (P.INFER, infer(lengths=col(np.ones_like(lengths))), "lengths"),
+        (P.INFER, infer(lengths=col(lengths + tokens.shape[1])), "lengths"),
+        (P.INFER, infer(prompt_lengths=col(np.zeros_like(pl))), "prompt_lengths"),
+        (P.INFER, infer(prompt_lengths=col(lengths)), "prompt_lengths"),
+        (P.TRAIN, train(returns=nan), "returns"),
+        (P.TRAIN, train(old_values=np.full_like(old_values, np.inf)), "old_values"),
+        (P.TRAIN, train(mask=half), "mask"),
+        (P.TRAIN, train(mask=empty_row), "mask"),
+        (P.TRAIN, train(step=np.array([[-1]], np.int64)), "step"),
+        (P.TRAIN, train(step=np.array([[1, 2]], np.int64)), "step"),
+        # PyTriton 0.7 cannot carry a zero-size array into Python at all: it fails in its own
+        # deserialisation ("cannot cast view with zeros in shape"), so the message is PyTriton's.
+        (
+            P.TRAIN,
+            train(
+                tokens=tokens[:0],
+                lengths=col(lengths[:0]),
+                returns=returns[:0],
+                old_values=old_values[:0],
+                mask=mask[:0],
+            ),
+            None,
+        ),
+        (
+            P.TRAIN,
+            train(
+                tokens=big,
+                lengths=col(np.tile(lengths, 6)),
+                returns=np.tile(returns, (6, 1)),
+                old_values=np.tile(old_values, (6, 1)),
+                mask=np.tile(mask, (6, 1)),
+            ),
+            "tokens",
+        ),
+        (P.TRAIN, train(tokens=tokens + 100), "tokens"),
+        (P.TRAIN, train(lengths=col(lengths + 100)), "lengths"),
+        (P.TRAIN, train(expected_step=np.array([[-2]], np.int64)), "expected_step"),
+        # The contract is checked before the token: a malformed request without one is malformed.
+        (P.TRAIN, train(mask=half, run_token=P.run_token_array(None)), "mask"),
+        # Triton itself rejects a request without the inputs of protocol 2.
+        (P.TRAIN, {k: v for k, v in train().items() if k not in ("expected_step", "run_token")}, None),
+        (P.SAVE, P.save_inputs(0, 0, TOKEN) | {"step": np.array([[-3]], np.int64)}, "step"),
+        (P.SAVE, P.save_inputs(0, 0, TOKEN) | {"expected_step": np.array([[-7]], np.int64)}, "expected_step"),
+        (P.LOAD, P.load_inputs(0, TOKEN) | {"step": np.array([[-3]], np.int64)}, "step"),
+        (P.LOAD, P.load_inputs(123456, TOKEN), "step"),
+    ]
+
+
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
+def test_bad_requests_get_an_error_naming_the_field_and_change_nothing(env, client, scheme):
+    url = env["server"].url if scheme == "grpc" else env["server"].http_url
+    tokens, lengths, pl, *_ = digit_batch(TOK, 3, seed=3)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=3)
+    before, rewards_before = client.infer(tokens, lengths, pl).result()
+    step_before = client.info()["critic_step"]
+    for model, inputs, field in _bad_requests(tokens, lengths, pl, returns, old_values, mask):
+        text = raw_error(url, model, inputs)
+        if field is not None:
+            needle = field if " " in field else f"'{field}'"
+            assert needle in text, (model, field, text[-600:])
+    # The server is up, answers correctly, and applied nothing.
+    after, rewards_after = client.infer(tokens, lengths, pl).result()
+    np.testing.assert_array_equal(after, before)
+    np.testing.assert_array_equal(rewards_after, rewards_before)
+    assert client.info()["critic_step"] == step_before
+    good = raw_infer(
+        url,
+        P.INFER,
+        {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)},
+    )
+    np.testing.assert_allclose(good["values"], before, rtol=0, atol=1e-6)
+
+
+def test_client_validates_before_sending(client):
+    tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=4)
+    with pytest.raises(P.ProtocolError, match="field 'prompt_lengths'"):
+        client.infer(tokens, lengths, lengths)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1])
+    with pytest.raises(P.ProtocolError, match="field 'mask'"):
+        client.train(tokens, lengths, returns, old_values, mask * 2, 1)
+
+
+def test_concurrent_threads_each_get_their_own_rows(env, client):
+    batches = [digit_batch(TOK, 3, seed=100 + i, pad_to=12) for i in range(8)]
+    expected = [client.infer(t, n, p).result() for t, n, p, *_ in batches]  # one at a time
+    results: dict[int, tuple] = {}
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        t, n, p, *_ = batches[i]
+        barrier.wait()
+        results[i] = client.infer(t, n, p).result()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in range(8):
+        np.testing.assert_allclose(results[i][0], expected[i][0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(results[i][1], expected[i][1], rtol=0, atol=1e-5)
+    # Different samples really got different answers (rows were not swapped or shared).
+    assert len({results[i][1].tobytes() for i in range(8)}) == 8
+
+
+def test_a_bad_request_merged_with_good_ones_fails_alone(env, client):
+    """With a queue delay the batcher merges concurrent requests; the valid ones still succeed
+    (the client retries what PyTriton could only fail as a whole), the bad one gets its error."""
+    batches = [digit_batch(TOK, 2, seed=200 + i, pad_to=10) for i in range(6)]
+    expected = [client.infer(t, n, p).result() for t, n, p, *_ in batches]
+    bad_tokens, bad_lengths, bad_pl, *_ = batches[0]
+    errors: list[str] = []
+    barrier = threading.Barrier(7)
+
+    def bad():
+        barrier.wait()
+        errors.append(
+            raw_error(
+                env["server"].url,
+                P.INFER,
+                {
+                    "tokens": bad_tokens + 50,
+                    "lengths": bad_lengths.reshape(-1, 1),
+                    "prompt_lengths": bad_pl.reshape(-1, 1),
+                },
+            )
+        )
+
+    futures: dict[int, object] = {}
+
+    def good(i):
+        t, n, p, *_ = batches[i]
+        barrier.wait()
+        futures[i] = client.infer(t, n, p)
+
+    threads = [threading.Thread(target=bad)] + [threading.Thread(target=good, args=(i,)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in range(6):
+        values, rewards = futures[i].result()
+        np.testing.assert_allclose(values, expected[i][0], rtol=0, atol=1e-5)
+    assert len(errors) == 1 and "field 'tokens'" in errors[0]
+
+
+def _concurrently(fns: list) -> list:
+    """Run each function in its own thread, released together; their results (or exceptions)."""
+    results: list = [None] * len(fns)
+    barrier = threading.Barrier(len(fns))
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = fns[i]()
+        except Exception as e:  # the test looks at what each client got
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results
+
+
+def test_one_clients_bad_sample_fails_only_that_client(env):
+    """Concurrent clients, one of them with a sample the reward function fails on (it raises, or
+    answers NaN): that client gets an error naming the reward function and the sample's index in
+    its request; the others get what they get alone, merged or not."""
+    url = env["server"].url
+
+    def inputs(prompts, responses):
+        tokens, lengths, pl = encode_samples(TOK, prompts, responses, pad_to=10)
+        return {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)}
+
+    good = [inputs([f"{i}{i + 1}:", "35:"], [f"{i}{i + 1}", "53"]) for i in range(3)]
+    alone = [raw_infer(url, P.INFER, g) for g in good]
+    bad = {
+        "raises": (inputs(["12:", "34", "5:"], ["12", "34", "5"]), 1, "ValueError: prompt '34' has no ':'"),
+        "nan": (inputs(["9:"], [","]), 0, "its score is nan"),
+    }
+    merged = 0
+    for what, (bad_inputs, sample, words) in bad.items():
+        for _ in range(4):  # until the batcher merged the bad request with good ones at least once
+            got = _concurrently(
+                [lambda g=g: raw_infer(url, P.INFER, g) for g in good]
+                + [lambda b=bad_inputs: raw_infer(url, P.INFER, b)]
+            )
+            for g, want in zip(got[:-1], alone):
+                assert not isinstance(g, Exception), g
+                # A merged forward rounds differently in the last bits (see the env fixture).
+                np.testing.assert_allclose(g["values"], want["values"], rtol=0, atol=1e-5)
+                np.testing.assert_allclose(g["rewards"], want["rewards"], rtol=0, atol=1e-5)
+                assert set(g["error"].ravel()) == {b""}
+            prefix = f"reward function {REWARD_FN!r} failed on sample {sample} of the request: "
+            if isinstance(got[-1], Exception):  # served alone: its own Triton error
+                text = str(got[-1])
+                assert prefix in text and words in text, (what, text[-800:])
+            else:  # merged with the others: no values, its error in its error output
+                merged += 1
+                assert got[-1]["values"] is None and got[-1]["rewards"] is None
+                errors = {e.decode() for e in got[-1]["error"].ravel()}
+                assert len(errors) == 1 and errors.pop().startswith(prefix + words), (what, errors)
+                break
+    assert merged, "the batcher never merged the bad request with the good ones"
+    # Alone it fails the same way.
+    text = raw_error(url, P.INFER, bad["raises"][0])
+    assert f"reward function {REWARD_FN!r} failed on sample 1 of the request" in text
+
+
+def test_save_train_load_restores_the_saved_values(env, client):
+    tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=5)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=5)
+    url = env["server"].url
+    k = _next_step(env)
+    _train(env, tokens, lengths, returns, old_values, mask, k)
+    raw_save(url, k, k, TOKEN)
+    at_k, _ = client.infer(tokens, lengths, pl).result()
+    for step in (k + 1, k + 2):
+        _train(env, tokens, lengths, returns, old_values, mask, step)
+    later, _ = client.infer(tokens, lengths, pl).result()
+    assert not np.allclose(later, at_k)
+    raw_load(url, k, TOKEN)
+    restored, _ = client.infer(tokens, lengths, pl).result()
+    np.testing.assert_array_equal(restored, at_k)
+    info = raw_info(url)
+    assert info.critic_step == P.critic_step_after_load(k) == k and info.last_saved_step == k
+    assert (env["root"] / "ckpt" / f"step_{k:08d}" / "critic" / "complete.json").is_file()
+    # The next train expects the loaded step.
+    assert _train(env, tokens, lengths, returns, old_values, mask, k + 1, k)["applied_step"] == k + 1

@@ -12,7 +12,11 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Problems"]
+__all__ = ["ConfigError", "Problems"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names every offending field."""
 
 
 class Problems(list[str]):

@@ -26,7 +26,7 @@ How to use it (the actor's trainer and the critic service do exactly this)::
     opt.zero_grad()                                  # model grads and master grads
     for micro in micro_batches:
         loss = ...                                   # losses, logprobs, KL in fp32: the model
-        (loss / n_micro).backward()                  # helpers in aligner.models.gpt return fp32
+        (loss / n_micro).backward()                  # helpers in aligner.models.forward return fp32
     opt.allreduce_grads(dp_group, dp_size)           # DP mean of the fp32 master grads
     norm = opt.clip_grad_norm(max_norm, tp_group, tp_size, tp_rank)   # fp32, TP-aware
     stepped = opt.step()                             # False (nothing applied) if norm was not finite
@@ -80,6 +80,7 @@ import torch
 from torch import nn
 
 from aligner.checkpoint import CheckpointError, optimizer_from_safe, optimizer_to_safe
+from aligner.models.gpt import load_state_dict_strict, tensor_state_dict
 from aligner.optim import allreduce_gradients, clip_grad_norm
 
 __all__ = [
@@ -408,8 +409,6 @@ def master_state_dict(model: nn.Module, optimizer: MixedPrecisionAdamW | None) -
     """The model's tensors by name (as :func:`aligner.models.gpt.tensor_state_dict`), with each
     trained weight replaced by its fp32 master: what a checkpoint of a bf16 model should hold.
     Loadable into a model of either precision (loading casts)."""
-    from aligner.models.gpt import tensor_state_dict
-
     out = tensor_state_dict(model)
     if optimizer is None:
         return out
@@ -430,8 +429,6 @@ def load_master_state_dict(
     names and shapes checked) and its values, unrounded, into the optimizer's masters. Call it
     after :meth:`MixedPrecisionAdamW.load_state_tensors`; with state written before masters were
     saved (an fp32 checkpoint resumed in bf16) this is what keeps the fp32 weights exact."""
-    from aligner.models.gpt import load_state_dict_strict
-
     load_state_dict_strict(model, state, what=what)
     if optimizer is None:
         return

@@ -96,7 +96,7 @@ def _no_cache_tokens_per_s(cfg, batch: int) -> float:
     """The same sampling done by full recompute at every step (the reference decoder)."""
     from aligner import distributed
     from aligner.generation.engine import SamplingParams
-    from aligner.generation.native import generate_no_cache
+    from aligner.generation.no_cache import generate_no_cache
     from aligner.models import gpt
     from aligner.tasks import get_task
     from aligner.tokenizers import build_tokenizer

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     from aligner.actor.config import ActorConfig
     from aligner.actor.logprobs import PolicyLogprobs
     from aligner.actor.prompts import PromptSampler
-    from aligner.models import gpt
+    from aligner.models import forward, gpt
     from aligner.tasks import get_task
     from aligner.tokenizers import CharTokenizer
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     state = distributed.initialize(distributed.ParallelConfig(), seed=1)
     cfg, tok = ActorConfig(), CharTokenizer()
     model = gpt.build_policy(cfg.model)
-    gpt.set_forward(model, "auto")
+    forward.set_forward(model, "auto")
     prompts = [get_task("copy", 1 + i % 6).prompts(1, seed=i)[0] for i in range(4000)]
     lengths = [len(tok.encode(p)) for p in prompts]
     lp = PolicyLogprobs.for_actor(cfg, state, tok)

@@ -39,7 +39,7 @@ from aligner.critic.config import build_config  # noqa: E402
 from aligner.critic.launch import start_server  # noqa: E402
 from aligner.critic.service import CriticService  # noqa: E402
 from aligner.distributed import ParallelConfig, destroy, initialize  # noqa: E402
-from aligner.models.gpt import token_values  # noqa: E402
+from aligner.models.forward import token_values  # noqa: E402
 from aligner.tokenizers import build_tokenizer  # noqa: E402
 from aligner.wire.client import RemoteCriticClient  # noqa: E402
 

@@ -53,7 +53,7 @@ def tp_worker(
     from safetensors.torch import save_file
 
     from aligner import distributed
-    from aligner.models import checkpoint_io, gpt, hf, hf_config
+    from aligner.models import checkpoint_io, forward, hf, hf_config
 
     state = _setup(rank, world_size, port, tp=2, pp=1)
     out = Path(out_dir)
@@ -62,7 +62,7 @@ def tp_worker(
         model, cfg = hf.import_hf(hf_dir, make_vocab_size_divisible_by=8)
         model.eval()
         with torch.no_grad():
-            local = gpt.policy_logits(model, tok)  # [b, s, padded_vocab / 2]
+            local = forward.policy_logits(model, tok)  # [b, s, padded_vocab / 2]
         assert local.shape[-1] == cfg.padded_vocab_size(2) // 2, local.shape
         parts = [torch.empty_like(local) for _ in range(state.tp_size)]
         dist.all_gather(parts, local.contiguous(), group=state.tp_group)
@@ -74,7 +74,7 @@ def tp_worker(
         rm.eval()
         lengths = torch.tensor([len(t) for t in tokens])
         with torch.no_grad():
-            scores = gpt.sequence_scores(rm, tok, lengths)
+            scores = forward.sequence_scores(rm, tok, lengths)
         hf.export_hf(rm, rm_cfg, out / "rm_tp2", "llama", hf_config=rm_dir)
         results = {"logits": full.contiguous(), "scores": scores.contiguous()}
         for name, folder in (more or {}).items():
@@ -83,12 +83,12 @@ def tp_worker(
             m, m_cfg = hf.import_hf(folder, role, make_vocab_size_divisible_by=8)
             m.eval()
             for mode in ("megatron", "fused"):
-                assert gpt.set_forward(m, mode, tensor_parallel_size=2) == (mode, None), (name, mode)
+                assert forward.set_forward(m, mode, tensor_parallel_size=2) == (mode, None), (name, mode)
                 with torch.no_grad():
                     if role == "reward":
-                        got = gpt.sequence_scores(m, tok, lengths)
+                        got = forward.sequence_scores(m, tok, lengths)
                     else:
-                        got = gpt.policy_logits(m, tok)
+                        got = forward.policy_logits(m, tok)
                         parts = [torch.empty_like(got) for _ in range(state.tp_size)]
                         dist.all_gather(parts, got.contiguous(), group=state.tp_group)
                         got = torch.cat(parts, dim=-1)[..., : m_cfg.vocab_size]
@@ -123,9 +123,9 @@ def _qk_norm_grads(model, cfg, tok, state, prefix: str) -> dict:
     w = F.pad(w, (0, cfg.padded_vocab_size(state.tp_size) - cfg.vocab_size))
     w = w.chunk(state.tp_size, dim=-1)[dist.get_rank(state.tp_group)]
     model.zero_grad(set_to_none=True)
-    from aligner.models import gpt
+    from aligner.models import forward
 
-    (gpt.policy_logits(model, tok) * w).sum().backward()
+    (forward.policy_logits(model, tok) * w).sum().backward()
     out = {}
     for name, p in model.named_parameters():
         if "_layernorm." in name and ("q_layernorm" in name or "k_layernorm" in name):
@@ -150,7 +150,7 @@ def pp_worker(
     from safetensors.torch import save_file
 
     from aligner import distributed
-    from aligner.models import checkpoint_io, gpt, hf
+    from aligner.models import checkpoint_io, forward, gpt, hf
 
     state = _setup(rank, world_size, port, tp=1, pp=2)
     out = Path(out_dir)
@@ -169,7 +169,7 @@ def pp_worker(
                 hidden = torch.empty(s, b, cfg.hidden_size)
                 dist.recv(hidden, src=dist.get_global_rank(state.pp_group, 0))
                 model.set_input_tensor(hidden)
-                logits = gpt.policy_logits(model, tok)
+                logits = forward.policy_logits(model, tok)
         hf.export_hf(model, cfg, out / "hf_pp2", "LlamaForCausalLM")
         checkpoint_io.save_model_checkpoint(model, cfg, out / "ckpt_pp2", "policy")
         if state.is_last_stage:

@@ -134,7 +134,7 @@ def stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from safetensors.torch import save_file
 
     from aligner import distributed
-    from aligner.models import gpt, hf
+    from aligner.models import forward, hf
 
     out = Path(out_dir)
     cfgs = stream_cfgs()
@@ -147,7 +147,7 @@ def stream_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             expected[name] = [(k, v.clone()) for k, v in hf.iter_hf_tensors(model, cfg, name)]
             if name == "llama" and rank == 0:
                 with torch.no_grad():
-                    logits = gpt.policy_logits(model, torch.tensor(TOKENS))[..., : cfg.vocab_size]
+                    logits = forward.policy_logits(model, torch.tensor(TOKENS))[..., : cfg.vocab_size]
                 save_file({"logits": logits.contiguous()}, str(out / "tp1_logits.safetensors"))
         refs = _references(cfgs["llama"], weights["llama"])
         _layout(1, 1)
@@ -182,24 +182,24 @@ def _lora_case(cfg, weights: dict, ref: dict | None = None, where=(1, 1)) -> dic
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from aligner.models import gpt, lora
+    from aligner.models import forward, lora, lora_io
     from aligner.models.layout import iter_megatron_tensors
 
     lcfg = lora.LoraConfig(rank=4, alpha=8.0)
     model = _policy(cfg, weights)
     lora.apply_lora(model, lcfg, seed=3)
-    out = {"init": {k: v.clone() for k, v in lora.iter_lora_tensors(model)}}
+    out = {"init": {k: v.clone() for k, v in lora_io.iter_lora_tensors(model)}}
     g = torch.Generator().manual_seed(17)
-    full = {s.name: 0.1 * torch.randn(s.shape, generator=g) for s in lora.lora_tensor_specs(cfg, lcfg)}
-    lora.load_lora_tensors(model, full.__getitem__)
+    full = {s.name: 0.1 * torch.randn(s.shape, generator=g) for s in lora_io.lora_tensor_specs(cfg, lcfg)}
+    lora_io.load_lora_tensors(model, full.__getitem__)
     out["stream"] = {k: v.clone() for k, v in iter_megatron_tensors(model, cfg)}
     tp = mpu.get_tensor_model_parallel_world_size()
     if where[1] == 1:
         tokens = torch.tensor(TOKENS)
         for mode in ("megatron", "fused"):
-            gpt.set_forward(model, mode, tp)
+            forward.set_forward(model, mode, tp)
             model.zero_grad(set_to_none=True)
-            logits = gpt.policy_logits(model, tokens)  # this rank's vocabulary shard
+            logits = forward.policy_logits(model, tokens)  # this rank's vocabulary shard
             v = logits.shape[-1]
             col = torch.arange(v) + mpu.get_tensor_model_parallel_rank() * v  # global vocabulary ids
             w = (
@@ -213,7 +213,7 @@ def _lora_case(cfg, weights: dict, ref: dict | None = None, where=(1, 1)) -> dic
             grads = {n: p.grad for n, p in lora.lora_parameters(model).items()}
             out[mode] = (
                 torch.cat(parts, -1)[..., : cfg.vocab_size],
-                {k: t.clone() for k, t in lora.iter_lora_tensors(model, values=grads)},
+                {k: t.clone() for k, t in lora_io.iter_lora_tensors(model, values=grads)},
             )
     if ref is None:
         return out

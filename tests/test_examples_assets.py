@@ -265,7 +265,7 @@ def test_prepare_imdb_from_a_local_file(sentiment, tmp_path):
 def server_import(monkeypatch):
     """Load a reward function as the critic server does (``reward.python_path`` + ``reward.fn``),
     leaving sys.path and the examples' shared module name ``reward`` as they were."""
-    from aligner.critic.rewards import load_reward_fn
+    from aligner.critic.reward_fn import load_reward_fn
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "reward", raising=False)

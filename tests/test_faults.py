@@ -309,7 +309,8 @@ def test_server_checkpoint_write_on_a_full_disk_fails_cleanly_and_keeps_the_earl
     shared, reference, capsys
 ):
     from aligner.critic.testing import digit_batch, train_arrays
-    from aligner.wire.client import CriticServerError, RemoteCriticClient
+    from aligner.wire.client import RemoteCriticClient
+    from aligner.wire.errors import CriticServerError
 
     tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=7, num_digits=3)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=7)
@@ -361,7 +362,8 @@ def test_server_checkpoint_write_on_a_full_disk_fails_cleanly_and_keeps_the_earl
 
 def test_a_reward_function_raising_on_one_request_of_a_merged_batch_fails_that_request_alone(shared, capsys):
     from aligner.tasks.digits import copy_reward
-    from aligner.wire.client import CriticServerError, RemoteCriticClient
+    from aligner.wire.client import RemoteCriticClient
+    from aligner.wire.errors import CriticServerError
 
     s = 12  # one padded length: the batcher merges only requests of the same shape
     good = [(["123:", "456:"], ["123", "45"]), (["789:"], ["789"]), (["012:", "345:"], ["0", "345"])]

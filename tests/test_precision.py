@@ -21,15 +21,13 @@ from aligner.critic.service import CriticService
 from aligner.critic.testing import digit_batch, tiny_config, train_arrays
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.models.config import ModelConfig
+from aligner.models.forward import policy_logits, sequence_scores, token_values
 from aligner.models.gpt import (
     build_critic,
     build_policy,
     build_reward_model,
     load_state_dict_strict,
-    policy_logits,
-    sequence_scores,
     tensor_state_dict,
-    token_values,
 )
 from aligner.precision import (
     load_master_state_dict,

@@ -35,9 +35,9 @@ import yaml
 from _examples import load
 from hydra.errors import ConfigCompositionException
 
+from aligner.config_checks import ConfigError
 from aligner.critic import launch
 from aligner.critic import wait as wait_cli
-from aligner.models.config import ConfigError
 from aligner.wire import client as critic_client
 from aligner.wire import protocol as P
 from aligner.wire import readiness

@@ -8,7 +8,7 @@ Layout under the run's checkpoint root (shared with the critic server when both 
                                     read it)
         policy_lora/                instead of policy/ when the policy has LoRA adapters (``lora.rank``
                                     > 0): the adapters alone, fp32, at their full shapes (adapter.safetensors
-                                    + adapter.json, :func:`aligner.models.lora.save_lora_adapter`) and the
+                                    + adapter.json, :func:`aligner.models.lora_io.save_lora_adapter`) and the
                                     frozen base weights' fingerprint; a resume needs the same base
         optim_tp00_pp00.safetensors fp32 masters and AdamW moments of model-parallel rank (0, 0)
                                     (+ optim_tp00_pp00.json), shared by its data-parallel replicas
@@ -42,9 +42,9 @@ into a run with a critic ('gae'), nor the other way round.
 
 A timeout or a restarted server met during the critic's save raises before the actor writes
 anything of that step: its previous checkpoints stay as they were and the step is not
-committed. After a server restart (``critic.on_restart=resume``), :meth:`ActorCheckpointer.rollback_dir`
-names the newest step both roles still hold, and :meth:`ActorCheckpointer.load` restores it
-in-process, as it does at start-up.
+committed. Which step to resume from, at start-up or after a server restart
+(``critic.on_restart=resume``), is decided in :mod:`aligner.actor.resume`;
+:meth:`ActorCheckpointer.load` restores it (in-process after a restart, as at start-up).
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.actor.config import ActorConfig, PolicyOptimConfig
-from aligner.actor.critic_link import server_mode_problem
 from aligner.checkpoint import (
-    COMPLETE_MARKER,
     CheckpointError,
     commit_directory,
     complete_steps,
@@ -81,12 +79,15 @@ from aligner.checkpoint import (
     write_json,
 )
 from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
+from aligner.models.checkpoint_io import load_model_checkpoint, save_model_checkpoint
 from aligner.models.config import ModelConfig
-from aligner.models.lora import LoraConfig, load_lora_adapter, lora_config_of, save_lora_adapter
+from aligner.models.gpt import tensor_state_dict
+from aligner.models.lora import LoraConfig, lora_config_of
+from aligner.models.lora_io import load_lora_adapter, save_lora_adapter
 from aligner.precision import MixedPrecisionAdamW
+from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.tokenizers import Tokenizer
 from aligner.wire.handle import CriticHandle, CriticRestartedError
-from aligner.wire.protocol import ServerInfo
 
 __all__ = [
     "ROLE",
@@ -158,8 +159,6 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
     """A digest of a model's weights (summed over its TP shards, joined over its pipeline
     stages), to recognise the same frozen reference model on resume without storing it.
     Collective over the TP and PP groups."""
-    from aligner.models.gpt import tensor_state_dict
-
     h = hashlib.sha256()
     for name, t in sorted(tensor_state_dict(model).items()):
         t = t.detach().to("cpu", torch.float64)
@@ -233,8 +232,6 @@ def config_differences(
 
 
 def _critic_free(advantage: str) -> bool:
-    from aligner.rl import CRITIC_FREE_ESTIMATORS
-
     return advantage in CRITIC_FREE_ESTIMATORS
 
 
@@ -268,127 +265,11 @@ class ActorCheckpointer:
             except CheckpointError:
                 self.best = None
 
-    def _say(self, msg: str) -> None:
+    def say(self, msg: str) -> None:
+        """``msg`` to the log, and to the console on rank 0."""
         log.info(msg)
         if self.print_fn is not None:
             self.print_fn(msg, flush=True)
-
-    # -- which step to resume ---------------------------------------------------------------------
-
-    def resolve_resume(self) -> Path | None:
-        """The actor step folder to resume from, or None for a fresh start, per
-        ``checkpoint.resume``; resets the server's critic to step 0 for a fresh start when it has
-        trained. Call on every rank (rank 0 asks the server and decides; the rest follow)."""
-        decision: list[Any] = [None, None]
-        if self.state.rank == 0:
-            try:
-                decision = [self._decide(), None]
-            except Exception as e:  # every rank raises, not only rank 0
-                decision = [None, f"{type(e).__name__}: {e}"]
-        path, error = broadcast_json(decision)
-        if error is not None:
-            raise CheckpointError(error)
-        return None if path is None else Path(path)
-
-    def _decide(self) -> str | None:
-        mode = self.cfg.checkpoint.resume
-        info = self.critic.server_info()
-        problem = server_mode_problem(self.cfg.ppo.advantage, info, self.critic.url)
-        if problem is not None:
-            raise CheckpointError(problem)
-        server_steps = sorted(int(s) for s in info.checkpoint_steps)
-        if self.critic_free:
-            return self._decide_critic_free(mode)
-        if mode == "none":
-            mine = complete_steps(self.root, role=ROLE)
-            if mine:
-                raise CheckpointError(
-                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
-                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
-                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
-                )
-            self._reset_critic(info, server_steps, "checkpoint.resume=none")
-            return None
-        if mode == "auto":
-            mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
-            common = sorted(set(mine) & set(server_steps))
-            if not mine:
-                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
-                self._reset_critic(info, server_steps, "a fresh start")
-                return None
-            if not common:
-                raise CheckpointError(
-                    f"resume=auto: actor checkpoints under {self.root} are at steps {mine}, but the critic "
-                    f"server at {self.critic.url} has critic checkpoints at {server_steps or 'no steps'}; "
-                    "no step is complete for both roles. Point the server's checkpoint.dir at this run's "
-                    "checkpoints, resume from a folder with checkpoint.resume=PATH, or start over with "
-                    "checkpoint.resume=none"
-                )
-            step = common[-1]
-            path = self.root / step_dir_name(step)
-            skipped = [s for s in mine if s > step]
-            note = f" (newer actor steps {skipped} have no critic checkpoint)" if skipped else ""
-            self._say(f"resume=auto: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
-            return str(path)
-        step_dir = self._named_step_dir(mode)
-        step = int(read_json(step_dir / ROLE / "trainer_state.json")["trainer"]["step"])
-        if step not in server_steps:
-            raise CheckpointError(
-                f"checkpoint.resume={mode!r} is step {step}, but the critic server at {self.critic.url} has "
-                f"critic checkpoints at {server_steps or 'no steps'} only"
-            )
-        self._say(f"resuming from step {step}: {step_dir / ROLE}, critic step {step}")
-        return str(step_dir)
-
-    @staticmethod
-    def _named_step_dir(mode: str) -> Path:
-        """The step folder ``checkpoint.resume`` names (the step's folder or its actor folder),
-        after checking it holds a complete actor checkpoint."""
-        path = Path(mode)
-        step_dir = path.parent if path.name == ROLE else path
-        if not (step_dir / ROLE / COMPLETE_MARKER).is_file():
-            raise CheckpointError(
-                f"checkpoint.resume={mode!r}: {step_dir / ROLE} is not a complete actor checkpoint "
-                f"(no {COMPLETE_MARKER}); complete steps under {step_dir.parent}: "
-                f"{complete_steps(step_dir.parent, role=ROLE)}"
-            )
-        return step_dir
-
-    def _decide_critic_free(self, mode: str) -> str | None:
-        """:meth:`_decide` for a critic-free run: the actor's checkpoints alone decide."""
-        mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
-        if mode == "none":
-            if mine:
-                raise CheckpointError(
-                    f"checkpoint.resume=none, but {self.root} already holds this role's checkpoints of a run "
-                    f"(steps {mine}); a fresh run would mix with them. Continue that run with "
-                    "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
-                )
-            return None
-        if mode == "auto":
-            if not mine:
-                self._say(f"resume=auto: no actor checkpoint under {self.root}; starting fresh")
-                return None
-            path = self.root / step_dir_name(mine[-1])
-            self._say(
-                f"resume=auto: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)"
-            )
-            return str(path)
-        step_dir = self._named_step_dir(mode)
-        self._say(f"resuming from {step_dir / ROLE} (critic-free: no server state)")
-        return str(step_dir)
-
-    def _reset_critic(self, info: ServerInfo, server_steps: list[int], why: str) -> None:
-        if info.critic_step < 1:
-            return
-        if 0 not in server_steps:
-            raise CheckpointError(
-                f"{why}, but the critic server at {self.critic.url} has already applied training step "
-                f"{info.critic_step} and holds no step-0 checkpoint to reset to (checkpoint.save_initial "
-                "was off); start a fresh server, or resume the run that trained it"
-            )
-        self.critic.load(0)
-        self._say(f"{why}: reset the critic server to its initial state (its step-0 checkpoint)")
 
     # -- save --------------------------------------------------------------------------------------
 
@@ -410,7 +291,7 @@ class ActorCheckpointer:
             self.save(actor_state())
         if new_best and self.state.rank == 0:
             self._write_best()
-            self._say(
+            self.say(
                 f"new best validation score {self.best['val/scores']:.4f} at step {step}: {self.root / 'best'}"
             )
 
@@ -430,8 +311,6 @@ class ActorCheckpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that was killed
             tmp.mkdir(parents=True)
         barrier()
-        from aligner.models.checkpoint_io import save_model_checkpoint
-
         if lora_config_of(state.policy) is not None:
             # LoRA: the adapters (their fp32 masters) and the digest of the frozen base they adapt.
             base = weights_fingerprint(state.policy, st)
@@ -456,7 +335,7 @@ class ActorCheckpointer:
         fault_point("after_commit", step)
         if st.rank == 0:
             self._prune()
-        self._say(f"saved checkpoint step {step}: {final}")
+        self.say(f"saved checkpoint step {step}: {final}")
         return final
 
     def _optim_file(self, suffix: str = ".safetensors") -> str:
@@ -564,8 +443,6 @@ class ActorCheckpointer:
         if problems:
             raise CheckpointError(f"cannot resume from {d}: optimizer state: " + "; ".join(problems))
 
-        from aligner.models.checkpoint_io import load_model_checkpoint
-
         if lora:
             load_lora_adapter(state.policy, d / LORA_DIR)
         else:
@@ -575,7 +452,7 @@ class ActorCheckpointer:
         if rng is not None:
             restore_rng_state(rng)
         else:
-            self._say(
+            self.say(
                 f"the checkpoint was made with {saved['world_size']} rank(s) (DP={saved['data_parallel_size']}), "
                 f"this run has {st.world_size} (DP={st.dp_size}): random states are not restored"
             )
@@ -583,7 +460,7 @@ class ActorCheckpointer:
         if st.rank == 0:
             later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
             if later:
-                self._say(
+                self.say(
                     f"actor checkpoints after step {step} ({later}) belong to the abandoned continuation of "
                     "this run; they are removed at the next save"
                 )
@@ -593,42 +470,6 @@ class ActorCheckpointer:
             self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
         self.last_saved = step
         return saved["trainer"]
-
-    # -- a restarted server ------------------------------------------------------------------------
-
-    def rollback_dir(self, error: CriticRestartedError) -> tuple[Path, int]:
-        """The step folder to roll both roles back to after ``error``: the newest step that both
-        this run's actor checkpoints and the server's critic checkpoints (as the server lists
-        them now) hold; and the critic step the server holds now. CheckpointError naming both
-        lists when there is none. Call on every rank."""
-        decision: list[Any] = [None, None, None]
-        if self.state.rank == 0:
-            try:
-                info = self.critic.server_info()
-                server_steps = sorted(int(s) for s in info.checkpoint_steps)
-                mine = [s for s in complete_steps(self.root, role=ROLE) if s > 0]
-                common = mine if self.critic_free else sorted(set(mine) & set(server_steps))
-                if common:
-                    decision = [str(self.root / step_dir_name(common[-1])), None, info.critic_step]
-                else:
-                    decision = [
-                        None,
-                        f"cannot roll back after the critic server restarted ({error}): no step is "
-                        f"complete for both roles (actor checkpoints under {self.root}: {mine or 'none'}; "
-                        f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
-                        "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's",
-                        None,
-                    ]
-            except CriticRestartedError as e:  # restarted again: the caller counts it and retries
-                decision = [None, {"restarted": e.to_json()}, None]
-            except Exception as e:  # every rank raises, not only rank 0
-                decision = [None, f"{type(e).__name__}: {e}", None]
-        path, problem, critic_step = broadcast_json(decision)
-        if isinstance(problem, dict):
-            raise CriticRestartedError.from_json(problem["restarted"])
-        if problem is not None:
-            raise CheckpointError(problem)
-        return Path(path), int(critic_step)
 
     def _on_rank0(self, what: str, fn: Callable[[], None]) -> None:
         """``fn()`` on rank 0 (a request to the server), and its outcome on every rank: rank 0

@@ -1,279 +1,41 @@
 """Typed configuration of the actor (backs ``aligner/configs/actor.yaml``).
 
-One small dataclass per component, each field with a one-line docstring. Cross-field checks
-run once, before any model is built, and report every problem together.
+One small dataclass per component, each field with a one-line docstring; the ``data`` section's
+is :class:`~aligner.actor.datasets.DataConfig` (beside its loader), the ``generation`` section's
+:class:`~aligner.generation.config.GenerationConfig`. Cross-field checks run once, before any
+model is built, and report every problem together.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
-from aligner.config_checks import Problems
+from aligner.actor.datasets import DataConfig
+from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
-from aligner.generation.engine import DECODE_STEPS, SamplingParams, sampling_problems
-from aligner.generation.trtllm import TrtllmConfig
+from aligner.generation.config import GenerationConfig
 from aligner.metrics import WandbConfig
-from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
+from aligner.models.config import FORWARD_MODES, ModelConfig
 from aligner.models.lora import LoraConfig
 from aligner.optim import OptimConfig
-
-ENGINES = ("native", "trtllm")
-"""The generation engines ``generation.engine`` names."""
+from aligner.rl import ESTIMATORS, GROUP_ESTIMATORS
 
 __all__ = [
     "ActorConfig",
-    "DataConfig",
-    "GenerationConfig",
     "PPOConfig",
     "PolicyOptimConfig",
     "CriticClientConfig",
     "LoggingConfig",
-    "CheckpointConfig",
+    "ActorCheckpointConfig",
     "ValidationConfig",
-    "ConfigError",
     "validate_actor_config",
     "ON_RESTART",
 ]
 
 ON_RESTART = ("resume", "fail")
 """What ``critic.on_restart`` may say."""
-
-
-@dataclass
-class DataConfig:
-    """Where prompts come from: a built-in task, a JSONL prompt file, or a data set read with
-    Hugging Face ``datasets`` (:mod:`aligner.actor.datasets`)."""
-
-    task: str | None = "sort"
-    """Built-in task ('copy', 'reverse', 'sort'); ignored when dataset or prompt_file is set."""
-    num_digits: int = 6
-    """Digits per prompt for the built-in tasks."""
-    prompt_file: str | None = None
-    """A JSONL file of {"prompt": ...} lines (a data set read line by line), used instead of a
-    built-in task."""
-    dataset: str | None = None
-    """A data set used instead of a built-in task: a .json/.jsonl/.parquet/.csv file, a folder
-    of them or one written by save_to_disk, or a hub data set name."""
-    dataset_config: str | None = None
-    """The hub data set's configuration name (null: its default)."""
-    split: str = "train"
-    """The split of the training prompts, or a slice of it as datasets writes one
-    ('train[:90%]'); a single file is one split named 'train'."""
-    val_split: str | None = None
-    """Validation prompts from this split (or slice, e.g. 'test', 'train[-64:]') of the same
-    data set; null: validation.prompt_file, else the first training prompts."""
-    prompt_column: str = "prompt"
-    """The column holding each row's prompt: a string, or (with chat_template) a list of
-    {"role": ..., "content": ...} messages."""
-    extra_columns: list[str] | None = None
-    """Columns that travel with each prompt to the reward function (a JSON object per prompt);
-    null: every column but the prompt column; []: none."""
-    chat_template: bool = False
-    """Render each prompt with the tokenizer's chat template (a user turn after the optional
-    system_prompt, or the row's own messages) up to where the assistant's reply begins."""
-    system_prompt: str | None = None
-    """A system message put before each prompt (chat_template only; a row's own system message wins)."""
-    max_prompts: int | None = None
-    """Keep the first N prompts that fit the context (null: all)."""
-    num_prompts: int = 100_000
-    """Prompts drawn from a built-in task (an epoch of data)."""
-    shuffle: bool = True
-    """Reshuffle the prompts every epoch (with the run's seed)."""
-    balance_dp: bool = True
-    """Under data parallelism, deal each step's prompts to the ranks by token count (longest
-    first, snake order) so that every rank gets the same mix of lengths; false: contiguous
-    slices of the drawn order."""
-
-    def problems(self, max_new_tokens: int, max_seq_len: int, prefix: str = "data") -> Problems:
-        """Where prompts come from, and whether a built-in task's prompt and answer fit in
-        ``max_new_tokens`` and ``max_seq_len`` (a data set's too-long prompts are dropped and
-        counted when it is read)."""
-        e = Problems()
-        if self.dataset is not None or self.prompt_file is not None:
-            e += self._data_set_problems(prefix)
-            return e
-        for name in ("val_split", "dataset_config", "system_prompt", "max_prompts", "extra_columns"):
-            e.expect(
-                getattr(self, name) is None,
-                f"{prefix}.{name}",
-                getattr(self, name),
-                f"null with the built-in task (it applies to {prefix}.dataset or {prefix}.prompt_file)",
-            )
-        e.expect(
-            not self.chat_template,
-            f"{prefix}.chat_template",
-            self.chat_template,
-            f"false with the built-in task (its prompts are digits; set {prefix}.dataset for chat prompts)",
-        )
-        if self.task not in ("copy", "reverse", "sort"):
-            e.append(
-                f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.dataset "
-                f"or {prefix}.prompt_file)"
-            )
-            return e
-        prompt = self.num_digits + 1
-        if prompt + max_new_tokens > max_seq_len:
-            e.append(
-                f"prompt ({prompt} tokens) + generation.max_new_tokens ({max_new_tokens}) = "
-                f"{prompt + max_new_tokens} exceeds model.max_seq_len ({max_seq_len})"
-            )
-        if max_new_tokens < prompt:
-            e.append(
-                f"generation.max_new_tokens={max_new_tokens} cannot hold the answer to a "
-                f"{self.num_digits}-digit {self.task} task plus end-of-sequence ({prompt})"
-            )
-        return e
-
-    def _data_set_problems(self, prefix: str) -> Problems:
-        """The data set keys on their own (what the data set holds is checked when it is read)."""
-        from aligner.actor.datasets import looks_like_local_path
-
-        e = Problems()
-        if self.dataset is not None and self.prompt_file is not None:
-            e.append(
-                f"{prefix}.dataset={self.dataset!r} and {prefix}.prompt_file={self.prompt_file!r}: expected one "
-                "of them (a JSONL prompt file can be given as data.dataset)"
-            )
-        if self.prompt_file is not None:
-            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
-        d = self.dataset
-        if d is not None:
-            local = looks_like_local_path(d)
-            e.expect(
-                isinstance(d, str) and d != "" and (not local or os.path.exists(os.path.expanduser(d))),
-                f"{prefix}.dataset",
-                d,
-                "an existing .json/.jsonl/.parquet/.csv file, a data set folder, or a hub data set name",
-            )
-            e.expect(
-                self.dataset_config is None or not local,
-                f"{prefix}.dataset_config",
-                self.dataset_config,
-                f"null for a local {prefix}.dataset (it names a hub data set's configuration)",
-            )
-        elif self.dataset_config is not None:
-            e.append(
-                f"{prefix}.dataset_config={self.dataset_config!r}: expected null without {prefix}.dataset"
-            )
-        for name in ("split", "prompt_column"):
-            v = getattr(self, name)
-            e.expect(isinstance(v, str) and v.strip() != "", f"{prefix}.{name}", v, "a non-empty string")
-        v = self.val_split
-        e.expect(v is None or v.strip() != "", f"{prefix}.val_split", v, "a split name or slice, or null")
-        cols = self.extra_columns
-        e.expect(
-            cols is None or (all(isinstance(c, str) and c for c in cols) and len(set(cols)) == len(cols)),
-            f"{prefix}.extra_columns",
-            cols,
-            "a list of distinct column names, [] or null",
-        )
-        e.expect(
-            self.system_prompt is None or self.chat_template,
-            f"{prefix}.system_prompt",
-            self.system_prompt,
-            f"null without {prefix}.chat_template=true (a system message is part of a chat template)",
-        )
-        n = self.max_prompts
-        e.expect(
-            n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
-            f"{prefix}.max_prompts",
-            n,
-            "a positive integer or null",
-        )
-        return e
-
-
-@dataclass
-class GenerationConfig:
-    """How responses are sampled during rollouts."""
-
-    max_new_tokens: int = 8
-    """Longest response, end-of-sequence included."""
-    temperature: float = 1.0
-    """Sampling temperature; the training forward divides logits by the same value."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0 = off)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off)."""
-    stop_strings: list[str] = field(default_factory=list)
-    """Extra strings that end a response."""
-    num_threads: int | None = None
-    """CPU threads while generating (restored afterwards): decoding is bound by per-step overhead,
-    so a CPU actor may generate on more threads than it trains on; None keeps torch's setting.
-    When it exceeds the training threads, the cores are taken to be shared with the critic
-    server: each step waits for the server's pending critic update before generating (counted
-    in ``timers/critic_wait``)."""
-    decode_step: str = "auto"
-    """The native engine's decode step: ``auto`` (a CUDA graph on a GPU at TP=1, else eager),
-    ``eager``, ``static``, ``graph`` (CUDA), or ``compiled`` (``torch.compile``, TP=1; on a CPU
-    about 1.5x the eager step's tokens/s, after a compile of seconds per batch shape)."""
-    tensor_parallel_size: int | None = None
-    """The generation layout: tensor parallel over this many ranks, the whole model on each group
-    of them (a divisor of the actor's tensor x pipeline parallel size); null: the training TP.
-    Another size than the training TP, or pipeline-parallel training, makes the engine own a copy
-    of the weights that every refit reshards into (``aligner.generation.layout``)."""
-    dtype: str | None = None
-    """The dtype the engine generates in: 'bf16' or 'fp32' (another than the policy's makes the
-    engine own a copy of the weights); null: the policy's compute dtype."""
-    engine: str = "native"
-    """'native': the KV-cache decoder over the policy's weights or its own copy (CPU and GPU);
-    'trtllm': TensorRT-LLM's PyTorch backend, refitted from the weight stream every step (CUDA
-    and NVIDIA's container only: docs/trtllm.md)."""
-    trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
-    """The TensorRT-LLM engine's settings (read with ``engine: trtllm``)."""
-
-    def _sampling_fields(self) -> dict[str, Any]:
-        """The fields this config shares with :class:`SamplingParams`, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(SamplingParams) if hasattr(self, f.name)}
-
-    def sampling(self, **overrides: Any) -> SamplingParams:
-        """The engine's sampling parameters for these settings, with ``overrides`` (``seed``,
-        ``greedy``) on top."""
-        return SamplingParams(**{**self._sampling_fields(), **overrides})
-
-    def problems(self, prefix: str = "generation") -> Problems:
-        p = sampling_problems(self._sampling_fields(), prefix=f"{prefix}.")
-        n = self.num_threads
-        p.expect(n is None or n >= 1, f"{prefix}.num_threads", n, "an integer >= 1 or null")
-        p.expect(
-            self.decode_step in DECODE_STEPS,
-            f"{prefix}.decode_step",
-            self.decode_step,
-            f"one of {list(DECODE_STEPS)}",
-        )
-        from aligner.generation.native import ENGINE_DTYPES
-
-        p.expect(
-            self.dtype is None or self.dtype in ENGINE_DTYPES,
-            f"{prefix}.dtype",
-            self.dtype,
-            f"one of {list(ENGINE_DTYPES)}, or null for the policy's dtype",
-        )
-        p.expect(self.engine in ENGINES, f"{prefix}.engine", self.engine, f"one of {list(ENGINES)}")
-        if self.engine == "trtllm":
-            p += self.trtllm.problems(f"{prefix}.trtllm")
-        return p
-
-    def layout_problems(
-        self, parallel: ParallelConfig, model: ModelConfig | None = None, prefix: str = "generation"
-    ) -> Problems:
-        """What is wrong with ``tensor_parallel_size`` for an actor laid out as ``parallel``
-        (it must divide TP x PP) and, when given, for ``model`` (its heads, query groups and MLP
-        width must divide by it)."""
-        from aligner.generation.layout import generation_tp_problems
-
-        return Problems(
-            generation_tp_problems(
-                self.tensor_parallel_size,
-                parallel.tensor_model_parallel_size,
-                parallel.pipeline_model_parallel_size,
-                model,
-                key=f"{prefix}.tensor_parallel_size",
-            )
-        )
 
 
 @dataclass
@@ -460,8 +222,6 @@ class PPOConfig:
 
     def _estimator_problems(self, prefix: str, max_new_tokens: int | None) -> Problems:
         """The advantage estimator, its groups, the overlong settings and the critic warm-up."""
-        from aligner.rl import ESTIMATORS, GROUP_ESTIMATORS
-
         e = Problems()
         n, adv = self.samples_per_prompt, self.advantage
         e.expect(adv in ESTIMATORS, f"{prefix}.advantage", adv, f"one of {list(ESTIMATORS)}")
@@ -591,7 +351,7 @@ class LoggingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class ActorCheckpointConfig:
     """Checkpoints of the run under ``<dir>/step_XXXXXXXX/actor/`` (the critic server writes
     ``.../critic/`` beside it when it shares the folder), and resuming from them."""
 
@@ -676,7 +436,7 @@ class ActorConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     critic: CriticClientConfig = field(default_factory=CriticClientConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     tokenizer: str = "auto"
     """'char' (the built-in digit vocabulary), 'char:<alphabet>', a HF tokenizer folder, or 'auto':

@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from aligner.distributed import ParallelState, comm_device
+from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
+from aligner.wire.protocol import TrainResult
 
 __all__ = ["CriticLink", "sample_texts", "server_has_critic", "server_mode_problem"]
 
@@ -68,8 +70,6 @@ def server_mode_problem(advantage: str, info: Any, url: str) -> str | None:
     """Why a run with ``ppo.advantage=advantage`` cannot train against the server at ``url``
     (``info``: its ``server_info``), or None when it can: 'gae' needs the critic's values and
     trains the critic, which a reward-only server does not hold."""
-    from aligner.rl import CRITIC_FREE_ESTIMATORS
-
     if advantage in CRITIC_FREE_ESTIMATORS or server_has_critic(info):
         return None
     return (
@@ -81,6 +81,14 @@ def server_mode_problem(advantage: str, info: Any, url: str) -> str | None:
 
 def _rows(x: Any) -> list:
     return (x.detach().cpu() if hasattr(x, "detach") else x).tolist()
+
+
+def _broadcast_from_first(group: Any, *tensors: torch.Tensor) -> None:
+    """Each of ``tensors`` from the first rank of ``group`` (its TP rank 0, or its first stage)
+    to the group's other ranks, in place."""
+    src = dist.get_global_rank(group, 0)
+    for t in tensors:
+        dist.broadcast(t, src, group=group)
 
 
 def _failed(error: BaseException) -> Future:
@@ -97,7 +105,7 @@ class CriticLink:
         self.critic, self.state, self.pad_id = critic, state, pad_id
         self.pending: Future | None = None
         """The ``critic_train`` request in flight (global rank 0 only)."""
-        self.completed: dict[str, Any] | None = None
+        self.completed: TrainResult | None = None
         """The result of the last finished ``critic_train``, until a step reports it."""
         self._needs_texts: bool | None = None
 
@@ -172,15 +180,16 @@ class CriticLink:
         else:
             self.agree("critic_infer", lambda: None)
             values, scores = torch.empty(b, s - 1), torch.empty(b)
-        if self.state.tp_size * self.state.pp_size > 1:
-            from megatron.core import parallel_state as mpu
-
-            group = mpu.get_model_parallel_group()
-            src = min(dist.get_process_group_ranks(group))  # TP rank 0 of the first stage
-            # On the collectives' device (NCCL takes CUDA tensors only), then back.
+        st = self.state
+        if st.tp_size * st.pp_size > 1:
+            # From TP rank 0 of the first stage to the replica's other ranks: over the first
+            # stage's TP group, then from the first stage down each pipeline. On the collectives'
+            # device (NCCL takes CUDA tensors only), then back.
             values, scores = values.to(comm_device()), scores.to(comm_device())
-            dist.broadcast(values, src, group=group)
-            dist.broadcast(scores, src, group=group)
+            if st.tp_size > 1 and st.pp_rank == 0:
+                _broadcast_from_first(st.tp_group, values, scores)
+            if st.pp_size > 1:
+                _broadcast_from_first(st.pp_group, values, scores)
             values, scores = values.cpu(), scores.cpu()
         return values, scores
 
@@ -252,7 +261,7 @@ class CriticLink:
             raise error
         return out  # type: ignore[return-value]
 
-    def take_completed(self) -> dict[str, Any] | None:
+    def take_completed(self) -> TrainResult | None:
         """The last finished update's result, once (None when there is none to report)."""
         done, self.completed = self.completed, None
         return done

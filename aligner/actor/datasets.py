@@ -1,19 +1,8 @@
-"""Prompt data sets: the actor's prompts (and what travels with them to the reward function) read
-from a file, a saved data set folder or a hub data set through Hugging Face ``datasets``.
+"""Prompt data sets: the ``data`` section of the actor's config (:class:`DataConfig`), and the
+actor's prompts (and what travels with them to the reward function) read from one of the sources
+of :mod:`aligner.actor.sources` (a file, a saved data set folder or a hub data set).
 
-A source is one of
-
-- a JSON Lines file (``.jsonl``, and every ``prompt_file``): read here line by line, so that an
-  error names the line (``prompts.jsonl:12: not valid JSON``);
-- a ``.json``, ``.parquet`` or ``.csv`` file, or a folder of such files (its file names make the
-  splits, e.g. ``train.jsonl`` and ``test.jsonl``): read with ``datasets.load_dataset``;
-- a folder written by ``Dataset.save_to_disk`` (one split, named ``train``) or
-  ``DatasetDict.save_to_disk`` (its splits): read with ``datasets.load_from_disk``;
-- any other name: a data set on the hub (``org/name``, with ``dataset_config``), where the network
-  allows.
-
-A single file is one split named ``train``. A split may be sliced as ``datasets`` understands it
-(``train[:90%]``, ``train[-64:]``, ``train+test``). Each row gives one prompt: its prompt column
+Each row gives one prompt: its prompt column
 holds the text, or (with a chat template) a list of ``{"role", "content"}`` messages. With
 ``chat_template`` the tokenizer's template renders the prompt (a user turn after an optional
 system message, or the row's own messages) up to the start of the assistant's reply. Every row's
@@ -28,34 +17,170 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from aligner.models.config import ConfigError
+from aligner.actor.sources import (
+    MAX_REPORTED,
+    JsonlRows,
+    iter_rows,
+    looks_like_local_path,
+    open_splits,
+    quote_names,
+    select_split,
+)
+from aligner.config_checks import ConfigError, Problems
 from aligner.tokenizers import Tokenizer
 
-if TYPE_CHECKING:
-    from aligner.actor.config import DataConfig
-
 __all__ = [
+    "DataConfig",
     "PromptSet",
     "load_prompt_set",
     "training_prompt_set",
     "validation_prompt_set",
-    "DATA_FILE_FORMATS",
-    "looks_like_local_path",
 ]
 
-DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-"""The data file suffixes a source may have, and the ``datasets`` builder that reads each."""
 
-MAX_REPORTED = 20
-"""Bad rows listed in one error before the rest are left out."""
+@dataclass
+class DataConfig:
+    """Where prompts come from: a built-in task, a JSONL prompt file, or a data set read with
+    Hugging Face ``datasets`` (:func:`training_prompt_set`, :mod:`aligner.actor.sources`)."""
 
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-_CHUNK = 1024  # rows fetched from an Arrow data set at a time
+    task: str | None = "sort"
+    """Built-in task ('copy', 'reverse', 'sort'); ignored when dataset or prompt_file is set."""
+    num_digits: int = 6
+    """Digits per prompt for the built-in tasks."""
+    prompt_file: str | None = None
+    """A JSONL file of {"prompt": ...} lines (a data set read line by line), used instead of a
+    built-in task."""
+    dataset: str | None = None
+    """A data set used instead of a built-in task: a .json/.jsonl/.parquet/.csv file, a folder
+    of them or one written by save_to_disk, or a hub data set name."""
+    dataset_config: str | None = None
+    """The hub data set's configuration name (null: its default)."""
+    split: str = "train"
+    """The split of the training prompts, or a slice of it as datasets writes one
+    ('train[:90%]'); a single file is one split named 'train'."""
+    val_split: str | None = None
+    """Validation prompts from this split (or slice, e.g. 'test', 'train[-64:]') of the same
+    data set; null: validation.prompt_file, else the first training prompts."""
+    prompt_column: str = "prompt"
+    """The column holding each row's prompt: a string, or (with chat_template) a list of
+    {"role": ..., "content": ...} messages."""
+    extra_columns: list[str] | None = None
+    """Columns that travel with each prompt to the reward function (a JSON object per prompt);
+    null: every column but the prompt column; []: none."""
+    chat_template: bool = False
+    """Render each prompt with the tokenizer's chat template (a user turn after the optional
+    system_prompt, or the row's own messages) up to where the assistant's reply begins."""
+    system_prompt: str | None = None
+    """A system message put before each prompt (chat_template only; a row's own system message wins)."""
+    max_prompts: int | None = None
+    """Keep the first N prompts that fit the context (null: all)."""
+    num_prompts: int = 100_000
+    """Prompts drawn from a built-in task (an epoch of data)."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (with the run's seed)."""
+    balance_dp: bool = True
+    """Under data parallelism, deal each step's prompts to the ranks by token count (longest
+    first, snake order) so that every rank gets the same mix of lengths; false: contiguous
+    slices of the drawn order."""
+
+    def problems(self, max_new_tokens: int, max_seq_len: int, prefix: str = "data") -> Problems:
+        """Where prompts come from, and whether a built-in task's prompt and answer fit in
+        ``max_new_tokens`` and ``max_seq_len`` (a data set's too-long prompts are dropped and
+        counted when it is read)."""
+        e = Problems()
+        if self.dataset is not None or self.prompt_file is not None:
+            e += self._data_set_problems(prefix)
+            return e
+        for name in ("val_split", "dataset_config", "system_prompt", "max_prompts", "extra_columns"):
+            e.expect(
+                getattr(self, name) is None,
+                f"{prefix}.{name}",
+                getattr(self, name),
+                f"null with the built-in task (it applies to {prefix}.dataset or {prefix}.prompt_file)",
+            )
+        e.expect(
+            not self.chat_template,
+            f"{prefix}.chat_template",
+            self.chat_template,
+            f"false with the built-in task (its prompts are digits; set {prefix}.dataset for chat prompts)",
+        )
+        if self.task not in ("copy", "reverse", "sort"):
+            e.append(
+                f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.dataset "
+                f"or {prefix}.prompt_file)"
+            )
+            return e
+        prompt = self.num_digits + 1
+        if prompt + max_new_tokens > max_seq_len:
+            e.append(
+                f"prompt ({prompt} tokens) + generation.max_new_tokens ({max_new_tokens}) = "
+                f"{prompt + max_new_tokens} exceeds model.max_seq_len ({max_seq_len})"
+            )
+        if max_new_tokens < prompt:
+            e.append(
+                f"generation.max_new_tokens={max_new_tokens} cannot hold the answer to a "
+                f"{self.num_digits}-digit {self.task} task plus end-of-sequence ({prompt})"
+            )
+        return e
+
+    def _data_set_problems(self, prefix: str) -> Problems:
+        """The data set keys on their own (what the data set holds is checked when it is read)."""
+        e = Problems()
+        if self.dataset is not None and self.prompt_file is not None:
+            e.append(
+                f"{prefix}.dataset={self.dataset!r} and {prefix}.prompt_file={self.prompt_file!r}: expected one "
+                "of them (a JSONL prompt file can be given as data.dataset)"
+            )
+        if self.prompt_file is not None:
+            e.existing_file(f"{prefix}.prompt_file", self.prompt_file)
+        d = self.dataset
+        if d is not None:
+            local = looks_like_local_path(d)
+            e.expect(
+                isinstance(d, str) and d != "" and (not local or os.path.exists(os.path.expanduser(d))),
+                f"{prefix}.dataset",
+                d,
+                "an existing .json/.jsonl/.parquet/.csv file, a data set folder, or a hub data set name",
+            )
+            e.expect(
+                self.dataset_config is None or not local,
+                f"{prefix}.dataset_config",
+                self.dataset_config,
+                f"null for a local {prefix}.dataset (it names a hub data set's configuration)",
+            )
+        elif self.dataset_config is not None:
+            e.append(
+                f"{prefix}.dataset_config={self.dataset_config!r}: expected null without {prefix}.dataset"
+            )
+        for name in ("split", "prompt_column"):
+            v = getattr(self, name)
+            e.expect(isinstance(v, str) and v.strip() != "", f"{prefix}.{name}", v, "a non-empty string")
+        v = self.val_split
+        e.expect(v is None or v.strip() != "", f"{prefix}.val_split", v, "a split name or slice, or null")
+        cols = self.extra_columns
+        e.expect(
+            cols is None or (all(isinstance(c, str) and c for c in cols) and len(set(cols)) == len(cols)),
+            f"{prefix}.extra_columns",
+            cols,
+            "a list of distinct column names, [] or null",
+        )
+        e.expect(
+            self.system_prompt is None or self.chat_template,
+            f"{prefix}.system_prompt",
+            self.system_prompt,
+            f"null without {prefix}.chat_template=true (a system message is part of a chat template)",
+        )
+        n = self.max_prompts
+        e.expect(
+            n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
+            f"{prefix}.max_prompts",
+            n,
+            "a positive integer or null",
+        )
+        return e
 
 
 @dataclass
@@ -98,17 +223,6 @@ class PromptSet:
         if s["read"] < s["rows"]:
             line += f"; stopped at max_prompts={s['max_prompts']}, {s['rows']} rows in all"
         return line + ")"
-
-
-def looks_like_local_path(source: str) -> bool:
-    """Whether ``source`` names a local file or folder (existing or not) rather than a hub data
-    set: it exists, has a data file suffix, or starts like a path."""
-    return (
-        os.path.exists(source)
-        or os.path.splitext(source)[1].lower() in DATA_FILE_FORMATS
-        or source.startswith(("/", ".", "~"))
-        or not _HUB_NAME.match(source)
-    )
 
 
 def load_prompt_set(
@@ -155,19 +269,19 @@ def load_prompt_set(
             )
     if system_prompt is not None and not chat_template:
         raise ConfigError(f"data.system_prompt={system_prompt!r} needs data.chat_template=true")
-    splits = _open(source, what, jsonl=jsonl, dataset_config=dataset_config, cache_dir=cache_dir)
-    parts = _select(splits, split, what)
+    splits = open_splits(source, what, jsonl=jsonl, dataset_config=dataset_config, cache_dir=cache_dir)
+    parts = select_split(splits, split, what)
     columns = parts[0][0].columns
     total = sum(to - start for _, start, to in parts)
     if total == 0:
         expected = (
-            ' (expected JSONL lines like {"prompt": "..."})' if isinstance(parts[0][0], _JsonlRows) else ""
+            ' (expected JSONL lines like {"prompt": "..."})' if isinstance(parts[0][0], JsonlRows) else ""
         )
         raise ConfigError(f"{what} holds no prompts: split {split!r} has no rows{expected}")
     if prompt_column not in columns:
         raise ConfigError(
-            f"{what} has no column {prompt_column!r} (its columns: {_names(columns)}): expected an object "
-            f'with a non-empty string "{prompt_column}" in each row, or data.prompt_column naming the '
+            f"{what} has no column {prompt_column!r} (its columns: {quote_names(columns)}): expected an "
+            f'object with a non-empty string "{prompt_column}" in each row, or data.prompt_column naming the '
             "column that holds the prompts"
         )
     if extra_columns is None:
@@ -176,8 +290,8 @@ def load_prompt_set(
         missing = [c for c in extra_columns if c not in columns]
         if missing:
             raise ConfigError(
-                f"data.extra_columns={list(extra_columns)!r}: {what} has no column(s) {_names(missing)} "
-                f"(its columns: {_names(columns)})"
+                f"data.extra_columns={list(extra_columns)!r}: {what} has no column(s) {quote_names(missing)} "
+                f"(its columns: {quote_names(columns)})"
             )
         extra = list(dict.fromkeys(extra_columns))
     needed = list(dict.fromkeys([prompt_column, *extra]))
@@ -189,7 +303,7 @@ def load_prompt_set(
     errors: list[str] = []
     read = too_long = 0
     first_dropped: tuple[str, int] | None = None
-    for where, row in _rows(parts, needed):
+    for where, row in iter_rows(parts, needed):
         read += 1
         text = _prompt_text(row, where, prompt_column, tokenizer, chat_template, system_prompt, errors)
         if text is None:
@@ -325,179 +439,6 @@ def _source_options(data: DataConfig) -> dict[str, Any]:
     }
 
 
-# -- reading sources --------------------------------------------------------------------------
-
-
-class _JsonlRows:
-    """A JSON Lines file's rows, parsed here (errors name the line); columns: every key seen, in
-    the order first seen; a row without a key has None there (as ``datasets`` reads it)."""
-
-    def __init__(self, path: str, what: str) -> None:
-        self.path = path
-        self.rows: list[dict[str, Any]] = []
-        self.lines: list[int] = []
-        self.errors: list[str] = []
-        seen: dict[str, None] = {}
-        name = os.path.basename(path)
-        try:
-            f = open(path, encoding="utf-8")
-        except OSError as ex:
-            raise ConfigError(f"{what}: cannot read the file ({ex.strerror})") from None
-        with f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as ex:
-                    self.errors.append(f"{name}:{i}: not valid JSON ({ex.msg})")
-                    obj = None
-                else:
-                    if not isinstance(obj, dict):
-                        self.errors.append(
-                            f"{name}:{i}: expected a JSON object (one row per line), got {line.strip()[:80]}"
-                        )
-                        obj = None
-                if obj is None:
-                    if len(self.errors) >= MAX_REPORTED:
-                        break
-                    continue
-                seen.update(dict.fromkeys(obj))
-                self.rows.append(obj)
-                self.lines.append(i)
-        if self.errors:
-            raise ConfigError(f"bad prompt file {what}:\n  " + "\n  ".join(self.errors))
-        self.columns = list(seen)
-        self.name = name
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def where(self, i: int) -> str:
-        return f"{self.name}:{self.lines[i]}"
-
-    def batch(self, start: int, stop: int, columns: list[str]) -> list[dict[str, Any]]:
-        return [{c: r.get(c) for c in columns} for r in self.rows[start:stop]]
-
-
-class _ArrowRows:
-    """One split of a ``datasets.Dataset``."""
-
-    def __init__(self, ds: Any, split: str) -> None:
-        self.ds, self.split = ds.with_format(None), split  # plain Python values, whatever was saved
-        self.columns = list(ds.column_names)
-        self._selected: tuple[list[str], Any] | None = None
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def where(self, i: int) -> str:
-        return f"split {self.split!r} row {i}"
-
-    def batch(self, start: int, stop: int, columns: list[str]) -> list[dict[str, Any]]:
-        if self._selected is None or self._selected[0] != columns:
-            self._selected = (columns, self.ds.select_columns(columns))
-        cols = self._selected[1][start:stop]
-        return [dict(zip(columns, values)) for values in zip(*(cols[c] for c in columns))]
-
-
-def _open(
-    source: str, what: str, *, jsonl: bool, dataset_config: str | None, cache_dir: str | None
-) -> dict[str, Any]:
-    """The splits of ``source``, by name."""
-    path = os.path.expanduser(source)
-    suffix = os.path.splitext(path)[1].lower()
-    if jsonl or (suffix == ".jsonl" and os.path.isfile(path)):
-        if not os.path.isfile(path):
-            raise ConfigError(f"{what}: no such file")
-        return {"train": _JsonlRows(path, what)}
-    if looks_like_local_path(source) and not os.path.exists(path):
-        raise ConfigError(
-            f"{what}: no such file or folder (expected a {', '.join(DATA_FILE_FORMATS)} file, a folder of "
-            "them or one written by save_to_disk, or a hub data set name)"
-        )
-    if os.path.isfile(path) and suffix not in DATA_FILE_FORMATS:
-        raise ConfigError(
-            f"{what}: unknown data file type {suffix or '(none)'!r}: expected one of "
-            f"{', '.join(DATA_FILE_FORMATS)}, a folder, or a hub data set name"
-        )
-    if dataset_config is not None and os.path.exists(path):
-        raise ConfigError(
-            f"data.dataset_config={dataset_config!r} names a configuration of a hub data set, but {what} "
-            "is a local file or folder: leave data.dataset_config null"
-        )
-    import datasets
-
-    quiet = not datasets.are_progress_bars_disabled()
-    if quiet:
-        datasets.disable_progress_bars()
-    try:
-        if os.path.isdir(path) and _saved_to_disk(path):
-            loaded = datasets.load_from_disk(path)
-        elif os.path.isfile(path):
-            loaded = datasets.load_dataset(
-                DATA_FILE_FORMATS[suffix], data_files={"train": path}, cache_dir=cache_dir
-            )
-        else:  # a folder of data files, or a hub data set
-            loaded = datasets.load_dataset(path, dataset_config, cache_dir=cache_dir)
-    except ConfigError:
-        raise
-    except Exception as ex:  # datasets and pyarrow raise many types here
-        where = "" if os.path.exists(path) else " (not a local file or folder: looked up as a hub data set)"
-        raise ConfigError(f"{what}: cannot read it with the datasets library{where}: {ex}") from ex
-    finally:
-        if quiet:
-            datasets.enable_progress_bars()
-    if isinstance(loaded, datasets.Dataset):
-        return {"train": _ArrowRows(loaded, "train")}
-    if isinstance(loaded, datasets.DatasetDict):
-        return {name: _ArrowRows(ds, name) for name, ds in loaded.items()}
-    raise ConfigError(f"{what}: expected a Dataset or DatasetDict, got {type(loaded).__name__}")
-
-
-def _saved_to_disk(path: str) -> bool:
-    """Whether folder ``path`` was written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
-
-
-def _select(splits: dict[str, Any], spec: str, what: str) -> list[tuple[Any, int, int]]:
-    """``(rows, start, stop)`` of each part of split spec ``spec`` (``train``, ``train[-64:]``,
-    ``train[:10%]+test``), in order."""
-    from datasets import ReadInstruction
-
-    named = [s.strip().split("[")[0].strip() for s in spec.split("+")]
-    unknown = [s for s in named if s not in splits]
-    if unknown:
-        raise ConfigError(
-            f"split {spec!r}: {what} has no split {_names(unknown)} (its splits: {_names(list(splits))})"
-        )
-    try:
-        instructions = ReadInstruction.from_spec(spec).to_absolute({n: len(r) for n, r in splits.items()})
-    except (ValueError, AssertionError) as ex:
-        raise ConfigError(
-            f"split {spec!r} of {what}: not a split the datasets library understands (e.g. 'train', "
-            f"'test', 'train[:90%]', 'train[-64:]', 'train+test'): {ex}"
-        ) from None
-    parts = [(splits[i.splitname], i.from_, max(i.from_, i.to)) for i in instructions]
-    columns = parts[0][0].columns
-    for rows, _, _ in parts[1:]:
-        if rows.columns != columns:
-            raise ConfigError(
-                f"split {spec!r} of {what} joins splits whose columns differ ({_names(columns)} and "
-                f"{_names(rows.columns)})"
-            )
-    return parts
-
-
-def _rows(parts: list[tuple[Any, int, int]], columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` of every selected row, in order, holding ``columns`` only."""
-    for rows, start, stop in parts:
-        for a in range(start, stop, _CHUNK):
-            b = min(a + _CHUNK, stop)
-            for i, row in enumerate(rows.batch(a, b, columns), a):
-                yield rows.where(i), row
-
-
 # -- one row ----------------------------------------------------------------------------------
 
 
@@ -610,7 +551,3 @@ def _non_finite(value: Any) -> bool:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names) if names else "none"

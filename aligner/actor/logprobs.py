@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from aligner import rl
 from aligner.actor.config import ActorConfig
 from aligner.distributed import ParallelState
-from aligner.models import gpt
+from aligner.models import forward
 from aligner.tokenizers import Tokenizer
 
 __all__ = ["PolicyLogprobs"]
@@ -67,7 +67,7 @@ class PolicyLogprobs:
     def logits(self, model: torch.nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """The model's masked logits ``[b, s - start, v]`` for ``tokens [b, s]`` (positions
         ``start..s-1``), with gradients when enabled."""
-        return self.masked(gpt.policy_logits(model, tokens, start))
+        return self.masked(forward.policy_logits(model, tokens, start))
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., v]`` logits with the columns that are no action set to -inf."""

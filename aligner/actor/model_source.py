@@ -26,7 +26,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from aligner.models.config import ConfigError, ModelConfig
+from aligner.actor.config import ActorConfig
+from aligner.config_checks import ConfigError
+from aligner.models.checkpoint_io import read_checkpoint_meta
+from aligner.models.config import ModelConfig
+from aligner.models.hf_config import model_config_from_hf
 
 __all__ = [
     "TUNABLE_KEYS",
@@ -47,8 +51,6 @@ def packaged_model_config() -> ModelConfig:
     from importlib.resources import files
 
     from omegaconf import OmegaConf
-
-    from aligner.actor.config import ActorConfig
 
     base = dataclasses.asdict(ActorConfig().model)
     yaml = OmegaConf.load(str(files("aligner.configs").joinpath("actor.yaml")))
@@ -71,12 +73,8 @@ def _folder_model_config(path: str) -> tuple[ModelConfig, str]:
     """The architecture saved in ``path`` and which file says it."""
     folder = Path(path)
     if (folder / "meta.json").is_file():
-        from aligner.models.checkpoint_io import read_checkpoint_meta
-
         return read_checkpoint_meta(folder)["model_config"], str(folder / "meta.json")
     if (folder / "config.json").is_file():
-        from aligner.models.hf_config import model_config_from_hf
-
         return model_config_from_hf(folder), str(folder / "config.json")
     raise ConfigError(
         f"init_from={path!r}: expected this project's checkpoint folder (meta.json) or a Hugging Face "

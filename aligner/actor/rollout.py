@@ -8,6 +8,7 @@ data-parallel rank's rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +16,19 @@ import torch
 import torch.distributed as dist
 
 from aligner import rl
+from aligner.distributed import ParallelState, comm_device
 from aligner.generation.engine import GenerationOutput
+from aligner.wire.protocol import TrainResult
 
-__all__ = ["GroupFilter", "Rollout", "StepRecord", "cat_generations", "global_mean", "informative_groups"]
+__all__ = [
+    "GroupFilter",
+    "Rollout",
+    "StepRecord",
+    "cat_generations",
+    "fill_by_rounds",
+    "global_mean",
+    "informative_groups",
+]
 
 
 @dataclass
@@ -150,6 +161,41 @@ class GroupFilter:
         )
 
 
+def fill_by_rounds(
+    fill: GroupFilter,
+    one_round: Callable[[int], tuple[GenerationOutput, torch.Tensor, torch.Tensor]],
+    max_rounds: int,
+    state: ParallelState,
+) -> tuple[GenerationOutput, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """DAPO's dynamic sampling over generation rounds: ``one_round(n)`` (``n`` from 1) draws a
+    step's prompts, generates and scores them (``gen``, its ``values [b, s-1]`` and ``scores
+    [b]``), and ``fill`` keeps the groups whose scores differ, until every rank's batch is full or
+    ``max_rounds`` ran out (then it is filled up with groups of equal scores). Every rank runs the
+    same rounds (one all-reduce each), so the prompt order stays one. Returns the batch ``(gen,
+    values, scores)`` and the metrics ``rollout/filtered_groups`` (groups of equal scores met, over
+    every rank and round) and ``rollout/generation_rounds``."""
+    rounds = 0
+    while True:
+        rounds += 1
+        fill.add(*one_round(rounds))
+        missing = torch.tensor([fill.missing], dtype=torch.int64)
+        if state.world_size > 1:  # every rank goes on while any rank's batch is short
+            missing = missing.to(comm_device())
+            dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if int(missing.item()) == 0 or rounds >= max_rounds:
+            break
+    filtered = torch.tensor([float(fill.filtered)])
+    if state.dp_size > 1:
+        filtered = filtered.to(comm_device())
+        dist.all_reduce(filtered, group=state.dp_group)
+    gen, values, scores = fill.batch()
+    stats = {
+        "rollout/filtered_groups": float(filtered.item()),
+        "rollout/generation_rounds": float(rounds),
+    }
+    return gen, values, scores, stats
+
+
 def global_mean(x: torch.Tensor, mask: torch.Tensor | None, group: Any = None) -> torch.Tensor:
     """Mean of ``x`` over every data-parallel rank's elements (those of ``mask`` when given)."""
     return rl.global_masked_mean(x, torch.ones_like(x) if mask is None else mask, group=group)
@@ -183,7 +229,7 @@ class StepRecord:
     """The policy's learning rate after the step's updates."""
     policy_stats: dict[str, float]
     """``loss/policy`` and ``policy/*``, averaged over the step's minibatches."""
-    critic_stats: dict[str, Any] | None
+    critic_stats: TrainResult | None
     """The critic's result for the previous step's batch (``loss``, ``grad_norm``), if any."""
     timers: dict[str, float]
     """``timers/<part>`` seconds."""
@@ -226,6 +272,6 @@ class StepRecord:
             dropped = (self.loss_mask.sum(1) == 0) & (mask.sum(1) > 0)
             m["rollout/overlong_filtered"] = float(row(dropped.float()))
         if self.critic_stats is not None:
-            m["loss/value"] = float(self.critic_stats["loss"])
-            m["critic/grad_norm"] = float(self.critic_stats["grad_norm"])
+            m["loss/value"] = float(self.critic_stats.loss)
+            m["critic/grad_norm"] = float(self.critic_stats.grad_norm)
         return m

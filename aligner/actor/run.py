@@ -37,17 +37,27 @@ from omegaconf import DictConfig, OmegaConf
 
 from aligner import distributed
 from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
-from aligner.actor.config import ActorConfig, ConfigError, validate_actor_config
+from aligner.actor.config import ActorConfig, validate_actor_config
 from aligner.actor.datasets import PromptSet, training_prompt_set, validation_prompt_set
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.actor.prompts import PromptSampler
+from aligner.actor.resume import resolve_resume
 from aligner.actor.trainer import PPOTrainer
 from aligner.checkpoint import read_json, write_json
+from aligner.config_checks import ConfigError
 from aligner.cpu_memory import tune_allocator
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine
+from aligner.generation.native import NativeEngine
+from aligner.generation.trtllm import TrtllmEngine
 from aligner.metrics import MetricsLogger, format_console, read_metrics
 from aligner.models import gpt
+from aligner.models.checkpoint_io import load_weights_from
+from aligner.models.hf import export_hf
+from aligner.models.hf_config import default_architecture
+from aligner.models.lora import apply_lora
+from aligner.models.lora_io import export_peft_adapter
+from aligner.precision import precision_dtype, resolve_precision
 from aligner.report import format_summary, plot_run, summarize
 from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.tasks import get_task
@@ -207,15 +217,11 @@ def build_models(cfg: ActorConfig, state: ParallelState) -> tuple[Any, Any | Non
     penalty), then the policy's LoRA adapters."""
     policy = gpt.build_policy(cfg.model)
     if cfg.init_from:
-        from aligner.models.checkpoint_io import load_weights_from
-
         load_weights_from(policy, cfg.model, cfg.init_from)
     reference = None
     if cfg.ppo.init_kl_coef > 0 or cfg.ppo.adaptive_kl:
         # A second module with the initial weights (not a deepcopy: Megatron modules hold
         # process groups, which cannot be copied).
-        from aligner.precision import precision_dtype, resolve_precision
-
         # In the policy's compute dtype (bf16 under mixed precision): it only runs forwards.
         dtype = precision_dtype(resolve_precision(cfg.precision, state.device))
         reference = gpt.build_policy(cfg.model, params_dtype=dtype)
@@ -224,8 +230,6 @@ def build_models(cfg: ActorConfig, state: ParallelState) -> tuple[Any, Any | Non
     if cfg.lora.enabled:
         # After the reference copied the base weights: the reference stays the base model, and
         # only the policy's adapters train (before the engine: it then owns merged weights).
-        from aligner.models.lora import apply_lora
-
         apply_lora(policy, cfg.lora, seed=cfg.seed)
     return policy, reference
 
@@ -235,8 +239,6 @@ def build_engine(
 ) -> GenerationEngine:
     """Step 6: the native KV-cache engine, or TensorRT-LLM (``generation.engine=trtllm``)."""
     if cfg.generation.engine == "trtllm":
-        from aligner.generation.trtllm import TrtllmEngine
-
         # Group rank 0 of each tensor-parallel group owns an engine on the group's GPUs; the
         # other ranks send it their weights and receive its outputs.
         return TrtllmEngine(
@@ -252,8 +254,6 @@ def build_engine(
             sample_vocab_size=getattr(tokenizer, "sample_vocab_size", None),
             device=state.device,
         )
-    from aligner.generation.native import NativeEngine
-
     return NativeEngine(
         policy,
         tokenizer,
@@ -411,7 +411,7 @@ def build_actor(
             reference_fingerprint=weights_fingerprint(reference if reference is not None else policy, state),
         )
         # Decided before anything is logged; a fresh start resets a trained server's critic.
-        resume_dir = checkpointer.resolve_resume()
+        resume_dir = resolve_resume(checkpointer)
         engine = build_engine(cfg, policy, inputs.tokenizer, state)  # 6
         sampler = build_sampler(cfg, inputs, state)  # 7
         # 8. W&B (logging.wandb): the same metrics, with the whole config as the run's config.
@@ -520,8 +520,6 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None, *, critic: CriticH
 def export_policy(cfg: ActorConfig, policy: Any, log: bool) -> None:
     """The final policy as a Hugging Face folder (tokenizer files copied when it is a HF one),
     and with LoRA its adapters alone in peft's format."""
-    from aligner.models.hf import export_hf
-
     arch = cfg.checkpoint.export_arch
     if arch is None and cfg.init_from:
         meta = os.path.join(cfg.init_from, "meta.json")
@@ -532,15 +530,11 @@ def export_policy(cfg: ActorConfig, policy: Any, log: bool) -> None:
             arch = (read_json(hf_conf).get("architectures") or [None])[0]
     tok_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else None
     if arch is None:
-        from aligner.models.hf_config import default_architecture
-
         arch = default_architecture(cfg.model)  # Qwen3 for q/k norms, GPT-2 for learned positions, ...
     out = export_hf(policy, cfg.model, cfg.checkpoint.export_hf, arch, tokenizer_dir=tok_dir, overwrite=True)
     if log:
         print(f"exported the policy as a Hugging Face folder: {out}", flush=True)
     if cfg.lora.enabled:
-        from aligner.models.lora import export_peft_adapter
-
         # The merged model is the folder itself; the adapters alone apply to the base model.
         peft_dir = export_peft_adapter(
             policy,

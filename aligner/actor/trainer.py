@@ -9,7 +9,8 @@ Each step reads as the steps of docs/design.md, "Roles and data flow":
 5. KL-shaped per-token rewards -> advantages (``ppo.advantage``: GAE, whitened; or critic-free
    GRPO, RLOO, REINFORCE++);
 6. send ``critic_train`` this step's batch, without waiting for it (not in critic-free runs);
-7. PPO epochs x minibatches of clipped-surrogate updates (not during the critic warm-up);
+7. PPO epochs x minibatches of clipped-surrogate updates (:mod:`aligner.actor.policy_update`;
+   not during the critic warm-up);
 8. every N steps: validation on fixed prompts, and checkpoints of both roles at the same step.
 
 Algorithms (``ppo.*``, :class:`~aligner.actor.config.PPOConfig`):
@@ -36,9 +37,10 @@ All numbers come from :mod:`aligner.rl`; this file only moves tensors between th
 in a module of its own: the prompts (:mod:`aligner.actor.prompts`), the critic as the actor's
 ranks see it (:mod:`aligner.actor.critic_link`), log-probs over this rank's vocabulary shard
 (:mod:`aligner.actor.logprobs`), the optimizer and its schedule (:mod:`aligner.actor.optimizer`),
-the rollout and the step's record (:mod:`aligner.actor.rollout`), checkpoints
-(:mod:`aligner.actor.checkpointing`), the frozen reference and where its weights live
-(:mod:`aligner.actor.reference`).
+the rollout and the step's record (:mod:`aligner.actor.rollout`), the policy update
+(:mod:`aligner.actor.policy_update`), checkpoints (:mod:`aligner.actor.checkpointing`) and the
+step they resume from (:mod:`aligner.actor.resume`), the frozen reference and where its weights
+live (:mod:`aligner.actor.reference`).
 
 A restarted critic server (:class:`~aligner.wire.handle.CriticRestartedError`) is met in
 :meth:`PPOTrainer.train`: per ``critic.on_restart`` it rolls both roles back to the newest step
@@ -56,7 +58,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from aligner import rl
 from aligner.actor.checkpointing import ActorCheckpointer, ActorState, fault_point
@@ -64,36 +65,24 @@ from aligner.actor.config import ActorConfig
 from aligner.actor.critic_link import CriticLink, sample_texts
 from aligner.actor.logprobs import PolicyLogprobs
 from aligner.actor.optimizer import freeze_all_but_last_layers, make_policy_optimizer, set_schedule_position
-from aligner.actor.pipeline import PipelineSchedule, allreduce_tied_embedding_grads
+from aligner.actor.pipeline import PipelineSchedule
+from aligner.actor.policy_update import PolicyUpdate
 from aligner.actor.prompts import PromptSampler
 from aligner.actor.reference import ReferenceModel
-from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, global_mean
-from aligner.distributed import ParallelState, comm_device
+from aligner.actor.resume import check_restart, rollback_dir, rolled_back
+from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, fill_by_rounds, global_mean
+from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from aligner.metrics import MetricsLogger, Timers
-from aligner.models import gpt
+from aligner.models import forward
 from aligner.precision import resolve_precision
 from aligner.tokenizers import Tokenizer
-from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
+from aligner.wire.handle import CriticHandle, CriticRestartedError
+from aligner.wire.protocol import TrainResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PPOTrainer", "group_order"]
-
-#: The first PPO pass's ``(logits [b, s - start, v], logprobs [b, s-1])``, with their graph.
-FirstPass = tuple[torch.Tensor, torch.Tensor]
-
-
-def group_order(b: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
-    """A random order of ``b`` rows that permutes whole groups (contiguous blocks of
-    ``group_size`` rows), keeping each group's rows together and in order; ``group_size`` 1 is
-    ``torch.randperm(b)``."""
-    if group_size <= 1:
-        return torch.randperm(b, generator=generator)
-    if b % group_size:
-        raise ValueError(f"{b} rows do not split into groups of {group_size}")
-    groups = torch.randperm(b // group_size, generator=generator)
-    return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+__all__ = ["PPOTrainer"]
 
 
 class PPOTrainer:
@@ -142,7 +131,7 @@ class PPOTrainer:
         self.optimizer, self.scheduler = make_policy_optimizer(policy, cfg, self.precision)
         # After the optimizer: it casts the policy to its compute dtype, the dtype the engine
         # serves it in (the first step refits the engine).
-        self.model_forward = gpt.set_forwards(
+        self.model_forward = forward.set_forwards(
             {"policy": policy, "reference": reference},
             cfg.model_forward,
             state.tp_size,
@@ -161,19 +150,12 @@ class PPOTrainer:
         self.logprobs = PolicyLogprobs.for_actor(cfg, state, tokenizer)
         # Under pipeline parallelism every forward and backward runs through Megatron's schedule.
         self.pipeline = PipelineSchedule(state, self.logprobs) if state.pp_size > 1 else None
-        p = cfg.ppo
-        # The first PPO pass's forward doubles as the rollout log-prob forward when that pass is
-        # one forward over the whole batch with the same weights, and the forward ignores
-        # train/eval mode (the fused path: no dropout).
-        per_rank = p.global_batch_size // state.dp_size
-        self.reuse_rollout_forward = bool(
-            p.reuse_rollout_forward
-            and p.ppo_epochs >= 1
-            and p.mini_batch_size // state.dp_size == per_rank
-            and p.micro_batch_size == per_rank
-            and getattr(policy, "aligner_fused", None) is not None
-            and self.pipeline is None
+        # 7. The policy update; its first forward may double as the rollout's log-prob forward.
+        self.policy_update = PolicyUpdate(
+            policy, self.optimizer, self.scheduler, self.logprobs, self.pipeline, cfg, state
         )
+        self.reuse_rollout_forward = self.policy_update.reuse_rollout_forward
+        p = cfg.ppo
         if state.is_logging_rank:
             log.info(
                 "rollout log-probs: %s",
@@ -197,7 +179,6 @@ class PPOTrainer:
         self.restarts = 0
         """Server restarts this run rolled back from."""
         self._current = 0  # the step being run, or saved: where a restart is found
-        self._tp_group = state.tp_group if state.tp_size > 1 else None
         self._dp_group = state.dp_group if state.dp_size > 1 else None
 
     # -- the loop ----------------------------------------------------------------------------
@@ -231,41 +212,19 @@ class PPOTrainer:
         does) so that the steps after it are redone. On every rank."""
         c, reached = self.cfg.critic, max(self._current, self.step_count)
         self.critic.drop()  # the update in flight (if any) failed with the server it was sent to
-        held = "?" if error.critic_step is None else error.critic_step
-        expected = "?" if error.expected_step is None else error.expected_step
-        # Found by another instance_id alone, the server may hold the very step expected: say so.
-        new = "a new instance at " if held == expected else ""
-        found = (
-            f"critic server restarted ({new}critic step {held}, expected {expected}) during step {reached}"
-        )
-        if c.on_restart == "fail":
-            raise CriticError(
-                f"{found}: critic.on_restart=fail, stopping. The server at {self.critic.critic.url} holds "
-                f"critic step {held}; the actor completed step {self.step_count} and expected critic step "
-                f"{expected}. Run again with checkpoint.resume=auto to continue from the newest step both "
-                f"roles saved. ({error})"
-            ) from error
-        if self.checkpointer is None:
-            raise CriticError(f"{found}, and this trainer has no checkpointer to roll back with") from error
-        self.restarts += 1
-        if self.restarts > c.max_restarts:
-            raise CriticError(
-                f"{found}: that is {self.restarts} restarts in this run, more than critic.max_restarts="
-                f"{c.max_restarts}; stopping. ({error})"
-            ) from error
+        if c.on_restart != "fail" and self.checkpointer is not None:
+            self.restarts += 1  # this restart counts against critic.max_restarts
+        ckpt, url = self.checkpointer, self.critic.critic.url
+        check_restart(error, c, ckpt, url, reached=reached, completed=self.step_count, restarts=self.restarts)
         try:
-            step_dir, held_now = self.checkpointer.rollback_dir(error)
+            step_dir, held_now = rollback_dir(self.checkpointer, error)
             self.load_training_state(self.checkpointer.load(self.actor_state(), step_dir))
         except CriticRestartedError as again:  # restarted again meanwhile: counted, and retried
             self._roll_back(again)
             return
-        if error.critic_step is None:
-            held = held_now
         to = self.step_count
-        msg = (
-            f"critic server restarted (critic step {held}, expected {expected}): rolled both roles back to "
-            f"step {to}; steps {to + 1}..{max(reached, to + 1)} are redone "
-            f"(restart {self.restarts} of at most {c.max_restarts})"
+        msg = rolled_back(
+            error, held_now, to=to, reached=reached, restarts=self.restarts, max_restarts=c.max_restarts
         )
         log.warning("%s", msg)
         if self.state.is_logging_rank:
@@ -304,15 +263,12 @@ class PPOTrainer:
                 # 3. Values and scores from critic_infer, without waiting (dynamic sampling has them)...
                 critic_future = None
                 if scored is None:
+                    inputs = self._reward_inputs(gen, extras, prompts)
                     critic_future = self.critic.infer(
-                        tokens,
-                        gen.lengths,
-                        gen.prompt_lengths,
-                        step_id,
-                        **self._reward_inputs(gen, extras, prompts),
+                        tokens, gen.lengths, gen.prompt_lengths, step_id, **inputs
                     )
                 # 4. ...while the reference's and the policy's log-probs are computed.
-                orders = self._epoch_orders(step_id, tokens.shape[0])
+                orders = self.policy_update.epoch_orders(step_id, tokens.shape[0])
                 beta = self.kl_ctl.value
                 ref_logprobs = None
                 if self.reference is not None and beta > 0:
@@ -320,7 +276,7 @@ class PPOTrainer:
                         ref_logprobs, _ = self._no_grad(reference, gen, start=start)
                 first = None
                 if self.reuse_rollout_forward and not warmup:
-                    first, old_logprobs, entropy = self._first_forward(tokens, orders[0], start)
+                    first, old_logprobs, entropy = self.policy_update.first_forward(tokens, orders[0], start)
                 else:
                     old_logprobs, entropy = self._no_grad(self.policy, gen, with_entropy=True, start=start)
                 if ref_logprobs is None:
@@ -361,8 +317,9 @@ class PPOTrainer:
                 handoff = [first] if first is not None else []
                 del first  # the first minibatch step holds the only reference: freed once it is done
                 # During the critic warm-up: no optimizer step, no schedule step, no KL update.
-                policy_stats = {} if warmup else self._update_policy(rollout, orders, handoff)
+                policy_stats = {} if warmup else self.policy_update.train_step(rollout, orders, handoff)
             if not warmup:
+                self._engine_stale = True  # the policy changed: the next step refits the engine
                 self.kl_ctl.update(float(global_mean(kl.sum(1), None, self._dp_group)), p.global_batch_size)
             self.step_count = step_id
 
@@ -411,13 +368,8 @@ class PPOTrainer:
             gen = self._generate(self.val_prompts, self.cfg.generation.sampling(greedy=True, seed=0))
             tokens = gen.tokens
             mask = rl.response_mask(gen.lengths, gen.prompt_lengths, tokens.shape[1])
-            future = self.critic.infer(
-                tokens,
-                gen.lengths,
-                gen.prompt_lengths,
-                step,
-                **self._reward_inputs(gen, self.val_extras, self.val_prompts),
-            )
+            inputs = self._reward_inputs(gen, self.val_extras, self.val_prompts)
+            future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step, **inputs)
             start = rl.loss_start(mask)
             logprobs, _ = self._no_grad(self.policy, gen, start=start)
             if self.reference is not None:
@@ -462,7 +414,7 @@ class PPOTrainer:
             "score_moments": self.score_moments.state_dict(),
             "sampler": self.sampler.state_dict(),
             "scheduler_last_epoch": int(self.scheduler.last_epoch),
-            "last_critic_train": self.critic.completed,
+            "last_critic_train": None if self.critic.completed is None else self.critic.completed.to_dict(),
         }
 
     def load_training_state(self, d: dict[str, Any]) -> None:
@@ -474,7 +426,8 @@ class PPOTrainer:
         self.score_moments.load_state_dict(d["score_moments"])
         self.sampler.load_state_dict(d["sampler"])
         set_schedule_position(self.scheduler, self.optimizer, int(d["scheduler_last_epoch"]))
-        self.critic.completed = d.get("last_critic_train")
+        last = d.get("last_critic_train")
+        self.critic.completed = None if last is None else TrainResult.from_dict(last)
         self.critic.pending = None
         self._engine_stale = True  # the policy's weights were replaced
 
@@ -546,47 +499,24 @@ class PPOTrainer:
     def _dynamic_rollout(
         self, step_id: int, sampling: SamplingParams
     ) -> tuple[GenerationOutput, tuple[torch.Tensor, torch.Tensor], dict[str, float]]:
-        """DAPO's dynamic sampling: rounds of drawing a step's prompts, generating and scoring them
-        (``critic_infer``, waited for), each keeping the groups whose scores differ, until every
-        rank's batch is full or ``ppo.max_generation_rounds`` ran out (then it is filled up with
-        groups of equal scores). Every rank runs the same rounds (one all-reduce each), so the
-        prompt order stays one. Returns the batch, its ``(values, scores)``, and the metrics
-        ``rollout/filtered_groups`` (groups of equal scores met, over every rank and round) and
-        ``rollout/generation_rounds``."""
+        """DAPO's dynamic sampling (:func:`~aligner.actor.rollout.fill_by_rounds`): rounds of
+        drawing a step's prompts, generating and scoring them (``critic_infer``, waited for).
+        Returns the batch, its ``(values, scores)``, and the rounds' metrics."""
         p = self.cfg.ppo
+
+        def one_round(n: int) -> tuple[GenerationOutput, torch.Tensor, torch.Tensor]:
+            prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
+            # Another seed for every round: the same prompts may come again.
+            seed = sampling.seed if n == 1 else sampling.seed * 1_000_003 + n
+            gen = self._generate(prompts, dataclasses.replace(sampling, seed=seed))
+            inputs = self._reward_inputs(gen, extras, prompts)
+            future = self.critic.infer(gen.tokens, gen.lengths, gen.prompt_lengths, step_id, **inputs)
+            return gen, *self.critic.result(future, gen.tokens.shape)
+
         fill = GroupFilter(
             p.global_batch_size // self.state.dp_size, p.samples_per_prompt, self.tokenizer.pad_id
         )
-        rounds = 0
-        while True:
-            rounds += 1
-            prompts, extras = self.sampler.next_rows(p.samples_per_prompt)
-            # Another seed for every round: the same prompts may come again.
-            seed = sampling.seed if rounds == 1 else sampling.seed * 1_000_003 + rounds
-            gen = self._generate(prompts, dataclasses.replace(sampling, seed=seed))
-            future = self.critic.infer(
-                gen.tokens,
-                gen.lengths,
-                gen.prompt_lengths,
-                step_id,
-                **self._reward_inputs(gen, extras, prompts),
-            )
-            fill.add(gen, *self.critic.result(future, gen.tokens.shape))
-            missing = torch.tensor([fill.missing], dtype=torch.int64)
-            if self.state.world_size > 1:  # every rank goes on while any rank's batch is short
-                missing = missing.to(comm_device())
-                dist.all_reduce(missing, op=dist.ReduceOp.MAX)
-            if int(missing.item()) == 0 or rounds >= p.max_generation_rounds:
-                break
-        filtered = torch.tensor([float(fill.filtered)])
-        if self._dp_group is not None:
-            filtered = filtered.to(comm_device())
-            dist.all_reduce(filtered, group=self._dp_group)
-        gen, values, scores = fill.batch()
-        stats = {
-            "rollout/filtered_groups": float(filtered.item()),
-            "rollout/generation_rounds": float(rounds),
-        }
+        gen, values, scores, stats = fill_by_rounds(fill, one_round, p.max_generation_rounds, self.state)
         return gen, (values, scores), stats
 
     def _estimator_line(self, server_critic: bool) -> str:
@@ -663,121 +593,3 @@ class PPOTrainer:
             self.score_moments.update(scores, group=self._dp_group)
             scores = self.score_moments.normalize(scores)
         return scores
-
-    def _epoch_orders(self, step_id: int, b: int) -> list[torch.Tensor]:
-        """Each PPO epoch's row order: the same on every rank of a TP group (seeded by step and
-        DP rank); whole groups of ``ppo.samples_per_prompt`` rows stay together."""
-        gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + step_id * 31 + self.state.dp_rank)
-        return [group_order(b, self.cfg.ppo.samples_per_prompt, gen) for _ in range(self.cfg.ppo.ppo_epochs)]
-
-    def _first_forward(
-        self, tokens: torch.Tensor, order: torch.Tensor, start: int = 0
-    ) -> tuple[FirstPass, torch.Tensor, torch.Tensor]:
-        """The first PPO pass's forward (one minibatch of one micro-batch: every row, in the
-        first epoch's order), with gradients. Returns ``(logits, logprobs)`` for that pass and,
-        detached and back in row order, the rollout's log-probs and entropy ``[b, s-1]``."""
-        self.policy.train()
-        rows = tokens[order]
-        logits = self.logprobs.logits(self.policy, rows, start)
-        logp = self.logprobs.sequence_logprobs(logits, rows, start)
-        old_logprobs = torch.empty_like(logp, requires_grad=False)
-        old_logprobs[order] = logp.detach()
-        with torch.no_grad():
-            ent = self.logprobs.entropy(logits.detach(), start)
-        entropy = torch.empty_like(ent)
-        entropy[order] = ent
-        return (logits, logp), old_logprobs, entropy
-
-    def _update_policy(
-        self, r: Rollout, orders: list[torch.Tensor], handoff: list[FirstPass]
-    ) -> dict[str, float]:
-        """PPO epochs over ``orders`` (one row permutation per epoch); ``handoff``: empty, or the
-        first pass's ``(logits, logprobs)`` from :meth:`_first_forward` (taken out of the list,
-        so that nothing keeps them once the first minibatch is done)."""
-        first = handoff.pop() if handoff else None
-        p = self.cfg.ppo
-        b = r.tokens.shape[0]
-        per_rank_mini = p.mini_batch_size // self.state.dp_size
-        n_micro = per_rank_mini // p.micro_batch_size
-        sums: dict[str, float] = {}
-        count = 0
-        self.policy.train()
-        for order in orders:
-            for start in range(0, b, per_rank_mini):
-                stats = self._minibatch_step(r, order[start : start + per_rank_mini], n_micro, first)
-                first = None
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-        self._engine_stale = True
-        return {k: v / max(count, 1) for k, v in sums.items()}
-
-    def _minibatch_step(
-        self, r: Rollout, idx: torch.Tensor, n_micro: int, first: FirstPass | None = None
-    ) -> dict[str, float]:
-        """One optimizer step on the rollout rows ``idx``, accumulated over ``n_micro`` micro-batches."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is not None:
-            acc = self._pipeline_backward(r, idx)
-        else:
-            acc = {}
-            for micro in idx.chunk(n_micro):
-                if first is not None:  # this pass's forward was run for the rollout log-probs
-                    (logits, logp), first = first, None
-                else:
-                    logits = self.logprobs.logits(self.policy, r.tokens[micro], r.start)
-                    logp = None
-                loss, stats = self._micro_loss(r, micro, logits, logp)
-                (loss / n_micro).backward()
-                for k, v in stats.items():
-                    acc[k] = acc.get(k, 0.0) + float(v) / n_micro
-        self.optimizer.allreduce_grads(self._dp_group, self.state.dp_size)  # fp32 master grads
-        acc["policy/grad_norm"] = self.optimizer.clip_grad_norm(
-            self.cfg.optim.grad_clip,
-            self._tp_group,
-            self.state.tp_size,
-            self.state.tp_rank,
-            pp_group=self.state.pp_group if self.state.pp_size > 1 else None,
-        )
-        self.optimizer.step()  # skipped (and counted in grad_norm as inf/nan) on a non-finite norm
-        self.scheduler.step()
-        return acc
-
-    def _micro_loss(
-        self, r: Rollout, micro: torch.Tensor, logits: torch.Tensor, logp: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped surrogate (minus the entropy bonus) of the rollout rows ``micro`` from
-        their ``logits [m, s - start, v]`` (``logp`` when already computed), and its statistics."""
-        p = self.cfg.ppo
-        mask = r.mask[micro]
-        if logp is None:
-            logp = self.logprobs.sequence_logprobs(logits, r.tokens[micro], r.start)
-        loss, stats = rl.policy_loss(
-            logp,
-            r.old_logprobs[micro],
-            r.advantages[micro],
-            mask,
-            clip_eps_low=p.clip_eps,
-            clip_eps_high=p.clip_eps_high,
-            dual_clip=p.dual_clip,
-            agg=p.loss_agg,
-        )
-        if p.entropy_coef > 0:
-            ent = self.logprobs.entropy(logits, r.start)
-            loss = loss - p.entropy_coef * rl.aggregate(ent, mask, p.loss_agg)
-        out = {"loss/policy": loss.detach()}
-        out.update({f"policy/{k}": v for k, v in stats.items()})
-        return loss, out
-
-    def _pipeline_backward(self, r: Rollout, idx: torch.Tensor) -> dict[str, float]:
-        """Forward and backward of the rows ``idx`` through the pipeline schedule (the last stage
-        computes each micro-batch's loss); the statistics reach every stage."""
-
-        def loss_fn(logits: torch.Tensor, rows: torch.Tensor):
-            return self._micro_loss(r, idx[rows], logits)
-
-        stats = self.pipeline.train(
-            self.policy, r.tokens[idx], self.cfg.ppo.micro_batch_size, loss_fn, r.start
-        )
-        allreduce_tied_embedding_grads(self.policy, self.optimizer)
-        return stats

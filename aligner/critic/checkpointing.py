@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from aligner import faults
 from aligner.checkpoint import (
     CheckpointError,
     atomic_directory,
@@ -50,7 +51,6 @@ from aligner.checkpoint import (
     write_json,
 )
 from aligner.critic.errors import CriticServiceError
-from aligner.critic.faults import fault_point
 from aligner.critic.peers import PeerLink
 from aligner.critic.replicas import Layout
 from aligner.distributed import ParallelState, recv_json, send_json
@@ -169,7 +169,7 @@ class CriticCheckpoints:
                 for kind, tensors in sh.items():
                     save_tensors(tmp / shard_file(kind, tp=r), tensors)
             write_json(tmp / "meta.json", meta)
-            fault_point("save", step)  # tests only: a crash before the commit (aligner.critic.faults)
+            faults.SERVER.hit("save", step)  # tests only: a crash before the commit (aligner.faults)
         self.last_saved = step
         self._prune(step)
         log.info("saved critic checkpoint %s (%.0f ms)", final, 1000 * (time.perf_counter() - t0))

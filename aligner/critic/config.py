@@ -11,9 +11,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from aligner.config_checks import Problems
-from aligner.models.config import FORWARD_MODES, ConfigError, ModelConfig
+from aligner.config_checks import ConfigError, Problems
+from aligner.critic.reward_fn import reward_fn_problem
+from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_folder
+from aligner.models.config import FORWARD_MODES, ModelConfig
 from aligner.optim import OptimConfig
+from aligner.tokenizers import build_tokenizer
+from aligner.wire.protocol import resolve_run_token
 
 __all__ = [
     "ServerConfig",
@@ -21,10 +25,9 @@ __all__ = [
     "CriticOptimConfig",
     "RewardConfig",
     "InitConfig",
-    "CheckpointConfig",
+    "CriticCheckpointConfig",
     "LogConfig",
     "CriticServerConfig",
-    "ConfigError",
     "build_config",
     "LOSS_AGGREGATIONS",
     "INIT_SOURCES",
@@ -156,7 +159,7 @@ class RewardConfig:
     """Reward function 'module:function': fn(prompts, responses, **kwargs), or trlx's
     fn(samples, prompts, outputs, **kwargs) when its first parameter is named samples; it gets
     prompt_ids, response_ids, each extra data-set column (a list over the batch) and fn_kwargs
-    where it accepts them (aligner.critic.rewards.RewardFn)."""
+    where it accepts them (aligner.critic.reward_fn.RewardFn)."""
     fn_kwargs: dict[str, Any] = field(default_factory=dict)
     """Constant keyword arguments of every call of fn (e.g. a classifier's path; the function
     caches what it loads)."""
@@ -196,8 +199,6 @@ class RewardConfig:
             return None
         if self.tokenizer:
             return self.tokenizer
-        from aligner.critic.rewards import tokenizer_folder
-
         return tokenizer_folder(self.hf_path)
 
 
@@ -215,7 +216,7 @@ class InitConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CriticCheckpointConfig:
     """Critic checkpoints: <dir>/step_XXXXXXXX/critic/ (safetensors + JSON)."""
 
     dir: str = "runs/critic/checkpoints"
@@ -269,7 +270,7 @@ class CriticServerConfig:
     optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     init: InitConfig = field(default_factory=InitConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tokenizer: str = "char"
     """'char', 'char:<alphabet>' or a HF tokenizer folder."""
@@ -328,8 +329,6 @@ class CriticServerConfig:
         if s.exit_timeout_s < 0:
             e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
         if s.run_token_file:
-            from aligner.wire.protocol import resolve_run_token
-
             try:
                 resolve_run_token(s.run_token_file, "server.run_token_file")
             except ValueError as exc:  # names the key and the file, never the token
@@ -370,15 +369,11 @@ class CriticServerConfig:
         if r.model_path and r.hf_path:
             e.append(f"reward.model_path={r.model_path!r} and reward.hf_path={r.hf_path!r}: set only one")
         if r.fn:
-            from aligner.critic.rewards import reward_fn_problem
-
             problem = reward_fn_problem(r.fn, list(r.python_path), dict(r.fn_kwargs))
             if problem:
                 e.append(f"reward.fn={r.fn!r}: {problem}")
         elif r.fn_kwargs:
             e.append(f"reward.fn_kwargs={dict(r.fn_kwargs)}: set without reward.fn")
-        from aligner.critic.rewards import checkpoint_folder_problem
-
         for key in ("model_path", "hf_path"):
             path = getattr(r, key)
             problem = checkpoint_folder_problem(path, hf=key == "hf_path") if path else None
@@ -416,8 +411,6 @@ class CriticServerConfig:
         if self.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             e.append(f"log.level={self.log.level!r}: expected DEBUG, INFO, WARNING or ERROR")
 
-        from aligner.tokenizers import build_tokenizer
-
         tok = None
         try:
             tok = build_tokenizer(self.tokenizer)
@@ -449,8 +442,6 @@ class CriticServerConfig:
         spec = r.tokenizer_spec
         reward_tokenizer = None
         if spec:
-            from aligner.tokenizers import build_tokenizer
-
             try:
                 reward_tokenizer = build_tokenizer(spec)
             except Exception as exc:  # the tokenizer reports what was wrong
@@ -527,7 +518,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "optim": CriticOptimConfig,
             "reward": RewardConfig,
             "init": InitConfig,
-            "checkpoint": CheckpointConfig,
+            "checkpoint": CriticCheckpointConfig,
             "log": LogConfig,
         }
         scalars = ("mode", "tokenizer", "seed", "precision", "model_forward")

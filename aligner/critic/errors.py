@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aligner.wire.protocol import UNAVAILABLE_MARK
 
-__all__ = ["CriticServiceError", "ServiceClosedError"]
+__all__ = ["CriticServiceError", "ServiceClosedError", "RequestRewardError"]
 
 
 class CriticServiceError(RuntimeError):
@@ -23,3 +23,10 @@ class ServiceClosedError(CriticServiceError):
 
     def __init__(self) -> None:
         super().__init__(UNAVAILABLE_MARK + "the critic server is shutting down; retry after it restarts")
+
+
+class RequestRewardError(CriticServiceError):
+    """One request's samples could not be scored (by the reward function,
+    :mod:`aligner.critic.reward_fn`, or by the reward model's tokenizer,
+    :mod:`aligner.critic.reward_model`): that request fails alone, the requests merged with it get
+    what they would get alone (docs/design.md, "Wire protocol")."""

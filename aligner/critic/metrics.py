@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from aligner.metrics import MetricsLogger
+
 __all__ = ["MetricsWriter", "RequestStats"]
 
 log = logging.getLogger("aligner.critic")
@@ -32,8 +34,6 @@ class MetricsWriter:
     """Thread-safe writer of the critic's metrics (rank 0 only)."""
 
     def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
-        from aligner.metrics import MetricsLogger
-
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()

@@ -24,7 +24,7 @@ sees nothing of the replicas. Rank 0 broadcasts every operation to every rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -33,10 +33,7 @@ import torch.distributed as dist
 from aligner.critic.peers import PeerLink
 from aligner.distributed import ParallelState, comm_device
 
-if TYPE_CHECKING:  # value_update imports row_slices from here
-    from aligner.critic.value_update import ValueUpdate
-
-__all__ = ["Layout", "Replicas", "row_slices"]
+__all__ = ["Layout", "Replicas", "RowForward", "row_slices"]
 
 
 def row_slices(b: int, replicas: int) -> list[slice]:
@@ -83,6 +80,20 @@ class Layout:
         raise ValueError(f"no rank holds TP rank {tp_rank} of replica {dp_rank}")
 
 
+class RowForward(Protocol):
+    """What a replica runs on its rows: :class:`~aligner.critic.value_update.ValueUpdate` (which
+    splits a train's rows itself, with :func:`row_slices`)."""
+
+    scores_with_values: bool
+    """Whether :meth:`forward` returns reward-model scores with the values."""
+
+    def forward(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+    def score(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray: ...
+
+    def drop_kept(self) -> None: ...
+
+
 class Replicas:
     """This rank's part of a data-parallel inference, and rank 0's gathering of the others'.
 
@@ -95,7 +106,7 @@ class Replicas:
             or None)``).
     """
 
-    def __init__(self, state: ParallelState, layout: Layout, peers: PeerLink, update: ValueUpdate) -> None:
+    def __init__(self, state: ParallelState, layout: Layout, peers: PeerLink, update: RowForward) -> None:
         self.state = state
         self.layout = layout
         self.peers = peers

@@ -53,7 +53,7 @@ reward_only`` serves the reward source alone, for critic-free actors: the same f
 critic_infer's values all zeros, critic_train, critic_save and critic_load refused naming the
 mode, and ``server_info``'s ``critic`` false (:class:`~aligner.critic.service.CriticService`).
 
-Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.critic.faults`),
+Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.faults`),
 builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, warns
 when it serves beyond loopback without a run token, prepares the environment PyTriton needs
 (``LD_LIBRARY_PATH`` to the interpreter's libdir, a project-local cache), starts Triton on the
@@ -77,13 +77,16 @@ from typing import Any
 
 import hydra
 import numpy as np
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from aligner import faults
+from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
-from aligner.critic.config import ConfigError, CriticServerConfig, build_config
-from aligner.critic.errors import CriticServiceError
-from aligner.critic.faults import FAULT_ENV, parse_fault
+from aligner.cpu_memory import tune_allocator
+from aligner.critic.config import CriticServerConfig, build_config
+from aligner.critic.errors import CriticServiceError, RequestRewardError
 from aligner.critic.host import (
     PortInUseError,
     check_ports_free,
@@ -91,8 +94,9 @@ from aligner.critic.host import (
     prepare_environment,
     remove_stale_workspaces,
 )
-from aligner.critic.rewards import RequestRewardError
+from aligner.critic.metrics import MetricsWriter
 from aligner.critic.service import CriticService
+from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
     BATCH_PEER_MARK,
     ERROR_MARK,
@@ -110,6 +114,7 @@ from aligner.wire.protocol import (
     infer_error_wire,
     validate_infer,
 )
+from aligner.wire.readiness import wait_ready
 
 __all__ = ["CriticTritonServer", "run_server", "main"]
 
@@ -129,8 +134,6 @@ class CriticTritonServer:
     """The five Triton models of the protocol, backed by one :class:`CriticService` (rank 0)."""
 
     def __init__(self, service: CriticService, cfg: CriticServerConfig, workspace_root: Path) -> None:
-        from aligner.distributed import free_port
-
         self.service = service
         self.cfg = cfg
         s = cfg.server
@@ -345,8 +348,6 @@ class CriticTritonServer:
                 strict=True,
             )
         self.triton.run()
-        from aligner.wire.readiness import wait_ready
-
         wait_ready(self.http_url, timeout_s=120.0, models=MODEL_NAMES)
 
     def is_alive(self) -> bool:
@@ -444,10 +445,6 @@ def run_server(cfg: CriticServerConfig) -> int:
     the TP peers of its replica and, with ``parallel.data_parallel_size`` > 1, the ranks of the
     other replicas (:mod:`aligner.critic.replicas`).
     """
-    import torch
-
-    from aligner.distributed import ParallelConfig, destroy, initialize
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     stop = threading.Event()
     rank = int(os.environ.get("RANK", "0"))
@@ -462,7 +459,7 @@ def run_server(cfg: CriticServerConfig) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     _setup_logging(cfg, rank)
     try:
-        parse_fault(os.environ.get(FAULT_ENV))
+        faults.SERVER.parse(os.environ.get(faults.SERVER.env))
     except ValueError as e:
         print(f"critic server: {e}", file=sys.stderr, flush=True)
         return 2
@@ -480,16 +477,12 @@ def run_server(cfg: CriticServerConfig) -> int:
         ),
         seed=cfg.seed,
     )
-    from aligner.cpu_memory import tune_allocator
-
     log.info("CPU allocator: %s", tune_allocator(state.device.type))
     metrics = None
     server = None
     service = None
     try:
         if state.rank == 0:
-            from aligner.critic.metrics import MetricsWriter
-
             metrics = MetricsWriter(cfg.log.dir, tensorboard=cfg.log.tensorboard)
         service = CriticService(cfg, state, metrics=metrics)
         if state.rank == 0:

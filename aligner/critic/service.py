@@ -5,8 +5,9 @@ One lock serialises every operation, so inference and training never race and ev
 that starts after a train has returned sees the update. Who may change the state is checked
 before the lock is taken (the run token), and against which state under it (fencing: a train or
 save that expects another critic step than the one held is refused), in the order of
-docs/design.md, "Wire protocol"; a refused request changes nothing. :class:`CriticService` builds the
-models and composes one collaborator per concern:
+docs/design.md, "Wire protocol"; a refused request changes nothing. :class:`CriticService` composes
+one collaborator per concern, built from the configuration with the models, the optimiser and the
+reward sources by :func:`aligner.critic.build.build_parts`:
 
 - :class:`~aligner.critic.exactly_once.AppliedSteps`: each step id applied once and in order,
   and the kept results that answer repeats;
@@ -44,30 +45,17 @@ from typing import Any
 
 import numpy as np
 
-from aligner.critic.checkpointing import CriticCheckpoints, LoadedCheckpoint
+from aligner import faults
+from aligner.critic.build import build_parts
+from aligner.critic.checkpointing import LoadedCheckpoint
 from aligner.critic.config import CriticServerConfig
-from aligner.critic.errors import CriticServiceError, ServiceClosedError
+from aligner.critic.errors import CriticServiceError, RequestRewardError, ServiceClosedError
 from aligner.critic.exactly_once import AppliedSteps
-from aligner.critic.faults import fault_point
 from aligner.critic.metrics import MetricsWriter, RequestStats
-from aligner.critic.peers import Op, PeerLink
-from aligner.critic.replicas import Layout, Replicas
-from aligner.critic.rewards import (
-    RequestRewardError,
-    RewardTextError,
-    RewardTokens,
-    load_policy_trunk,
-    load_reward_fn,
-    load_reward_model,
-    parse_extras,
-    policy_init_config,
-    score_requests,
-)
-from aligner.critic.value_update import ValueUpdate
+from aligner.critic.peers import Op
+from aligner.critic.reward_fn import parse_extras, score_requests
+from aligner.critic.reward_model import RewardTextError
 from aligner.distributed import ParallelState
-from aligner.models.config import ModelConfig
-from aligner.models.gpt import build_critic, load_state_dict_strict, set_forwards, tensor_state_dict
-from aligner.precision import make_optimizer, precision_dtype, resolve_precision
 from aligner.wire.protocol import (
     INFER,
     LOAD,
@@ -78,7 +66,6 @@ from aligner.wire.protocol import (
     FencedError,
     InferRequest,
     InferResponse,
-    Limits,
     ProtocolError,
     ServerInfo,
     TrainRequest,
@@ -98,10 +85,6 @@ __all__ = ["CriticService"]
 log = logging.getLogger("aligner.critic")
 
 
-REWARD_ONLY_MAX_SEQ_LEN = 1 << 20
-"""The longest sample a reward-only server without a reward model on the policy's ids accepts."""
-
-
 class CriticService:
     """Critic (trained) + reward source (frozen), with the server's rules.
 
@@ -112,8 +95,6 @@ class CriticService:
     def __init__(
         self, cfg: CriticServerConfig, state: ParallelState, *, metrics: MetricsWriter | None = None
     ) -> None:
-        from aligner.tokenizers import build_tokenizer
-
         self.cfg = cfg
         self.state = state
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
@@ -122,8 +103,6 @@ class CriticService:
         self.device = state.device
         self.metrics = metrics
         self.request_stats = RequestStats()
-        self.tokenizer = build_tokenizer(cfg.tokenizer)
-        self.checkpoint_root = Path(cfg.checkpoint.dir)
         self._lock = threading.Lock()
         self._closed = False
         self.applied = AppliedSteps()
@@ -132,162 +111,24 @@ class CriticService:
         """Made once per process start: a client that finds another one talks to another server."""
         # Checked at start-up by the config (a bad file is a config error naming the key).
         self.run_token = resolve_run_token(cfg.server.run_token_file, "server.run_token_file")
-
-        self.reward_only = cfg.mode == "reward_only"
+        # Collective: every rank builds its part (its TP shards; the rank layout).
+        parts = build_parts(cfg, state, self._lock)
+        self.reward_only = parts.reward_only
         """No critic: the server scores responses and nothing else (``mode: reward_only``)."""
-        r = cfg.reward
-        self.reward_fn = load_reward_fn(r.fn, dict(r.fn_kwargs), list(r.python_path)) if r.fn else None
-        # Every loader below is collective under TP (each rank takes its shard of full tensors).
-        self.reward_model, self.rm_cfg = load_reward_model(r.model_path, r.hf_path)
-        self.reward_tokens = self._reward_tokens()
+        self.tokenizer = parts.tokenizer
+        self.reward_fn = parts.reward_fn
+        self.reward_model, self.rm_cfg = parts.reward_model, parts.rm_cfg
+        self.reward_tokens = parts.reward_tokens
         """The reward model's own tokenizer when it reads text (None: it reads the critic's ids)."""
-        self.init_source = self._init_source()
-        self.model_cfg = self._critic_config()
-        rm_tokenizer = (cfg.tokenizer, self.tokenizer)
-        if self.reward_tokens is not None:
-            rm_tokenizer = (self.reward_tokens.spec, self.reward_tokens.tokenizer)
-        for what, c, (spec, tok) in (
-            ("critic", None if self.reward_only else self.model_cfg, (cfg.tokenizer, self.tokenizer)),
-            ("reward model", self.rm_cfg, rm_tokenizer),
-        ):
-            if c is not None and c.vocab_size < tok.vocab_size:
-                raise CriticServiceError(
-                    f"the {what}'s vocab_size={c.vocab_size} is smaller than tokenizer "
-                    f"{spec!r}'s {tok.vocab_size}: they cannot belong together"
-                )
-        self.precision = resolve_precision(cfg.precision, self.device)
-        # Built and initialised in fp32; the optimizer keeps those values as its fp32 master
-        # weights and casts the critic to bf16 (so the starting point is not rounded).
-        self.critic = None if self.reward_only else build_critic(self.model_cfg)
-        if self.init_source == "reward":
-            # Same architecture and TP layout: the reward model's shards are the critic's.
-            load_state_dict_strict(
-                self.critic,
-                tensor_state_dict(self.reward_model),
-                what="critic initialised from the reward model",
-            )
-        elif self.init_source == "policy":
-            load_policy_trunk(self.critic, cfg.init.policy_path)
-        # Built (and loaded) on the CPU, as Megatron's use_cpu_initialization does; then moved.
-        if self.critic is not None:
-            self.critic.to(self.device)
-        if self.reward_model is not None:
-            self.reward_model.to(self.device, precision_dtype(self.precision))
-        rm_cfg = self.rm_cfg
-        o = cfg.optim
-        self.optimizer = None
-        if self.critic is not None:
-            self.optimizer = make_optimizer(
-                self.critic,
-                lr=o.lr,
-                betas=(o.adam_beta1, o.adam_beta2),
-                eps=o.adam_eps,
-                weight_decay=o.weight_decay,
-                precision=self.precision,
-            )
-        # After the optimizer, which casts the critic to its compute dtype.
-        self.model_forward = set_forwards(
-            {"critic": self.critic, "reward model": self.reward_model},
-            cfg.model_forward,
-            self.tp_size,
-            log if self.is_rank0 else None,
-        )
-        self.update = ValueUpdate(
-            self.critic,
-            self.optimizer,
-            self.reward_model,
-            cfg,
-            state,
-            reward_reads_text=self.reward_tokens is not None,
-        )
-        # A reward model that reads text cuts its own sequences to its length. Without a critic
-        # only a reward model reading the policy's ids bounds the length (a reward function
-        # takes any).
-        reads_ids = rm_cfg is not None and self.reward_tokens is None
-        if self.reward_only:
-            max_len = rm_cfg.max_seq_len if reads_ids else REWARD_ONLY_MAX_SEQ_LEN
-        else:
-            max_len = (
-                min(self.model_cfg.max_seq_len, rm_cfg.max_seq_len)
-                if reads_ids
-                else self.model_cfg.max_seq_len
-            )
-        self.limits = Limits(
-            vocab_size=self.tokenizer.vocab_size,
-            max_seq_len=max_len,
-            max_batch=cfg.server.max_batch_size,
-            max_train_batch=cfg.server.max_request_batch,
-        )
-        if self.is_rank0:
-            log.info(
-                "%s ready: %s, init=%s, reward fn=%s, reward model=%s%s, TP=%d, DP=%d, precision=%s",
-                "reward-only server (no critic)" if self.reward_only else "critic",
-                "no critic" if self.reward_only else self.model_cfg,
-                self.init_source,
-                self.reward_fn,
-                cfg.reward.model_path or cfg.reward.hf_path,
-                f" (reads text, tokenizer {self.reward_tokens.spec})" if self.reward_tokens else "",
-                self.tp_size,
-                self.dp_size,
-                self.precision,
-            )
-        layout = Layout.gather(state)  # collective: before the heartbeat can broadcast
-        # On rank 0 of a world of several ranks this starts the heartbeat.
-        self.peers = PeerLink(state, self._lock)
-        self.replicas = Replicas(state, layout, self.peers, self.update)
-        self.checkpoints: CriticCheckpoints | None = None
+        self.init_source, self.model_cfg = parts.init_source, parts.model_cfg
+        self.precision = parts.precision
+        self.critic, self.optimizer = parts.critic, parts.optimizer
+        self.model_forward = parts.model_forward
+        self.update = parts.update
+        self.limits = parts.limits
+        self.peers, self.replicas = parts.peers, parts.replicas
+        self.checkpoints = parts.checkpoints
         """The critic's checkpoints (None in reward-only mode: there is nothing to save)."""
-        if self.critic is not None:
-            self.checkpoints = CriticCheckpoints(
-                self.checkpoint_root,
-                cfg.checkpoint.keep_last,
-                self.critic,
-                self.optimizer,
-                self.model_cfg,
-                state,
-                self.peers,
-                layout,
-            )
-
-    # ------------------------------------------------------------------------------------------
-    # Construction helpers
-    # ------------------------------------------------------------------------------------------
-
-    def _init_source(self) -> str:
-        if self.reward_only:
-            return "none"
-        source = self.cfg.init.source
-        reads_text = self.reward_tokens is not None
-        if source == "auto":
-            # A reward model that reads text with its own tokenizer cannot seed the critic, which
-            # reads the policy's ids: the critic then starts from the policy (or fresh).
-            if self.reward_model is not None and not reads_text:
-                return "reward"
-            return "policy" if self.cfg.init.policy_path else "fresh"
-        if source == "reward" and reads_text:
-            raise CriticServiceError(
-                f"init.source='reward': the reward model reads text with its own tokenizer "
-                f"({self.reward_tokens.spec!r}) while the critic reads the policy's token ids "
-                f"(tokenizer={self.cfg.tokenizer!r}); start the critic from init.policy_path, or fresh"
-            )
-        return source
-
-    def _reward_tokens(self) -> RewardTokens | None:
-        """The reward model's tokenizer, when it has one of its own that is not the policy's (by
-        fingerprint): the reward model then reads the samples' text."""
-        from aligner.tokenizers import build_tokenizer
-
-        r = self.cfg.reward
-        spec = r.tokenizer_spec
-        if self.reward_model is None or spec is None:
-            return None
-        tok = build_tokenizer(spec)
-        if tok.fingerprint() == self.tokenizer.fingerprint():
-            return None
-        try:
-            return RewardTokens(tok, spec, self.rm_cfg.max_seq_len, chat_template=r.chat_template)
-        except ValueError as e:
-            raise CriticServiceError(str(e)) from None
 
     @property
     def required_inputs(self) -> dict[str, str]:
@@ -306,25 +147,6 @@ class CriticService:
         """critic_infer's optional inputs this server reads (``server_info``'s ``infer_inputs``)."""
         names = ["extras"] if self.reward_fn is not None else []
         return names + list(self.required_inputs)
-
-    def _critic_config(self) -> ModelConfig:
-        """The critic's architecture: the reward model's or the policy's when it starts from one.
-        In reward-only mode no critic is built; this is then the shape the limits come from (the
-        reward model's, else the ``model`` section's ``max_seq_len``)."""
-        if self.init_source == "none":
-            return self.rm_cfg if self.rm_cfg is not None else self.cfg.model
-        if self.init_source == "reward":
-            diff = self.rm_cfg.architecture_diff(self.cfg.model)
-            if diff:
-                log.warning(
-                    "the critic starts from the reward model, so it takes the reward model's "
-                    "architecture; model.* settings that differ are ignored: %s",
-                    "; ".join(diff),
-                )
-            return self.rm_cfg
-        if self.init_source == "policy":
-            return policy_init_config(self.cfg.init.policy_path)
-        return self.cfg.model
 
     # ------------------------------------------------------------------------------------------
     # State the collaborators keep
@@ -469,8 +291,8 @@ class CriticService:
         of its own tokenizer's ids of the same rows, split the same way.
 
         A request whose samples the reward function (or the reward tokenizer) fails on gets its
-        :class:`~aligner.critic.rewards.RequestRewardError` in its place; the others get their
-        values and rewards as an unmerged call would (:func:`~aligner.critic.rewards.score_requests`).
+        :class:`~aligner.critic.errors.RequestRewardError` in its place; the others get their
+        values and rewards as an unmerged call would (:func:`~aligner.critic.reward_fn.score_requests`).
         Each request's optional inputs are its own: one without ``extras`` gives the reward
         function no columns.
         """
@@ -508,7 +330,7 @@ class CriticService:
                     self.peers.broadcast(Op.SCORE, rm_tokens, rm_lengths)
                     scores = self.replicas.score(rm_tokens, rm_lengths)
                 computed.append((idx, values, scores))
-            fault_point("infer", self.critic_step)
+            faults.SERVER.hit("infer", self.critic_step)
             self.peers.touch()
         # The reward function needs no model: run it outside the lock, so a slow one does not
         # hold up training.

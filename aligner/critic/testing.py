@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aligner.tasks.digits import sort_reward
 from aligner.wire.protocol import (
     INFO,
     LOAD,
@@ -139,8 +140,6 @@ def picky_reward(prompts, responses, prompt_ids=None, response_ids=None, **_: ob
     client's bad samples: a prompt without ':' makes it raise (as the sort reward does), a
     response ``','`` scores NaN, ``',,'`` infinity, and ``',,,'`` makes it answer one score too
     few."""
-    from aligner.tasks.digits import sort_reward
-
     scores = sort_reward(prompts, responses)
     scores = [{",": float("nan"), ",,": float("inf")}.get(r, x) for r, x in zip(responses, scores)]
     return scores[:-1] if ",,," in responses else scores

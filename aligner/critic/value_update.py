@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from aligner import faults
 from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError
-from aligner.critic.faults import fault_point
 from aligner.critic.replicas import row_slices
 from aligner.distributed import ParallelState, comm_device
-from aligner.models.gpt import sequence_scores, token_values
+from aligner.models.forward import sequence_scores, token_values
 from aligner.rl import explained_variance, loss_start, value_loss
 from aligner.wire.protocol import TrainRequest, TrainResult
 
@@ -224,7 +224,7 @@ class ValueUpdate:
                         first_pass_values[mine] = values.detach()
                     # At DP=1 the share is 1 and the loss is left as it is (bit for bit).
                     (loss * loss_share if replicated else loss).backward()
-                fault_point("train", req.step)  # tests only: a crash mid-step (aligner.critic.faults)
+                faults.SERVER.hit("train", req.step)  # tests only: a crash mid-step (aligner.faults)
                 loss_value, clipfrac_value = loss.item(), float(clipfrac)
                 if replicated:
                     # The minibatch's loss and clip fraction: the replicas' shares of them, summed.

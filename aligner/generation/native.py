@@ -19,9 +19,9 @@ the loop otherwise never waits on the device. Stop strings are checked on the ho
 steps to stop early, and applied exactly at the end. Sampling is one batched call per step
 for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
 
-*Two forward backends*:
+*Two forward backends* (the steppers of :mod:`aligner.generation.steppers`):
 
-- ``lean`` (default when the architecture allows): :class:`aligner.generation.lean.LeanDecoder`,
+- ``lean`` (default when the architecture allows): :class:`aligner.generation.decoder.LeanDecoder`,
   the same arithmetic as Megatron's forward in the fewest ops (plain linears on the module's
   weight tensors or the engine's own, RoPE on the new token only, a private cache laid out
   for the attention matmuls and kept across calls on a CPU), with Megatron's rounding order
@@ -65,7 +65,6 @@ embedding for TP divisibility) are dropped before sampling and before the log-so
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,57 +72,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from aligner.generation.decoder import LeanDecoder
 from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams
 from aligner.generation.layout import GenerationLayout
-from aligner.generation.lean import CompiledDecodeStep, CudaGraphDecodeStep, LeanDecoder
+from aligner.generation.policy import EvalMode, model_vocab
 from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
+from aligner.generation.steppers import COMPILED_BUCKET, LeanStepper, MegatronStepper
 from aligner.generation.weights import OwnedWeights
+from aligner.models.fused import compile_available
+from aligner.models.gpt import unwrap
 from aligner.models.layout import iter_megatron_tensors
 from aligner.models.local_spec import unsupported_reason
 from aligner.models.lora import lora_config_of
 from aligner.models.model_files import as_dtype
 
-__all__ = ["NativeEngine", "RefitCost", "generate_no_cache", "ENGINE_DTYPES", "WEIGHTS"]
+__all__ = ["NativeEngine", "RefitCost", "ENGINE_DTYPES", "WEIGHTS"]
 
 #: The dtypes an engine generates in, by the names configs use.
 ENGINE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: Where an engine's weights come from (``NativeEngine(weights=...)``).
 WEIGHTS = ("auto", "owned", "shared")
-
-_COMPILED_BUCKET = 64  # a compiled step's capacities: this, doubled, and max_len rounded up to it
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers (their forward adds only casts)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
-class _EvalMode:
-    """Put every submodule in eval mode and restore each one's own flag afterwards."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.saved = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-
-    def __exit__(self, *exc) -> None:
-        for m, mode in self.saved:
-            m.training = mode
-
-
-def _model_vocab(model: nn.Module, vocab_size: int | None, tokenizer) -> int | None:
-    if vocab_size is not None:
-        return int(vocab_size)
-    cfg = getattr(model, "aligner_config", None)
-    if cfg is not None:
-        return int(cfg.vocab_size)
-    if tokenizer is not None:
-        return int(tokenizer.vocab_size)
-    return None
 
 
 def _resolve_ids(tokenizer, pad_id: int | None, eos_id: int | None) -> tuple[int, int]:
@@ -172,7 +140,7 @@ class NativeEngine:
             ``model.aligner_config.vocab_size``, else the tokenizer's.
         check_every: steps between "have all samples stopped?" checks (a host sync);
             default 1 on CPU, 8 on GPU.
-        backend: ``"lean"`` (:class:`~aligner.generation.lean.LeanDecoder`: the fewest ops per
+        backend: ``"lean"`` (:class:`~aligner.generation.decoder.LeanDecoder`: the fewest ops per
             step, a private KV cache), ``"megatron"`` (Megatron's own forward with a
             ``StaticInferenceContext``; the training layout only), or ``"auto"``: lean when the
             architecture is one it handles, else megatron.
@@ -255,7 +223,7 @@ class NativeEngine:
         self.weights = weights
         self.dtype = as_dtype(dtype)
         self.layout = GenerationLayout.create(parallel_state, generation_tp)
-        built_tp = int(getattr(getattr(_unwrap(model), "config", None), "tensor_model_parallel_size", 1) or 1)
+        built_tp = int(getattr(getattr(unwrap(model), "config", None), "tensor_model_parallel_size", 1) or 1)
         if built_tp != self.layout.train_tp:
             raise ValueError(
                 f"the model is built at tensor_model_parallel_size {built_tp}, but the parallel state says "
@@ -272,7 +240,7 @@ class NativeEngine:
                 raise ValueError("max_seq_len is required for a model without aligner_config")
             max_seq_len = int(cfg.max_seq_len)
         self.max_seq_len = int(max_seq_len)
-        self.vocab_size = _model_vocab(self.model, vocab_size, tokenizer)
+        self.vocab_size = model_vocab(self.model, vocab_size, tokenizer)
         self.check_every = check_every
 
     # -- protocol -------------------------------------------------------------------------
@@ -291,7 +259,7 @@ class NativeEngine:
         collective over the world (every rank calls it). The cost is kept in :attr:`last_refit`.
         """
         t0 = time.perf_counter()
-        model = _unwrap(policy)
+        model = unwrap(policy)
         some = next(model.parameters())
         if self._shares(model, some.dtype):
             if self._owned is not None:
@@ -331,7 +299,7 @@ class NativeEngine:
         prompts = check_prompts(prompts, self.max_seq_len, self.vocab_size)
         prompt_lens = [len(p) for p in prompts]
         generator = None if sampling.greedy else self._generator(sampling.seed)
-        with _EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
+        with EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
             tokens, lengths, logprobs, ended, plen = self._decode(prompts, prompt_lens, sampling, generator)
         out = build_output(
             tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
@@ -381,9 +349,9 @@ class NativeEngine:
         if self._use_lean():
             mode = self._lean_decode_step()
             if mode == "compiled":
-                T = min(self.max_seq_len, -(-T // _COMPILED_BUCKET) * _COMPILED_BUCKET)
-            return _LeanStepper(self._lean, b, T, mode)
-        return _MegatronStepper(self.model, b, T)
+                T = min(self.max_seq_len, -(-T // COMPILED_BUCKET) * COMPILED_BUCKET)
+            return LeanStepper(self._lean, b, T, mode)
+        return MegatronStepper(self.model, b, T)
 
     def _lean_decode_step(self) -> str:
         mode = self.decode_step
@@ -398,8 +366,6 @@ class NativeEngine:
                     "decode_step='compiled' needs generation tensor_parallel_size 1 "
                     f"(got {self._lean.tp_size}); use 'eager'"
                 )
-            from aligner.models.fused import compile_available
-
             why = compile_available() if not on_cuda else None
             if why is not None:
                 raise ValueError(f"decode_step='compiled' is not available: {why}")
@@ -526,152 +492,3 @@ class _Threads:
     def __exit__(self, *exc) -> None:
         if torch.get_num_threads() != self.saved:
             torch.set_num_threads(self.saved)
-
-
-class _LeanStepper:
-    """One generation call on :class:`LeanDecoder` (private cache, RoPE'd keys)."""
-
-    def __init__(self, lean: LeanDecoder, b: int, T: int, mode: str) -> None:
-        self.lean = lean
-        lean.begin(b, T)
-        self.step = lean.decode
-        self.step_failed = False
-        if mode == "static":
-            self.pos = torch.zeros(1, dtype=torch.int64, device=lean.device)
-            self.step = self._static
-        elif mode in ("graph", "compiled"):
-            what = "CUDA graph capture" if mode == "graph" else "compiling"
-            try:
-                self.step = (
-                    CudaGraphDecodeStep(lean, b)
-                    if mode == "graph"
-                    else CompiledDecodeStep(lean, b, bucket=_COMPILED_BUCKET)
-                )
-            except Exception as e:  # unsupported here: decode eagerly from now on
-                self.step_failed = True
-                warnings.warn(f"{what} of the decode step failed ({e!r}); decoding eagerly", stacklevel=4)
-
-    def _static(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        self.pos.fill_(start)
-        return self.lean.decode_static(tokens, self.pos)
-
-    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        if start == 0:
-            return self.lean.prefill(tokens)
-        return self.step(tokens, start)
-
-    def close(self) -> None:
-        self.lean.end()
-
-
-class _MegatronStepper:
-    """One generation call on Megatron's own static-batching inference path."""
-
-    def __init__(self, model: nn.Module, b: int, T: int) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.model = model
-        # Sized exactly [T, b]: Megatron views the cached keys as [s, b * heads, d], which
-        # needs the batch slice to be the whole buffer.
-        self.ctx = StaticInferenceContext(max_batch_size=b, max_sequence_length=T)
-        self.ctx.materialize_only_last_token_logits = True
-        dev = next(model.parameters()).device
-        self.positions = torch.arange(T, device=dev).unsqueeze(0).expand(b, T)
-
-    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        n = tokens.shape[1]
-        # The context stays in "prefill" mode: decode mode only switches on flash-decode and
-        # CUDA-graph paths, which this engine does not use.
-        logits = self.model(
-            tokens,
-            self.positions[:, start : start + n],
-            None,
-            inference_context=self.ctx,
-            runtime_gather_output=True,
-        )
-        self.ctx.sequence_len_offset += n
-        return logits[:, -1, :]
-
-    def close(self) -> None:
-        self.ctx = None
-
-
-@torch.inference_mode()
-def _full_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return model(tokens, positions, None, runtime_gather_output=True)
-
-
-def generate_no_cache(
-    model: nn.Module,
-    prompts: list[list[int]],
-    sampling: SamplingParams,
-    *,
-    pad_id: int,
-    eos_id: int,
-    max_seq_len: int,
-    tokenizer=None,
-    vocab_size: int | None = None,
-    parallel_state=None,
-) -> GenerationOutput:
-    """Reference generation by full recompute: every step runs the whole right-padded batch
-    from position 0 without a cache and reads each row's logits at its own last position.
-
-    Deliberately simple and independent of :class:`NativeEngine`'s bookkeeping (per-row
-    Python lists, no teacher forcing); for tests and benchmarks only. Sampling uses the same
-    :func:`sample_next` and the same per-rank seeding, but consumes the random stream
-    differently, so only greedy outputs are comparable token for token.
-    """
-    if sampling.stop_strings and tokenizer is None:
-        raise ValueError("sampling.stop_strings needs a tokenizer")
-    model = _unwrap(model)
-    vocab = _model_vocab(model, vocab_size, tokenizer)
-    prompts = check_prompts(prompts, max_seq_len, vocab)
-    prompt_lens = [len(p) for p in prompts]
-    dev = next(model.parameters()).device
-    generator = None
-    if not sampling.greedy:
-        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = rank_generator(seed, parallel_state.dp_rank if parallel_state is not None else 0, dev)
-    stops = {eos_id, *sampling.stop_token_ids}
-    seqs = [list(p) for p in prompts]
-    lps: list[list[float]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
-    ended = [False] * len(prompts)
-    with _EvalMode(model):
-        for _ in range(sampling.max_new_tokens):
-            live = [i for i, s in enumerate(seqs) if not done[i] and len(s) < max_seq_len]
-            if not live:
-                break
-            width = max(len(seqs[i]) for i in live)
-            batch = torch.tensor([seqs[i] + [pad_id] * (width - len(seqs[i])) for i in live], device=dev)
-            logits = _full_logits(model, batch)
-            last = torch.tensor([len(seqs[i]) - 1 for i in live], device=dev)
-            z = logits[torch.arange(len(live), device=dev), last]
-            if vocab is not None:
-                z = z[:, :vocab]
-            tok, lp = sample_next(z.float(), sampling, generator)
-            for k, i in enumerate(live):
-                t = int(tok[k])
-                seqs[i].append(t)
-                lps[i].append(float(lp[k]))
-                if t in stops:
-                    done[i] = ended[i] = True
-    b = len(prompts)
-    T = max(len(s) for s in seqs)
-    tokens = torch.full((b, T), pad_id, dtype=torch.int64)
-    logprobs = torch.zeros(b, max(T - 1, 0), dtype=torch.float32)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        tokens[i, : len(s)] = torch.tensor(s)
-        if len(s) > p:
-            logprobs[i, p - 1 : len(s) - 1] = torch.tensor(lps[i])
-    return build_output(
-        tokens.to(dev),
-        torch.tensor(prompt_lens, device=dev),
-        torch.tensor([len(s) for s in seqs], device=dev),
-        logprobs.to(dev),
-        torch.tensor(ended, device=dev),
-        pad_id,
-        tokenizer,
-        sampling.stop_strings,
-    )

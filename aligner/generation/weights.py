@@ -1,7 +1,7 @@
 """Where the lean decoder's weights come from: a ``GPTModel``'s own parameters, or tensors the
 engine owns in its generation layout.
 
-:class:`~aligner.generation.lean.LeanDecoder` reads everything it computes with (the weight
+:class:`~aligner.generation.decoder.LeanDecoder` reads everything it computes with (the weight
 tensors of this generation rank's shard, and the architecture facts its arithmetic needs:
 heads, groups, the norm functions, the activation, RoPE) from a *source* whose ``bind()``
 returns :class:`LeanWeights`. Two sources:
@@ -64,7 +64,7 @@ class LayerWeights:
 
 @dataclass
 class LeanWeights:
-    """Everything :class:`~aligner.generation.lean.LeanDecoder` computes with, for one
+    """Everything :class:`~aligner.generation.decoder.LeanDecoder` computes with, for one
     generation rank: its shard of every weight and the architecture facts."""
 
     groups: int

@@ -23,9 +23,12 @@ from typing import Any
 
 import torch
 
+from aligner.config_checks import ConfigError
 from aligner.distributed import barrier, is_writer
-from aligner.models.config import ConfigError, ConversionError, ModelConfig
+from aligner.models.config import ConversionError, ModelConfig
 from aligner.models.gpt import ROLES, build_model, config_of, head_of, unwrap
+from aligner.models.hf import load_hf_into_megatron
+from aligner.models.hf_config import model_config_from_hf
 from aligner.models.layout import (
     iter_megatron_tensors,
     load_megatron_tensors,
@@ -203,9 +206,6 @@ def load_weights_from(model: torch.nn.Module, cfg: ModelConfig, path: str | os.P
     """Load initial weights into ``model`` from our checkpoint folder (``meta.json``) or a HF
     folder (``config.json``), after checking the saved architecture equals ``cfg``'s.
     Returns which kind of folder it was ("aligner" or "hf")."""
-    from aligner.models.hf import load_hf_into_megatron
-    from aligner.models.hf_config import model_config_from_hf
-
     folder = Path(path)
     if (folder / "meta.json").is_file():
         saved = read_checkpoint_meta(folder)["model_config"]

@@ -1,6 +1,6 @@
-"""The architecture of a GPT-style model, independent of how it is parallelised, and the two
-errors of the models package: :class:`ConfigError` (a wrong config value) and
-:class:`ConversionError` (a checkpoint, an HF folder or a config that cannot be converted)."""
+"""The architecture of a GPT-style model, independent of how it is parallelised, and the models
+package's error :class:`ConversionError` (a checkpoint, an HF folder or a config that cannot be
+converted). A wrong config value raises :class:`aligner.config_checks.ConfigError`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelConfig", "ConfigError", "ConversionError", "FORWARD_MODES"]
+from aligner.config_checks import ConfigError
+
+__all__ = ["ModelConfig", "ConversionError", "FORWARD_MODES"]
 
 NORMS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
@@ -18,10 +20,6 @@ POSITIONS = ("rope", "learned_absolute")
 ROPE_SCALINGS = ("llama3",)
 #: How a model's full-sequence forwards run (``model_forward``; see ``aligner.models.fused``).
 FORWARD_MODES = ("auto", "fused", "compiled", "megatron")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names every offending field."""
 
 
 class ConversionError(ValueError):

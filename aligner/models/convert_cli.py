@@ -15,8 +15,13 @@ import sys
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
-from aligner.models.config import ConfigError, ConversionError
+from aligner import distributed
+from aligner.config_checks import ConfigError
+from aligner.models import checkpoint_io, hf
+from aligner.models.config import ConversionError
+from aligner.models.hf_config import default_architecture, hf_architecture, read_hf_config
 
 __all__ = ["main", "build_parser"]
 
@@ -68,12 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    from aligner import distributed
-    from aligner.models import checkpoint_io, hf
-    from aligner.models.hf_config import default_architecture, hf_architecture, read_hf_config
-
     dtype = _DTYPES[args.dtype]
     if args.command == "import":
         overrides = {}

@@ -9,6 +9,7 @@ a :class:`ScalarHead` (as NeMo-Aligner does), so the trunk's parameter names, te
 parallel layout and HF conversion are the same for all three. Each built model carries its
 head (``model.aligner_head``: ``"lm"``, ``"value"`` or ``"reward"``) and its
 :class:`ModelConfig` (``model.aligner_config``); :func:`head_of` and :func:`config_of` read them.
+Their forwards (logits, values, scores) are :mod:`aligner.models.forward`'s.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from aligner import cpu_compat
 from aligner.models.config import ConversionError, ModelConfig
+from aligner.models.rope import inverse_frequencies
 
 __all__ = [
     "ROLES",
@@ -37,12 +39,7 @@ __all__ = [
     "config_of",
     "head_of",
     "position_ids_for",
-    "policy_logits",
-    "token_values",
-    "sequence_scores",
     "unwrap",
-    "set_forward",
-    "set_forwards",
     "tensor_state_dict",
     "load_state_dict_strict",
     "shape_mismatches",
@@ -201,8 +198,6 @@ def install_rope_frequencies(model: nn.Module, cfg: ModelConfig) -> None:
     Megatron computes plain frequencies itself; its own llama3 scaling fixes three of the four
     parameters, so scaled ones are computed here, as transformers computes them. Call before
     the model's first forward: its rotary embedding caches its tables per length."""
-    from aligner.models.rope import inverse_frequencies
-
     rotary = model.rotary_pos_emb
     mine = inverse_frequencies(cfg, device=rotary.inv_freq.device)
     if mine.shape != rotary.inv_freq.shape:  # pragma: no cover - partial rotary is never built
@@ -380,8 +375,8 @@ def load_state_dict_strict(model: nn.Module, state: dict, what: str = "model") -
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The GPTModel inside DDP/Float16Module wrappers."""
-    while hasattr(model, "module"):
+    """The GPTModel inside DDP / Float16Module wrappers (their forward adds only casts)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
 
@@ -390,78 +385,3 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     """tokens [b, s] -> position ids [b, s] (0..s-1; right padding needs no offsets)."""
     b, s = tokens.shape
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-
-
-def set_forward(
-    model: nn.Module, mode: str = "auto", tensor_parallel_size: int = 1
-) -> tuple[str, str | None]:
-    """Choose how :func:`policy_logits`, :func:`token_values` and :func:`sequence_scores` run
-    ``model``: ``megatron`` (its own module forward), ``fused`` (:mod:`aligner.models.fused`:
-    the same arithmetic in fewer ops, on the same parameters), ``compiled`` (fused under
-    ``torch.compile``) or ``auto`` (fused where the architecture allows, else megatron).
-
-    Returns the mode taken and, for ``auto`` falling back to megatron, why.
-    """
-    from aligner.models import fused
-
-    taken, why = fused.resolve_forward(mode, model, tensor_parallel_size)
-    model.aligner_fused = (
-        None
-        if taken == "megatron"
-        else fused.FusedForward(model, compiled=taken == "compiled", tp_size=tensor_parallel_size)
-    )
-    return taken, why
-
-
-def set_forwards(
-    models: dict[str, nn.Module | None], mode: str, tensor_parallel_size: int = 1, log=None
-) -> dict[str, str]:
-    """:func:`set_forward` for each named model (None entries skipped); a fallback to megatron
-    is reported through ``log`` (a logger; None: silent). Returns name -> the mode taken."""
-    taken: dict[str, str] = {}
-    for name, model in models.items():
-        if model is None:
-            continue
-        taken[name], why = set_forward(model, mode, tensor_parallel_size)
-        if why and log is not None:
-            log.info("%s forward: megatron (the fused forward does not apply: %s)", name, why)
-    return taken
-
-
-def _forward(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """The model's output at positions ``start..s-1``."""
-    fast = getattr(model, "aligner_fused", None)
-    if fast is not None:
-        return fast(tokens, start)
-    out = model(tokens, position_ids_for(tokens), attention_mask=None)
-    return out[:, start:] if start else out
-
-
-def policy_logits(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Causal LM forward. tokens [b, s] -> logits [b, s - start, v] at positions ``start..s-1``
-    (v: this TP rank's vocab shard).
-
-    Right padding needs no attention mask: causal attention never lets a real position see a
-    later pad. fp32 whatever the model's dtype, so logprobs, KL and the losses are fp32. With
-    ``start`` > 0 the fused forward computes the last layer's queries, MLP and head only from
-    ``start`` on (the positions before it feed later ones only through keys and values).
-    """
-    return _forward(model, tokens, start).float()
-
-
-def token_values(model: nn.Module, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Critic forward. tokens [b, s] -> values [b, s-1]; element t is V(tokens 0..t), computed
-    for t >= ``start`` (0 before it: for losses that mask those positions out)."""
-    out = _forward(model, tokens, start)[:, :-1, 0].float()  # [b, s-1-start]
-    return F.pad(out, (start, 0)) if start else out
-
-
-def sequence_scores(model: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Reward model forward. tokens [b, s], lengths [b] -> scores [b], read at position length-1
-    (the fused forward runs the last layer only there)."""
-    idx = (lengths.to(tokens.device).long() - 1).clamp(min=0)
-    fast = getattr(model, "aligner_fused", None)
-    if fast is not None:
-        return fast.at(tokens, idx)[:, 0, 0].float()
-    out = _forward(model, tokens)[..., 0]  # [b, s]
-    return out.gather(1, idx.unsqueeze(1)).squeeze(1).float()

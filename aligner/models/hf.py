@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from aligner.config_checks import ConfigError
 from aligner.distributed import barrier, is_writer
-from aligner.models.config import ConfigError, ConversionError, ModelConfig
+from aligner.models.config import ConversionError, ModelConfig
 from aligner.models.gpt import build_model, config_of, head_of, role_head, unwrap
 from aligner.models.hf_config import (
     SUPPORTED_ARCHITECTURES,

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from aligner.models.config import ConfigError, ConversionError, ModelConfig
+from aligner.config_checks import ConfigError
+from aligner.models.config import ConversionError, ModelConfig
 from aligner.models.model_files import read_json_object
 
 __all__ = [

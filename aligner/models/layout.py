@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from aligner.models.config import ConversionError, ModelConfig
 from aligner.models.gpt import config_of, head_of, shape_mismatches, tensor_state_dict, unwrap
+from aligner.models.lora import merged_weights
 
 __all__ = [
-    "TensorSpec",
+    "WeightSpec",
     "megatron_tensor_specs",
     "ParallelLayout",
     "check_local_model",
@@ -47,7 +48,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class WeightSpec:
     """One tensor of the full (TP=1, PP=1, un-padded vocab) Megatron model."""
 
     name: str
@@ -61,7 +62,7 @@ class TensorSpec:
     layer: int | None = None
 
 
-def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[TensorSpec]:
+def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[WeightSpec]:
     """Every tensor of the model in a fixed order (the same on every rank)."""
     if head not in ("lm", "value", "reward"):
         raise ConversionError(f"unknown model head {head!r}; expected 'lm', 'value' or 'reward'")
@@ -72,16 +73,16 @@ def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[TensorSpec
     bias = cfg.add_bias_linear
     qkv_bias = cfg.add_qkv_bias or cfg.add_bias_linear
     glu = cfg.activation == "swiglu"
-    out = [TensorSpec("embedding.word_embeddings.weight", (V, H), "vocab", "first")]
+    out = [WeightSpec("embedding.word_embeddings.weight", (V, H), "vocab", "first")]
     if cfg.position_embedding == "learned_absolute":
         out.append(
-            TensorSpec("embedding.position_embeddings.weight", (cfg.max_seq_len, H), "replicated", "first")
+            WeightSpec("embedding.position_embeddings.weight", (cfg.max_seq_len, H), "replicated", "first")
         )
     for i in range(cfg.num_layers):
         p = f"decoder.layers.{i}."
 
         def add(suffix: str, shape: tuple[int, ...], split: str, p: str = p, i: int = i) -> None:
-            out.append(TensorSpec(p + suffix, shape, split, "layer", i))
+            out.append(WeightSpec(p + suffix, shape, split, "layer", i))
 
         for s in norms:
             add(f"input_layernorm.{s}", (H,), "replicated")
@@ -105,13 +106,13 @@ def megatron_tensor_specs(cfg: ModelConfig, head: str = "lm") -> list[TensorSpec
         if bias:
             add("mlp.linear_fc2.bias", (H,), "replicated")
     for s in norms:
-        out.append(TensorSpec(f"decoder.final_layernorm.{s}", (H,), "replicated", "last"))
+        out.append(WeightSpec(f"decoder.final_layernorm.{s}", (H,), "replicated", "last"))
     if head == "lm":
         if not cfg.tie_embeddings:
-            out.append(TensorSpec("output_layer.weight", (V, H), "vocab", "last"))
+            out.append(WeightSpec("output_layer.weight", (V, H), "vocab", "last"))
     else:
-        out.append(TensorSpec("output_layer.weight", (1, H), "replicated", "last"))
-        out.append(TensorSpec("output_layer.bias", (1,), "replicated", "last"))
+        out.append(WeightSpec("output_layer.weight", (1, H), "replicated", "last"))
+        out.append(WeightSpec("output_layer.bias", (1,), "replicated", "last"))
     return out
 
 
@@ -142,7 +143,7 @@ class ParallelLayout:
             pp_group=mpu.get_pipeline_model_parallel_group(),
         )
 
-    def owner(self, spec: TensorSpec, cfg: ModelConfig) -> int:
+    def owner(self, spec: WeightSpec, cfg: ModelConfig) -> int:
         """The pipeline stage that holds ``spec``."""
         if spec.place == "first":
             return 0
@@ -151,7 +152,7 @@ class ParallelLayout:
         assert spec.layer is not None
         return spec.layer // (cfg.num_layers // self.pp)
 
-    def local_name(self, spec: TensorSpec, cfg: ModelConfig) -> str:
+    def local_name(self, spec: WeightSpec, cfg: ModelConfig) -> str:
         """``spec``'s name in its stage's module (layer numbers local to the stage)."""
         if spec.layer is None:
             return spec.name
@@ -159,7 +160,7 @@ class ParallelLayout:
         prefix = f"decoder.layers.{spec.layer}."
         return f"decoder.layers.{spec.layer - offset}." + spec.name[len(prefix) :]
 
-    def targets(self, cfg: ModelConfig, head: str) -> list[tuple[TensorSpec, str]]:
+    def targets(self, cfg: ModelConfig, head: str) -> list[tuple[WeightSpec, str]]:
         """(spec, local name) of every tensor this rank holds."""
         out = [
             (s, self.local_name(s, cfg))
@@ -172,7 +173,7 @@ class ParallelLayout:
             out.append((emb, "output_layer.weight"))
         return out
 
-    def shard_shape(self, spec: TensorSpec, cfg: ModelConfig) -> tuple[int, ...]:
+    def shard_shape(self, spec: WeightSpec, cfg: ModelConfig) -> tuple[int, ...]:
         """The shape of this rank's shard of ``spec``."""
         s, tp = list(spec.shape), self.tp
         if spec.split == "vocab":
@@ -183,7 +184,7 @@ class ParallelLayout:
             s[1] //= tp
         return tuple(s)
 
-    def shard(self, full: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> torch.Tensor:
+    def shard(self, full: torch.Tensor, spec: WeightSpec, cfg: ModelConfig) -> torch.Tensor:
         """This rank's shard of the full tensor ``full`` of ``spec``: a view of ``full`` where the
         shard is one slice of it (a copy for a fused gate/up pair under TP > 1, and for the
         vocabulary shard that reaches into the padding, whose padded rows are zeros)."""
@@ -206,7 +207,7 @@ class ParallelLayout:
             return torch.cat([gate.chunk(tp, 0)[r], up.chunk(tp, 0)[r]])
         return full
 
-    def gather(self, shard: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> torch.Tensor:
+    def gather(self, shard: torch.Tensor, spec: WeightSpec, cfg: ModelConfig) -> torch.Tensor:
         """The full tensor of ``spec`` from every TP rank's ``shard`` (the vocabulary un-padded).
         Collective over the TP group."""
         shard = shard.detach()
@@ -256,8 +257,6 @@ def iter_megatron_tensors(
     ``W + (alpha / r) * B @ A`` (each shard merged in fp32 before the gather); the adapters
     themselves are not in the stream.
     """
-    from aligner.models.lora import merged_weights
-
     m = unwrap(model)
     cfg = config_of(m, cfg)
     head = head_of(m)

@@ -1,7 +1,7 @@
 """Which Megatron ``GPTModel`` instances a forward over the model's own parameters reproduces.
 
 Two forwards bypass Megatron's module forward and compute the same arithmetic directly on
-the model's parameter tensors: the lean KV-cache decoder (:mod:`aligner.generation.lean`) and
+the model's parameter tensors: the lean KV-cache decoder (:mod:`aligner.generation.decoder`) and
 the fused full-sequence forward (:mod:`aligner.models.fused`). Both are exact only for the
 architecture :mod:`aligner.models.gpt` builds with Megatron's local layer spec (pre-norm,
 RMSNorm/LayerNorm, RoPE (plain or with scaled frequencies: the tables come from the model's

@@ -7,7 +7,7 @@ of rounding.
 (``model.rotary_pos_emb.inv_freq``), where every forward reads them.
 
 The tables are shared by the forwards written over a ``GPTModel``'s own parameters (the lean
-KV-cache decoder in :mod:`aligner.generation.lean`, the fused forward in
+KV-cache decoder in :mod:`aligner.generation.decoder`, the fused forward in
 :mod:`aligner.models.fused`), so both compute bit for bit what Megatron's rotary embedding
 does: :func:`rope_tables` builds ``(cos, sin)`` from the model's own ``rotary_pos_emb``,
 :func:`apply_rope` applies them.

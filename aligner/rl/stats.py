@@ -112,7 +112,7 @@ def loss_start(mask: Tensor) -> int:
     """``mask [b, s-1]`` -> the first transition any row's mask covers (0 when none does).
 
     Outputs before it feed no loss, KL or metric, so the forwards compute the last layer only
-    from there on (``gpt.policy_logits(..., start)``, ``gpt.token_values(..., start)``).
+    from there on (``forward.policy_logits(..., start)``, ``forward.token_values(..., start)``).
     """
     cols = mask.detach().any(0).nonzero()
     return int(cols[0, 0]) if cols.numel() else 0

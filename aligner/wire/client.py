@@ -1,18 +1,21 @@
 """RemoteCriticClient: the actor's handle on the critic/reward server.
 
-- ``infer`` and ``train`` return futures (:class:`CriticFuture`) so the actor overlaps them with
-  its own work (docs/design.md, "Roles and data flow", steps 3-4 and 6-7); ``save``/``load``/``info``
-  block.
+- ``infer`` and ``train`` return futures (:class:`~aligner.wire.transport.CriticFuture`) so the
+  actor overlaps them with its own work (docs/design.md, "Roles and data flow", steps 3-4 and
+  6-7): ``infer``'s of ``(values, rewards)``, ``train``'s of a
+  :class:`~aligner.wire.protocol.TrainResult`; ``save``/``load``/``server_info`` block.
 - Ordering: trains run one at a time in submission order, and an ``infer`` submitted after a
   ``train`` is sent only once that train has returned, so it sees the update (the server's
   lock then guarantees the rest). ``save`` waits for pending trains too.
 - Requests are validated with :mod:`aligner.wire.protocol` (against the limits the server
   advertises in ``server_info``) before anything is sent. Of critic_infer's optional inputs
-  (texts and extras) exactly those the server names in ``infer_inputs`` are sent.
+  (texts and extras) exactly those the server names in ``infer_inputs`` are sent; a batch
+  larger than the server takes goes in several requests (:mod:`aligner.wire.requests`).
 - Retries with exponential backoff on connection errors, timeouts, "unavailable" and models
-  that are (re)loading; before retrying after a connection error the client waits (up to
-  ``ready_timeout_s``) for the server to be ready again. Retrying ``train`` is safe because the
-  server applies each step id exactly once.
+  that are (re)loading (which failure is which: :func:`aligner.wire.transport.classify`);
+  before retrying after a connection error the client waits (up to ``ready_timeout_s``) for the
+  server to be ready again. Retrying ``train`` is safe because the server applies each step id
+  exactly once.
 - Bounded waits: every wait on the server ends within ``wait_timeout_s`` (a future's
   ``result()``, ``save``, ``load``, one request's retries all together) or raises
   :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step and the address.
@@ -32,12 +35,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,39 +54,31 @@ from aligner.wire.errors import (
     CriticUnavailableError,
 )
 from aligner.wire.protocol import (
-    BATCH_PEER_MARK,
-    ERROR_MARK,
-    FENCED_MARK,
     INFER,
     INFO,
     LOAD,
     MODEL_NAMES,
     MODELS,
-    OPTIONAL_INFER_INPUTS,
     PROTOCOL_VERSION,
     SAVE,
-    TEXT_INPUTS,
     TRAIN,
-    UNAUTHORIZED_MARK,
-    UNAVAILABLE_MARK,
     InferRequest,
     Limits,
     ServerInfo,
     TrainResult,
     UnauthorizedError,
-    as_numpy,
     critic_step_after_load,
     extract_error,
     extract_fenced,
     extract_unauthorized,
     load_inputs,
     save_inputs,
-    validate_infer,
     validate_step,
     validate_train,
 )
 from aligner.wire.readiness import parse_url, wait_ready
-from aligner.wire.transport import Connection, CriticFuture, run_into
+from aligner.wire.requests import INFER_OUTPUTS, float32s, infer_chunks, infer_request, infer_result, int64s
+from aligner.wire.transport import Connection, CriticFuture, classify, error_detail, run_into, timed_out
 
 __all__ = [
     "RemoteCriticClient",
@@ -93,6 +88,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("aligner.wire.client")
+
+T = TypeVar("T")
 
 ENV_URL = "ALIGNER_CRITIC_URL"
 DEFAULT_URL = "grpc://127.0.0.1:8001"
@@ -104,93 +101,6 @@ def resolve_critic_url(configured: str | None) -> str:
     url = (configured or "").strip() or os.environ.get(ENV_URL, "").strip() or DEFAULT_URL
     parse_url(url)
     return url
-
-
-# ----------------------------------------------------------------------------------------------
-# Errors on the wire
-# ----------------------------------------------------------------------------------------------
-
-
-def _classify(exc: BaseException) -> str:
-    """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
-    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
-    after readiness), or 'server' (a real server-side failure)."""
-    text = str(exc)
-    if FENCED_MARK.strip() in text:
-        return "fenced"
-    if UNAUTHORIZED_MARK.strip() in text:
-        return "unauthorized"
-    if BATCH_PEER_MARK.strip() in text:
-        return "peer"
-    if ERROR_MARK.strip() in text:
-        return "request"
-    if UNAVAILABLE_MARK.strip() in text:
-        return "unavailable"
-    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
-        return "unavailable"
-    if "Traceback (most recent call last)" in text:
-        return "server"  # raised inside the server's callable: a real failure, not a lost connection
-    status = ""
-    try:
-        status = str(exc.status() or "")  # type: ignore[attr-defined]
-    except Exception:
-        pass
-    lowered = text.lower()
-    for needle in (
-        "unavailable",
-        "deadline",
-        "failed to connect",
-        "connection refused",
-        "connection reset",
-        "socket closed",
-        "broken pipe",
-        "timed out",
-        "timeout",
-        "unknown model",
-        "is not ready",
-        "is not healthy",  # a Python-backend stub Triton restarts (seen under heavy CPU load)
-        "not found",
-        "cancelled",
-        "eof",
-        "503",
-        "502",
-        "connect",
-    ):
-        if needle in lowered or needle in status.lower():
-            return "unavailable"
-    try:
-        import gevent
-
-        if isinstance(exc, gevent.Timeout):
-            return "unavailable"
-    except ImportError:
-        pass
-    return "server"
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a failed attempt ran out of time (rather than finding no server)."""
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "deadline" in text or "timed out" in text
-
-
-_EXC_LINE = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.+?)(?:\\n|\n|$)")
-
-
-def _detail(exc: BaseException) -> str:
-    """The informative line of a (traceback-laden) Triton error."""
-    text = str(exc)
-    found = extract_error(text)
-    if found:
-        return found
-    lines = [
-        f"{name}: {msg}"
-        for name, msg in _EXC_LINE.findall(text)
-        if not name.endswith(("TritonModelException", "InferenceServerException"))
-    ]
-    if lines:
-        return lines[-1][:500]
-    return (text.strip().splitlines() or [repr(exc)])[-1][:500]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +159,7 @@ class RemoteCriticClient:
         self._conns_lock = threading.Lock()
         self._order_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._pending_train: CriticFuture | None = None
+        self._pending_train: CriticFuture[TrainResult] | None = None
         self._closed = False
         self._restarted: CriticRestartedError | None = None
         self.instance_id: str | None = None
@@ -360,8 +270,8 @@ class RemoteCriticClient:
                     raise TimeoutError(f"{model}: no time left")
                 return self._conn().infer(model, inputs, outputs, timeout_s=left)
             except Exception as e:
-                kind = _classify(e)
-                detail = _detail(e)
+                kind = classify(e)
+                detail = error_detail(e)
                 if kind == "fenced":
                     info = self._read_info(min(self.timeout_s, max(deadline - time.monotonic(), 1.0)))
                     fenced = extract_fenced(str(e))
@@ -375,7 +285,7 @@ class RemoteCriticClient:
                         f"{model} failed on the critic server at {self.url}: {detail}"
                     ) from e
                 ran_out = time.monotonic() >= deadline
-                if ran_out or (attempt >= self.retries and _timed_out(e)):  # a hung server, not a lost one
+                if ran_out or (attempt >= self.retries and timed_out(e)):  # a hung server, not a lost one
                     limit = self.wait_timeout_s if ran_out else self.timeout_s
                     what = f"{attempt + 1} attempt(s), the last: {detail}"
                     raise CriticTimeoutError(model, self.url, limit, step=step, what=what) from None
@@ -435,8 +345,10 @@ class RemoteCriticClient:
         if reraise and pending.exception() is not None:
             raise pending.exception()
 
-    def _submit(self, pool: ThreadPoolExecutor, call: str, step: int | None, fn, *args: Any) -> CriticFuture:
-        future = CriticFuture(call, self.url, self.wait_timeout_s, step)
+    def _submit(
+        self, pool: ThreadPoolExecutor, call: str, step: int | None, fn: Callable[..., T], *args: Any
+    ) -> CriticFuture[T]:
+        future: CriticFuture[T] = CriticFuture(call, self.url, self.wait_timeout_s, step)
         pool.submit(run_into, future, fn, *args)
         return future
 
@@ -451,8 +363,9 @@ class RemoteCriticClient:
         return ServerInfo.from_json(blob)
 
     def info(self) -> dict[str, Any]:
-        """``server_info`` as a dict: protocol version, vocab size, max sequence length, tokenizer
-        fingerprint, critic step, reward source, model config, parallel sizes, ..."""
+        """``server_info``'s JSON as it came, a dict: every field the server sent, those this
+        client's :class:`~aligner.wire.protocol.ServerInfo` does not know included (for reports
+        and benchmarks; :meth:`server_info` is the typed view)."""
         out = self._call(INFO, {}, ["info"])
         return json.loads(out["info"].reshape(-1)[0])
 
@@ -481,13 +394,6 @@ class RemoteCriticClient:
                 f"critic server at {self.url} is incompatible with this actor: " + "; ".join(problems)
             )
 
-    @staticmethod
-    def _ints(x: Any) -> np.ndarray:
-        a = as_numpy(x)
-        if a.dtype.kind in "iu" and a.dtype != np.int64:
-            a = a.astype(np.int64)
-        return a
-
     def _check_not_closed(self) -> None:
         if self._closed:
             raise CriticError(f"client for {self.url} is closed")
@@ -502,7 +408,7 @@ class RemoteCriticClient:
         prompt_texts: list[str] | None = None,
         response_texts: list[str] | None = None,
         extras: list[str] | None = None,
-    ) -> CriticFuture:
+    ) -> CriticFuture[tuple[np.ndarray, np.ndarray]]:
         """Values and rewards of a batch, as a future of ``(values [b, s-1] float32, rewards [b] float32)``.
 
         Args:
@@ -523,35 +429,14 @@ class RemoteCriticClient:
         """
         self._check_not_closed()
         self._check_restarted(INFER)
-        tokens = self._ints(tokens)
-        lengths = self._ints(lengths)
-        prompt_lengths = self._ints(prompt_lengths)
-        limits = self.limits
-        b = tokens.shape[0] if tokens.ndim == 2 else 0
-        whole = Limits(
-            limits.vocab_size, limits.max_seq_len, max(limits.max_batch, b), limits.max_train_batch
-        )
-        needs = set(self._info.infer_inputs or ())
-        given = {"prompt_text": prompt_texts, "response_text": response_texts, "extras": extras}
-        missing = [n for n in TEXT_INPUTS if n in needs and given[n] is None]
-        if missing:
-            text = (self._info.reward or {}).get("text") or {}
-            raise ValueError(
-                f"critic_infer to {self.url}: the server needs {missing} (server_info's infer_inputs): its "
-                f"reward model reads text with a tokenizer of its own ({text.get('tokenizer')!r}, not the "
-                "policy's), so each sample's prompt and response go as text: pass prompt_texts= and "
-                "response_texts="
-            )
-        if "extras" in needs and extras is None:
-            given["extras"] = ["{}"] * b
-        send = {n: given[n] if n in needs else None for n in OPTIONAL_INFER_INPUTS}
-        req = validate_infer(tokens, lengths, prompt_lengths, whole, **send)
+        texts = {"prompt_texts": prompt_texts, "response_texts": response_texts, "extras": extras}
+        req = infer_request(self._info, self.url, tokens, lengths, prompt_lengths, **texts)
         with self._order_lock:
             after = self._pending_train
         return self._submit(self._pool, INFER, step, self._infer_task, req, after, step)
 
     def _infer_task(
-        self, req: InferRequest, after: CriticFuture | None, step: int | None
+        self, req: InferRequest, after: CriticFuture[TrainResult] | None, step: int | None
     ) -> tuple[np.ndarray, np.ndarray]:
         if after is not None:
             done, _ = wait_futures([after], timeout=self.wait_timeout_s)
@@ -564,26 +449,20 @@ class RemoteCriticClient:
                     what=f"waiting for the critic_train of step {after.step} submitted before it",
                 )
         self._check_restarted(INFER)
-        n = self.limits.max_batch
         values, rewards = [], []
-        for start in range(0, req.tokens.shape[0], n):
-            chunk = req.rows(start, start + n)
-            out = self._call(INFER, chunk.to_wire(), ["values", "rewards", "error"], step=step)
-            failed = [m for m in np.asarray(out["error"]).reshape(-1) if m]
-            if failed:  # this request's samples failed on their own (in a merged execution)
-                text = (
-                    failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
-                )
-                raise CriticServerError(f"{INFER} failed on the critic server at {self.url}: {text}")
-            values.append(out["values"].astype(np.float32, copy=False))
-            rewards.append(out["rewards"].reshape(-1).astype(np.float32, copy=False))
+        for chunk in infer_chunks(req, self.limits.max_batch):
+            out = self._call(INFER, chunk.to_wire(), INFER_OUTPUTS, step=step)
+            v, r = infer_result(out, self.url)
+            values.append(v)
+            rewards.append(r)
         return np.concatenate(values), np.concatenate(rewards)
 
     def train(
         self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: int
-    ) -> CriticFuture:
-        """One critic update for ``step``; a future of ``{"loss", "grad_norm", "applied_step",
-        "explained_variance", "value_clipfrac"}``.
+    ) -> CriticFuture[TrainResult]:
+        """One critic update for ``step``; a future of its
+        :class:`~aligner.wire.protocol.TrainResult` (``loss``, ``grad_norm``, ``applied_step``,
+        ``explained_variance``, ``value_clipfrac``).
 
         Shapes: tokens ``[b, s]``; lengths ``[b]``; returns, old_values, mask ``[b, s-1]`` (float32;
         other float dtypes are cast). Trains run one at a time in the order they were submitted;
@@ -592,12 +471,7 @@ class RemoteCriticClient:
 
         self._check_not_closed()
         self._check_restarted(TRAIN)
-
-        def f32(x: Any) -> np.ndarray:
-            a = as_numpy(x)
-            return a.astype(np.float32) if a.dtype.kind == "f" and a.dtype != np.float32 else a
-
-        arrays = (self._ints(tokens), self._ints(lengths), f32(returns), f32(old_values), f32(mask))
+        arrays = (int64s(tokens), int64s(lengths), float32s(returns), float32s(old_values), float32s(mask))
         # Checked here with the belief of now; sent with the belief the previous train leaves.
         validate_train(*arrays, int(step), self.expected_step, self.limits)
         with self._order_lock:
@@ -605,14 +479,14 @@ class RemoteCriticClient:
             self._pending_train = fut
         return fut
 
-    def _train_task(self, arrays: tuple[np.ndarray, ...], step: int) -> dict[str, float | int]:
+    def _train_task(self, arrays: tuple[np.ndarray, ...], step: int) -> TrainResult:
         self._check_restarted(TRAIN)
         req = validate_train(*arrays, step, self.expected_step, self.limits)
         names = [t.name for t in MODELS[TRAIN].outputs]
         result = TrainResult.from_wire(self._call(TRAIN, req.to_wire(self._run_token), names, step=step))
         with self._state_lock:
             self._expected_step = result.applied_step
-        return result.to_dict()
+        return result
 
     def save(self, step: int) -> None:
         """Ask the server to save the critic at ``step`` (under its own checkpoint dir); blocks until

@@ -3,15 +3,20 @@
 The actor's trainer and checkpointer are written against :class:`CriticHandle`, never against
 the client class; :class:`aligner.wire.client.RemoteCriticClient` satisfies it structurally
 (without naming it), and a test fake may too. Beside the wire contract
-(:mod:`aligner.wire.protocol`) this is the only part of the server's package the actor imports.
+(:mod:`aligner.wire.protocol`) this is what the actor imports of :mod:`aligner.wire`; only its
+composition root (``aligner.actor.run``) builds the client.
 
 The requests map to the server's models (docs/design.md, "Wire protocol"): ``infer`` to
 ``critic_infer`` (step 3 of "Roles and data flow"), ``train`` to ``critic_train`` (step 6),
 ``save`` and ``load`` to ``critic_save`` and ``critic_load`` (checkpoints of both roles at the
 same step), ``server_info`` to ``server_info``. Shapes: ``b`` batch, ``s`` padded length.
 
+Results are typed: ``server_info`` gives a :class:`~aligner.wire.protocol.ServerInfo`, and
+``train``'s future a :class:`~aligner.wire.protocol.TrainResult` (read its attributes;
+``to_dict()`` where JSON is wanted, e.g. in a checkpoint).
+
 What the calls raise is part of the contract, so the errors the actor acts on are named here
-too (defined in :mod:`aligner.critic.errors`): :class:`CriticRestartedError` (the server is not
+too (defined in :mod:`aligner.wire.errors`): :class:`CriticRestartedError` (the server is not
 the one the actor trained with: the actor rolls both roles back, or stops, per
 ``critic.on_restart``), :class:`CriticTimeoutError` (a wait on the server ran out of time) and
 their base :class:`CriticError`; a wrong or missing run token is the protocol's
@@ -26,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from aligner.wire.errors import CriticError, CriticRestartedError, CriticTimeoutError
-from aligner.wire.protocol import ServerInfo
+from aligner.wire.protocol import ServerInfo, TrainResult
 
 __all__ = ["CriticHandle", "CriticError", "CriticRestartedError", "CriticTimeoutError"]
 
@@ -70,10 +75,12 @@ class CriticHandle(Protocol):
 
     def train(
         self, tokens: Any, lengths: Any, returns: Any, old_values: Any, mask: Any, step: int
-    ) -> Future[dict[str, float | int]]:
+    ) -> Future[TrainResult]:
         """One critic update for ``step`` (applied once, in order) from ``tokens [b, s]``,
         ``lengths [b]``, ``returns``, ``old_values`` and ``mask [b, s-1]``, without waiting; the
-        result holds ``loss``, ``grad_norm`` and ``applied_step``. Fenced: the server must still
+        future's result is the update's :class:`~aligner.wire.protocol.TrainResult`
+        (``.loss``, ``.grad_norm``, ``.applied_step``, ``.explained_variance``,
+        ``.value_clipfrac``), bounded in time like ``infer``'s. Fenced: the server must still
         hold the critic step the previous update left (else CriticRestartedError)."""
         ...
 

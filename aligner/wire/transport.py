@@ -1,20 +1,32 @@
-"""How the critic client's requests travel: one tritonclient connection per thread, and the
-future a request's caller waits on, bounded in time.
+"""How the critic client's requests travel: one tritonclient connection per thread, the future a
+request's caller waits on, bounded in time, and what a failed attempt means (:func:`classify`:
+retried, or raised as which of the client's errors).
 
 :class:`~aligner.wire.client.RemoteCriticClient` is built on these; nothing else uses them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from aligner.wire.errors import CriticTimeoutError
+from aligner.wire.protocol import (
+    BATCH_PEER_MARK,
+    ERROR_MARK,
+    FENCED_MARK,
+    UNAUTHORIZED_MARK,
+    UNAVAILABLE_MARK,
+    extract_error,
+)
 
-__all__ = ["Connection", "CriticFuture", "run_into", "WIRE_DTYPES"]
+__all__ = ["Connection", "CriticFuture", "run_into", "WIRE_DTYPES", "classify", "timed_out", "error_detail"]
+
+T = TypeVar("T")
 
 
 WIRE_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}
@@ -64,7 +76,7 @@ class Connection:
             pass
 
 
-class CriticFuture(Future):
+class CriticFuture(Future[T]):
     """A request's future whose :meth:`result` waits at most ``timeout_s`` unless told otherwise,
     and then raises :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step
     and the address (instead of a bare ``TimeoutError``)."""
@@ -73,7 +85,7 @@ class CriticFuture(Future):
         super().__init__()
         self.call, self.url, self.timeout_s, self.step = call, url, timeout_s, step
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
         limit = self.timeout_s if timeout is None else timeout
         try:
             return super().result(limit)
@@ -85,7 +97,7 @@ class CriticFuture(Future):
             ) from None
 
 
-def run_into(future: CriticFuture, fn: Callable[..., Any], *args: Any) -> None:
+def run_into(future: CriticFuture[T], fn: Callable[..., T], *args: Any) -> None:
     """Run ``fn(*args)`` (on a pool thread) and settle ``future`` with its result or error."""
     if not future.set_running_or_notify_cancel():
         return
@@ -93,3 +105,90 @@ def run_into(future: CriticFuture, fn: Callable[..., Any], *args: Any) -> None:
         future.set_result(fn(*args))
     except BaseException as e:  # handed to whoever waits on the future
         future.set_exception(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors on the wire
+# ----------------------------------------------------------------------------------------------
+
+
+def classify(exc: BaseException) -> str:
+    """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
+    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
+    after readiness), or 'server' (a real server-side failure)."""
+    text = str(exc)
+    if FENCED_MARK.strip() in text:
+        return "fenced"
+    if UNAUTHORIZED_MARK.strip() in text:
+        return "unauthorized"
+    if BATCH_PEER_MARK.strip() in text:
+        return "peer"
+    if ERROR_MARK.strip() in text:
+        return "request"
+    if UNAVAILABLE_MARK.strip() in text:
+        return "unavailable"
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return "unavailable"
+    if "Traceback (most recent call last)" in text:
+        return "server"  # raised inside the server's callable: a real failure, not a lost connection
+    status = ""
+    try:
+        status = str(exc.status() or "")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    lowered = text.lower()
+    for needle in (
+        "unavailable",
+        "deadline",
+        "failed to connect",
+        "connection refused",
+        "connection reset",
+        "socket closed",
+        "broken pipe",
+        "timed out",
+        "timeout",
+        "unknown model",
+        "is not ready",
+        "is not healthy",  # a Python-backend stub Triton restarts (seen under heavy CPU load)
+        "not found",
+        "cancelled",
+        "eof",
+        "503",
+        "502",
+        "connect",
+    ):
+        if needle in lowered or needle in status.lower():
+            return "unavailable"
+    try:
+        import gevent
+
+        if isinstance(exc, gevent.Timeout):
+            return "unavailable"
+    except ImportError:
+        pass
+    return "server"
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a failed attempt ran out of time (rather than finding no server)."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "deadline" in text or "timed out" in text
+
+
+_EXC_LINE = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.+?)(?:\\n|\n|$)")
+
+
+def error_detail(exc: BaseException) -> str:
+    """The informative line of a (traceback-laden) Triton error."""
+    text = str(exc)
+    found = extract_error(text)
+    if found:
+        return found
+    lines = [
+        f"{name}: {msg}"
+        for name, msg in _EXC_LINE.findall(text)
+        if not name.endswith(("TritonModelException", "InferenceServerException"))
+    ]
+    if lines:
+        return lines[-1][:500]
+    return (text.strip().splitlines() or [repr(exc)])[-1][:500]

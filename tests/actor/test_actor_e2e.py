@@ -430,8 +430,8 @@ def test_bad_config_fails_before_any_model_is_built(tmp_path):
     ],
 )
 def test_bad_prompt_files_are_reported_with_line_numbers(tmp_path, lines, fragment):
-    from aligner.actor.config import ConfigError
     from aligner.actor.prompts import load_prompts
+    from aligner.config_checks import ConfigError
     from aligner.tokenizers import CharTokenizer
 
     path = tmp_path / "prompts.jsonl"

@@ -14,22 +14,23 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from aligner.actor.config import ActorConfig, GenerationConfig, PolicyOptimConfig, validate_actor_config
+from aligner.actor.config import ActorConfig, PolicyOptimConfig, validate_actor_config
 from aligner.actor.critic_link import CriticLink
 from aligner.actor.logprobs import PolicyLogprobs
 from aligner.actor.optimizer import lr_lambda, set_schedule_position
 from aligner.actor.prompts import PromptSampler
 from aligner.actor.rollout import StepRecord
-from aligner.config_checks import Problems
+from aligner.config_checks import ConfigError, Problems
 from aligner.critic.config import CriticOptimConfig, build_config
 from aligner.distributed import ParallelState
+from aligner.generation.config import GenerationConfig
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.metrics import Timers
-from aligner.models.config import ConfigError
 from aligner.optim import OptimConfig
 from aligner.tokenizers import CharTokenizer
 from aligner.wire.client import RemoteCriticClient
 from aligner.wire.handle import CriticHandle
+from aligner.wire.protocol import TrainResult
 
 ONE_RANK = ParallelState(0, 1, 0, 1, 0, 1, 0, 1, torch.device("cpu"), None, None, None)
 
@@ -74,7 +75,7 @@ class FakeCritic:
     def train(self, tokens, lengths, returns, old_values, mask, step):
         self.trained.append(step)
         f: Future = Future()
-        f.set_result({"loss": 0.5, "grad_norm": 1.5, "applied_step": step})
+        f.set_result(TrainResult(loss=0.5, grad_norm=1.5, applied_step=step))
         return f
 
     def save(self, step):
@@ -115,7 +116,7 @@ def test_the_link_sends_keeps_the_update_in_flight_and_reports_its_result_once()
         link.train(tokens, lengths, per_token, per_token, per_token, 8)
     link.wait()
     assert link.pending is None and critic.trained == [7]
-    assert link.take_completed() == {"loss": 0.5, "grad_norm": 1.5, "applied_step": 7}
+    assert link.take_completed() == TrainResult(loss=0.5, grad_norm=1.5, applied_step=7)
     assert link.take_completed() is None
 
 
@@ -294,7 +295,7 @@ def test_groups_are_whole_adjacent_copies_on_one_rank_with_their_extras():
 
 
 def test_minibatch_orders_permute_whole_groups():
-    from aligner.actor.trainer import group_order
+    from aligner.actor.policy_update import group_order
 
     g = torch.Generator().manual_seed(0)
     for b, n in ((12, 3), (16, 4), (8, 8)):
@@ -511,7 +512,7 @@ def test_step_record_metrics_by_hand():
         kl_coef=0.05,
         lr=1e-3,
         policy_stats={"loss/policy": 0.25, "policy/clipfrac": 0.5},
-        critic_stats={"loss": 0.75, "grad_norm": 2.0, "applied_step": 3},
+        critic_stats=TrainResult(loss=0.75, grad_norm=2.0, applied_step=3),
         timers={"timers/generate": 0.5, "timers/step": 1.0},
     )
     m = rec.metrics()

@@ -51,11 +51,12 @@ def test_micro_batches_cut_to_their_longest_row_give_the_same_logprobs(one_proce
     from aligner.actor.logprobs import PolicyLogprobs
     from aligner.models import gpt
     from aligner.models.config import ModelConfig
+    from aligner.models.forward import set_forward
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=16, max_seq_len=16)
     torch.manual_seed(0)
     model = gpt.build_policy(cfg)
-    gpt.set_forward(model, forward)
+    set_forward(model, forward)
     lengths = torch.tensor([12, 11, 7, 5, 4, 4])  # sorted, as a balanced share is
     tokens = torch.randint(1, 16, (6, 12))
     for i, n in enumerate(lengths.tolist()):

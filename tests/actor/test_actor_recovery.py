@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.actor.config import ActorConfig
+from aligner.actor.run import build_actor
 from aligner.checkpoint import COMPLETE_MARKER, complete_steps, step_dir_name
-from aligner.distributed import ParallelConfig, destroy, initialize
-from aligner.metrics import MetricsLogger, read_metrics
+from aligner.distributed import destroy
+from aligner.metrics import read_metrics
 from aligner.tasks import get_task
 from aligner.tokenizers import CharTokenizer
 from aligner.wire import protocol as P
@@ -113,7 +114,7 @@ class ToyCritic:
         if step == self.restart_after_train:
             self.restart_after_train = None
             self._come_back()
-        return _done({"loss": self.w, "grad_norm": 1.0, "applied_step": step})
+        return _done(P.TrainResult(loss=self.w, grad_norm=1.0, applied_step=step))
 
     def save(self, step: int) -> None:
         if self.save_error is not None:
@@ -146,7 +147,7 @@ def _failed(error: BaseException) -> Future:
 
 def _config(root: Path, **critic) -> ActorConfig:
     cfg = ActorConfig()
-    cfg.data.task, cfg.data.num_digits = "copy", 3
+    cfg.data.task, cfg.data.num_digits, cfg.data.num_prompts = "copy", 3, 256
     cfg.generation.max_new_tokens = 4
     p = cfg.ppo
     p.num_steps, p.global_batch_size, p.mini_batch_size, p.micro_batch_size = STEPS, 16, 16, 16
@@ -159,52 +160,28 @@ def _config(root: Path, **critic) -> ActorConfig:
     cfg.logging.run_dir, cfg.logging.tensorboard, cfg.logging.progress_bar = str(root / "run"), False, False
     for k, v in critic.items():
         setattr(cfg.critic, k, v)
-    validate_actor_config(cfg, vocab_size=TOK.vocab_size)
     return cfg
 
 
 def _run(root: Path, critic: ToyCritic, printed: list[str] | None = None, **critic_cfg):
-    """A whole run as examples/train_actor.py makes it; returns (trainer, messages printed)."""
-    from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
-    from aligner.actor.prompts import PromptSampler
-    from aligner.actor.trainer import PPOTrainer
-    from aligner.generation.native import NativeEngine
-    from aligner.models import gpt
-
-    cfg = _config(root, **critic_cfg)
-    state = initialize(ParallelConfig(), seed=cfg.seed)
-    policy = gpt.build_policy(cfg.model)
-    reference = gpt.build_policy(cfg.model)
-    gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
-    reference.eval().requires_grad_(False)
-    checkpointer = ActorCheckpointer(
-        cfg, state, critic, TOK, reference_fingerprint=weights_fingerprint(reference, state)
-    )
-    assert checkpointer.resolve_resume() is None
-    engine = NativeEngine(policy, TOK, parallel_state=state, vocab_size=TOK.sample_vocab_size)
-    prompts = get_task("copy", 3).prompts(256, seed=cfg.seed)
-    sampler = PromptSampler(prompts, cfg.ppo.global_batch_size, 0, 1, cfg.seed)
-    logger = MetricsLogger(cfg.logging.run_dir, tensorboard=False)
+    """A whole run as the entry point builds it (:func:`aligner.actor.run.build_actor`), with the
+    toy standing for the client; returns the trainer, with the steps it rolled back to."""
+    actor = build_actor(_config(root, **critic_cfg), critic=critic)
+    assert actor.resume_step == -1  # a fresh start
     rollbacks: list[int] = []
-    trainer = PPOTrainer(
-        cfg,
-        state,
-        policy,
-        reference,
-        engine,
-        critic,
-        TOK,
-        sampler,
-        logger,
-        checkpointer=checkpointer,
-        on_rollback=rollbacks.append,
-    )
+    reopen = actor.trainer.on_rollback
+
+    def on_rollback(step: int) -> None:
+        rollbacks.append(step)
+        reopen(step)
+
+    actor.trainer.on_rollback = on_rollback
     try:
-        trainer.train()
+        actor.trainer.train()
     finally:
-        logger.close()
-    trainer.rollbacks = rollbacks
-    return trainer
+        actor.close()
+    actor.trainer.rollbacks = rollbacks
+    return actor.trainer
 
 
 @pytest.fixture(scope="module", autouse=True)

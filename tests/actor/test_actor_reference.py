@@ -15,7 +15,7 @@ from aligner.actor.config import ActorConfig
 from aligner.actor.logprobs import PolicyLogprobs
 from aligner.actor.reference import ReferenceModel
 from aligner.distributed import ParallelConfig, destroy, initialize
-from aligner.models import gpt
+from aligner.models import forward, gpt
 from aligner.tokenizers import CharTokenizer
 
 
@@ -25,7 +25,7 @@ def setup():
     state = initialize(ParallelConfig(), seed=5)
     tok = CharTokenizer()
     policy = gpt.build_policy(cfg.model)
-    gpt.set_forward(policy, "auto", 1)
+    forward.set_forward(policy, "auto", 1)
     tokens = torch.randint(0, tok.sample_vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
     try:
         yield cfg, state, tok, policy, tokens
@@ -36,7 +36,7 @@ def setup():
 def _reference(cfg, policy):
     reference = gpt.build_policy(cfg.model)
     gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
-    gpt.set_forward(reference, "auto", 1)
+    forward.set_forward(reference, "auto", 1)
     return reference.eval().requires_grad_(False)
 
 

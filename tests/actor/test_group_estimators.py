@@ -250,7 +250,7 @@ class LocalCritic:
 
     def train(self, tokens, lengths, returns, old_values, mask, step) -> Future:
         arrays = [x.numpy() for x in (tokens, lengths, returns, old_values, mask)]
-        return _done(self.service.train(*arrays, step).to_dict())
+        return _done(self.service.train(*arrays, step))
 
     def save(self, step: int) -> None:
         self.service.save(step)

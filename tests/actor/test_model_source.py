@@ -14,8 +14,9 @@ from aligner.actor.model_source import (
     packaged_model_config,
     resolve_model_config,
 )
+from aligner.config_checks import ConfigError
 from aligner.models.checkpoint_io import FORMAT, VERSION
-from aligner.models.config import ConfigError, ModelConfig
+from aligner.models.config import ModelConfig
 from aligner.tokenizers import resolve_tokenizer_spec
 
 LLAMA = {

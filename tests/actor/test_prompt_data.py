@@ -1,6 +1,7 @@
-"""Prompt data sets (aligner.actor.datasets): every source kind, the prompt column, the extras that
-travel to the reward function, chat templates, length filtering, splits, each refusal, and the
-sampler that carries the extras under data parallelism and across a resume."""
+"""Prompt data sets (aligner.actor.datasets, their sources aligner.actor.sources): every source kind,
+the prompt column, the extras that travel to the reward function, chat templates, length filtering,
+splits, each refusal, and the sampler that carries the extras under data parallelism and across a
+resume."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import json
 
 import pytest
 
-from aligner.actor.config import ConfigError, DataConfig
-from aligner.actor.datasets import PromptSet, load_prompt_set, training_prompt_set, validation_prompt_set
+from aligner.actor.datasets import (
+    DataConfig,
+    PromptSet,
+    load_prompt_set,
+    training_prompt_set,
+    validation_prompt_set,
+)
 from aligner.actor.prompts import PromptSampler, load_prompts
+from aligner.config_checks import ConfigError
 from aligner.tokenizers import CharTokenizer, build_tokenizer
 
 WORDS = "what is two plus four say hi hello world you are helpful a b c d e f g h".split()

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from aligner.critic.config import ConfigError, ParallelSection, build_config
+from aligner.config_checks import ConfigError
+from aligner.critic.config import ParallelSection, build_config
 from aligner.critic.metrics import RequestStats
 from aligner.critic.replicas import Layout, row_slices
 from aligner.critic.testing import tiny_config

@@ -16,7 +16,6 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from aligner.checkpoint import complete_steps, read_json
-from aligner.critic.faults import FAULT_ENV
 from aligner.critic.launch import SERVER_MODULE, start_server
 from aligner.critic.testing import (
     digit_batch,
@@ -28,6 +27,7 @@ from aligner.critic.testing import (
     train_arrays,
 )
 from aligner.distributed import free_port
+from aligner.faults import SERVER
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 from aligner.wire.readiness import ServerStartError
@@ -199,7 +199,7 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
         req = P.TrainRequest(tokens, lengths, returns, old_values, mask, step, expected)
         return P.TrainResult.from_wire(raw_train(url, req, run_token))
 
-    first = start_server(overrides, log_path=tmp_path / "first.log", env={FAULT_ENV: "train@3"})
+    first = start_server(overrides, log_path=tmp_path / "first.log", env={SERVER.env: "train@3"})
     try:
         info1 = raw_info(first.url)
         assert (info1.critic_step, info1.checkpoint_steps, info1.run_token_required) == (-1, [0], False)

@@ -32,11 +32,10 @@ from aligner.critic.testing import (
 from aligner.distributed import ParallelConfig, destroy, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
 from aligner.models.config import ModelConfig
+from aligner.models.forward import sequence_scores, token_values
 from aligner.models.gpt import (
     build_critic,
     build_reward_model,
-    sequence_scores,
-    token_values,
 )
 from aligner.tasks.digits import sort_reward
 from aligner.tokenizers import build_tokenizer

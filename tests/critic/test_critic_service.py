@@ -18,7 +18,8 @@ from aligner.critic.testing import digit_batch, tiny_config, train_arrays
 from aligner.distributed import ParallelConfig, destroy, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
 from aligner.models.config import ModelConfig
-from aligner.models.gpt import build_reward_model, sequence_scores, tensor_state_dict, token_values
+from aligner.models.forward import sequence_scores, token_values
+from aligner.models.gpt import build_reward_model, tensor_state_dict
 from aligner.tasks.digits import sort_reward
 from aligner.wire import protocol as P
 
@@ -428,7 +429,7 @@ def test_one_requests_bad_samples_fail_only_that_request(pstate, tmp_path):
     request's samples: that request gets an error naming the function and the sample, the others
     what they would get alone. Through the server's callable, the failing request's response is
     its error output; alone, it is an error."""
-    from aligner.critic.rewards import RewardFunctionError
+    from aligner.critic.reward_fn import RewardFunctionError
     from aligner.critic.server import CriticTritonServer
     from aligner.critic.testing import encode_samples
 
@@ -498,9 +499,9 @@ def test_fault_points_kill_the_server_where_they_say(tmp_path, fault, last_done)
     import subprocess
     import sys
 
-    from aligner.critic.faults import FAULT_ENV
+    from aligner.faults import SERVER
 
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", FAULT_ENV: fault, "PYTHONPATH": str(ROOT)}
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", SERVER.env: fault, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", _FAULT_SCRIPT, str(tmp_path)],
         capture_output=True,
@@ -522,7 +523,7 @@ def test_fault_points_kill_the_server_where_they_say(tmp_path, fault, last_done)
 
 
 def test_reward_fn_conventions_and_keyword_arguments():
-    from aligner.critic.rewards import RewardArgumentError, RewardFn
+    from aligner.critic.reward_fn import RewardArgumentError, RewardFn
 
     seen = {}
 
@@ -587,7 +588,7 @@ def test_reward_fn_conventions_and_keyword_arguments():
 def test_merged_requests_score_as_alone_whatever_columns_they_carry():
     """Requests with the same columns share one call; with other columns, or one that cannot
     fill a required parameter, each is scored alone (and that one fails alone)."""
-    from aligner.critic.rewards import RewardArgumentError, score_requests
+    from aligner.critic.reward_fn import RewardArgumentError, score_requests
     from aligner.critic.testing import encode_samples
     from aligner.tokenizers import build_tokenizer
 
@@ -747,7 +748,7 @@ def test_reward_tokens_chat_template_special_tokens_and_left_truncation(tmp_path
     transformers = pytest.importorskip("transformers")
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
 
-    from aligner.critic.rewards import RewardTextError, RewardTokens
+    from aligner.critic.reward_model import RewardTextError, RewardTokens
     from aligner.tokenizers import build_tokenizer
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -795,7 +796,7 @@ def test_reward_tokens_chat_template_special_tokens_and_left_truncation(tmp_path
 def test_a_reward_only_server_needs_no_model_section(pstate, tmp_path):
     """mode=reward_only builds no model: its unused model section neither refuses a larger
     tokenizer nor bounds the samples' length (a reward function takes any)."""
-    from aligner.critic.service import REWARD_ONLY_MAX_SEQ_LEN
+    from aligner.critic.build import REWARD_ONLY_MAX_SEQ_LEN
 
     cfg = tiny_config(tmp_path)
     cfg.update(mode="reward_only", tokenizer="char:0123456789:,abcdefghijklmnopqrstuvwxyz")

@@ -10,11 +10,12 @@ import torch
 
 from aligner import distributed
 from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, generate_no_cache
-from aligner.generation.lean import CompiledDecodeStep, LeanDecoder
+from aligner.generation.decoder import CompiledDecodeStep, LeanDecoder
 from aligner.generation.sampling import sample_next
 from aligner.models.config import ModelConfig
+from aligner.models.forward import policy_logits
 from aligner.models.fused import compile_available
-from aligner.models.gpt import build_policy, policy_logits
+from aligner.models.gpt import build_policy
 from aligner.models.local_spec import unsupported_reason
 from aligner.tokenizers import CharTokenizer
 

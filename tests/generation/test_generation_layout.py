@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 from _layout_workers import generation_worker
 
 from aligner import distributed
-from aligner.actor.config import GenerationConfig
 from aligner.generation import NativeEngine, SamplingParams
+from aligner.generation.config import GenerationConfig
 from aligner.generation.layout import GenerationLayout, generation_tp_problems
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import build_policy, load_state_dict_strict, tensor_state_dict

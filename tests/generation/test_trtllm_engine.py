@@ -38,8 +38,12 @@ import torch
 from aligner import distributed
 from aligner.generation import trtllm
 from aligner.generation.engine import GenerationOutput, SamplingParams
-from aligner.generation.trtllm import Completion, TrtllmConfig, TrtllmEngine
-from aligner.models import gpt
+from aligner.generation.trtllm import TrtllmConfig, TrtllmEngine
+from aligner.generation.trtllm import engine as trtllm_engine
+from aligner.generation.trtllm.handles import default_architecture, ipc_handles
+from aligner.generation.trtllm.outputs import Completion, completions_to_output, read_completion
+from aligner.generation.trtllm.requests import llm_kwargs, request_seed, sampling_kwargs
+from aligner.models import forward, gpt
 from aligner.models.config import ModelConfig
 from aligner.models.hf import iter_hf_tensors
 from aligner.tokenizers import CharTokenizer
@@ -410,7 +414,7 @@ def _world():
 @pytest.fixture(autouse=True)
 def _fake_gpu(monkeypatch):
     """This process "is" the GPU ``UUID`` (the real lookup needs CUDA)."""
-    monkeypatch.setattr(trtllm, "local_device_uuid", lambda: UUID)
+    monkeypatch.setattr(trtllm_engine, "local_device_uuid", lambda: UUID)
     FakeLLM.instances.clear()
 
 
@@ -523,15 +527,13 @@ def test_request_seed_is_the_documented_hash_reproducible_and_distinct():
         return int.from_bytes(d, "little") & (2**63 - 1)
 
     grid = [(s, d, i) for s in (0, 1, 100_003) for d in range(4) for i in range(64)]
-    seeds = [trtllm.request_seed(*k) for k in grid]
+    seeds = [request_seed(*k) for k in grid]
     assert seeds == [by_hand(*k) for k in grid]
-    assert seeds == [trtllm.request_seed(*k) for k in grid]  # reproducible
+    assert seeds == [request_seed(*k) for k in grid]  # reproducible
     assert len(set(seeds)) == len(grid)  # distinct per step seed, rank and prompt
     assert all(0 <= s < 2**63 for s in seeds)
     # neighbouring triples are unrelated, not shifted copies of each other
-    assert trtllm.request_seed(1, 0, 0) - trtllm.request_seed(0, 0, 0) != trtllm.request_seed(
-        2, 0, 0
-    ) - trtllm.request_seed(1, 0, 0)
+    assert request_seed(1, 0, 0) - request_seed(0, 0, 0) != request_seed(2, 0, 0) - request_seed(1, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -543,7 +545,7 @@ def test_request_seed_is_the_documented_hash_reproducible_and_distinct():
     ],
 )
 def test_sampling_kwargs_map_every_field_explicitly(sampling, top_k, top_p):
-    kw = trtllm.sampling_kwargs(sampling, seed=123, max_tokens=4, eos_id=0, pad_id=13, banned_ids=[13])
+    kw = sampling_kwargs(sampling, seed=123, max_tokens=4, eos_id=0, pad_id=13, banned_ids=[13])
     sp = FakeSamplingParams(**kw)  # documented names and types
     assert sp.max_tokens == 4  # never TensorRT-LLM's default of 32
     assert sp.stop_token_ids == sorted({0, *sampling.stop_token_ids})  # eos first among the stops
@@ -553,7 +555,7 @@ def test_sampling_kwargs_map_every_field_explicitly(sampling, top_k, top_p):
     assert sp.temperature == float(sampling.temperature) and isinstance(sp.temperature, float)
     assert (sp.top_k, sp.top_p) == (top_k, top_p)
     with pytest.raises(ValueError, match="max_tokens"):
-        trtllm.sampling_kwargs(sampling, seed=1, max_tokens=0, eos_id=0, pad_id=13)
+        sampling_kwargs(sampling, seed=1, max_tokens=0, eos_id=0, pad_id=13)
 
 
 @pytest.mark.parametrize("sleep, graphs", [(True, False), (False, True)])
@@ -563,7 +565,7 @@ def test_llm_kwargs_are_documented_arguments(tmp_path, sleep, graphs):
         sleep_during_training=sleep, cuda_graphs=graphs, max_batch_size=16, max_num_tokens=4096
     )
     kv = FakeKvCacheConfig(free_gpu_memory_fraction=0.25, enable_block_reuse=False)
-    kw = trtllm.llm_kwargs(tmp_path, cfg, tensor_parallel_size=1, max_seq_len=64, kv_cache_config=kv)
+    kw = llm_kwargs(tmp_path, cfg, tensor_parallel_size=1, max_seq_len=64, kv_cache_config=kv)
     llm = FakeLLM(**kw)
     a = llm.args
     assert a["model"] == str(tmp_path) and a["load_format"] == "dummy" and a["skip_tokenizer_init"] is True
@@ -592,7 +594,7 @@ def test_generate_builds_one_explicit_request_per_prompt(tmp_path):
     assert len(reqs) == len(PROMPTS)
     for i, (p, sp) in enumerate(zip(PROMPTS, reqs)):
         assert sp.max_tokens == min(12, SMALL.max_seq_len - len(p))  # bounded by max_seq_len too
-        assert sp.seed == trtllm.request_seed(77, 3, i)
+        assert sp.seed == request_seed(77, 3, i)
         assert sp.stop_token_ids == [TOK.eos_id, 11] and sp.bad_token_ids == [TOK.pad_id]
         assert (sp.temperature, sp.top_k, sp.top_p) == (0.9, 0, 0.95)
     assert len({sp.seed for sp in reqs}) == len(PROMPTS)
@@ -627,11 +629,11 @@ def test_outputs_map_onto_the_tensor_conventions_hand_worked():
     eos, pad = 0, 13
     stops = frozenset({eos})
     # prompt [5, 6, 7] -> 9, eos (stopped); prompt [8] -> 3, 4, 2 (ran out of max_tokens=3)
-    a = trtllm.read_completion(_request([9, eos], [-0.5, -0.25], "stop"), 0, stops, 4)
-    b = trtllm.read_completion(_request([3, 4, 2], [-1.0, -2.0, -3.0], "length"), 1, stops, 3)
+    a = read_completion(_request([9, eos], [-0.5, -0.25], "stop"), 0, stops, 4)
+    b = read_completion(_request([3, 4, 2], [-1.0, -2.0, -3.0], "length"), 1, stops, 3)
     assert a == Completion([9, eos], [-0.5, -0.25], True)  # read by id, not the first candidate
     assert b == Completion([3, 4, 2], [-1.0, -2.0, -3.0], False)
-    out = trtllm.completions_to_output([[5, 6, 7], [8]], [a, b], pad)
+    out = completions_to_output([[5, 6, 7], [8]], [a, b], pad)
     assert isinstance(out, GenerationOutput)
     # lengths 3+2=5 and 1+3=4: s = 5, eos kept as the last response token, pad after row 1.
     assert out.tokens.tolist() == [[5, 6, 7, 9, eos], [8, 3, 4, 2, pad]]
@@ -644,7 +646,7 @@ def test_outputs_map_onto_the_tensor_conventions_hand_worked():
 
 
 def test_an_eos_at_the_token_limit_counts_as_ended():
-    c = trtllm.read_completion(_request([4, 0], [-1.0, -1.0], "length"), 0, frozenset({0}), 2)
+    c = read_completion(_request([4, 0], [-1.0, -1.0], "length"), 0, frozenset({0}), 2)
     assert c.ended
 
 
@@ -674,7 +676,7 @@ def test_an_eos_at_the_token_limit_counts_as_ended():
 )
 def test_an_output_that_breaks_the_conventions_is_an_error(request_output, match):
     with pytest.raises(RuntimeError, match=re.escape(match)):
-        trtllm.read_completion(request_output, 7, frozenset({0}), 3)
+        read_completion(request_output, 7, frozenset({0}), 3)
 
 
 def test_generate_end_to_end_through_the_double(tmp_path):
@@ -722,7 +724,7 @@ WIDE = ModelConfig(
 
 def test_ipc_handles_payload_is_the_documented_format():
     bucket = [("a", torch.randn(3, 4).to(torch.bfloat16)), ("b", torch.arange(5.0))]
-    payload = trtllm.ipc_handles(bucket, UUID)
+    payload = ipc_handles(bucket, UUID)
     assert list(payload) == [UUID] and isinstance(payload[UUID], str)
     handles = pickle.loads(base64.b64decode(payload[UUID]))
     assert [n for n, _ in handles] == ["a", "b"]
@@ -877,9 +879,9 @@ def test_the_engine_is_built_from_an_hf_config_folder_of_the_policy(tmp_path):
 
 def test_qwen2_shaped_policies_are_served_as_qwen2():
     cfg = ModelConfig(add_qkv_bias=True, vocab_size=14)
-    assert trtllm.default_architecture(cfg) == "Qwen2ForCausalLM"
-    assert trtllm.default_architecture(SMALL) == "LlamaForCausalLM"
-    assert trtllm.default_architecture(dataclasses.replace(SMALL, qk_layernorm=True)) == "Qwen3ForCausalLM"
+    assert default_architecture(cfg) == "Qwen2ForCausalLM"
+    assert default_architecture(SMALL) == "LlamaForCausalLM"
+    assert default_architecture(dataclasses.replace(SMALL, qk_layernorm=True)) == "Qwen3ForCausalLM"
 
 
 def test_generation_tp_needs_a_group_of_that_size(tmp_path):
@@ -915,7 +917,7 @@ def _tp2_worker(rank: int, port: int, workdir: str) -> None:
     )
     torch.set_num_threads(1)
     uuids = ("GPU-rank0", "GPU-rank1")
-    trtllm.local_device_uuid = lambda: uuids[dist.get_rank()]  # each rank "is" its own GPU
+    trtllm_engine.local_device_uuid = lambda: uuids[dist.get_rank()]  # each rank "is" its own GPU
     FakeLLM.DEVICE_UUIDS = uuids
     try:
         ps = distributed.initialize(distributed.ParallelConfig(tensor_model_parallel_size=2), seed=5)
@@ -1051,7 +1053,7 @@ def test_real_engine_end_to_end(tmp_path, monkeypatch):
             assert bool(out.ended[i]) == (int(out.tokens[i, n - 1]) == 2)
         # The training forward's log-probs of the same tokens (temperature 1, no truncation).
         with torch.no_grad():
-            logits = gpt.policy_logits(policy, out.tokens.cuda()).float()
+            logits = forward.policy_logits(policy, out.tokens.cuda()).float()
         lp = (
             torch.log_softmax(logits[:, :-1], -1)
             .gather(-1, out.tokens[:, 1:].cuda().unsqueeze(-1))

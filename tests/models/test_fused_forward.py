@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from aligner import distributed
-from aligner.models import fused, gpt
+from aligner.models import forward, fused, gpt
 from aligner.models.config import ModelConfig
 
 ARCHS = {
@@ -74,10 +74,10 @@ def _build(head: str, arch: str, dtype: torch.dtype = torch.float32):
 
 def _output(model, head: str, tokens=TOKENS) -> torch.Tensor:
     if head == "lm":
-        return gpt.policy_logits(model, tokens)
+        return forward.policy_logits(model, tokens)
     if head == "value":
-        return gpt.token_values(model, tokens)
-    return gpt.sequence_scores(model, tokens, LENGTHS)
+        return forward.token_values(model, tokens)
+    return forward.sequence_scores(model, tokens, LENGTHS)
 
 
 def _run(model, head: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -105,9 +105,9 @@ def _same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol
 
 
 def _compare(model, head: str, mode: str, grad_tol: float) -> None:
-    gpt.set_forward(model, "megatron")
+    forward.set_forward(model, "megatron")
     out0, g0 = _run(model, head)
-    assert gpt.set_forward(model, mode) == (mode, None)
+    assert forward.set_forward(model, mode) == (mode, None)
     out1, g1 = _run(model, head)
     _same_output(out1, out0, head)
     _same_grads(g1, g0, grad_tol)
@@ -132,14 +132,14 @@ def test_broken_attention_is_caught():
     """The comparison can fail: a fused forward without the causal mask differs."""
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg())
-    gpt.set_forward(model, "fused")
-    good = gpt.policy_logits(model, TOKENS)
+    forward.set_forward(model, "fused")
+    good = forward.policy_logits(model, TOKENS)
     fast = model.aligner_fused
     n = TOKENS.shape[1]
     fast._tables[(n, torch.float32, TOKENS.device)] = fast._tables_for(n, torch.float32, TOKENS.device)[
         :2
     ] + (torch.zeros(n, n),)
-    bad = gpt.policy_logits(model, TOKENS)
+    bad = forward.policy_logits(model, TOKENS)
     assert not torch.allclose(good[:, :-1], bad[:, :-1], atol=1e-3)
 
 
@@ -150,7 +150,7 @@ def test_attention_in_chunks_changes_nothing(monkeypatch, dtype):
     no-grad forward, which keeps no probabilities."""
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg(num_query_groups=2), params_dtype=dtype)
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     b, n = TOKENS.shape
     q = torch.empty(b * 4, n, 16, dtype=dtype)  # batch x heads rows
     assert fused.attention_rows_per_chunk(q) == b * 4  # this small a case: one chunk
@@ -162,7 +162,7 @@ def test_attention_in_chunks_changes_nothing(monkeypatch, dtype):
     for name, g in grads1.items():
         assert torch.equal(grads5[name], g), name
     with torch.no_grad():
-        assert torch.equal(gpt.policy_logits(model, TOKENS), out1)
+        assert torch.equal(forward.policy_logits(model, TOKENS), out1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -176,7 +176,7 @@ def test_last_layer_from_start_changes_nothing_it_keeps(arch, head, dtype):
     (the weight gradients sum fewer rows)."""
     model = _build(head, arch, dtype)
     start = 6
-    fwd = {"lm": gpt.policy_logits, "value": gpt.token_values}[head]
+    fwd = {"lm": forward.policy_logits, "value": forward.token_values}[head]
     first = start if head == "lm" else 0  # token_values pads its [b, s-1] with zeros instead
 
     def run(s):
@@ -189,7 +189,7 @@ def test_last_layer_from_start_changes_nothing_it_keeps(arch, head, dtype):
         return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
     for mode in ("megatron", "fused"):
-        gpt.set_forward(model, mode)
+        forward.set_forward(model, mode)
         full, _ = run(0)
         part, g_part = run(start)
         assert part.shape[1] == full.shape[1] - first
@@ -227,12 +227,12 @@ def test_scores_at_each_last_token_only():
     gradients as reading the full forward there, whatever the lengths; bad positions are named."""
     torch.manual_seed(0)
     model = gpt.build_reward_model(_cfg(num_query_groups=2))
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     full = model.aligner_fused(TOKENS)[..., 0]  # [b, s]
     for lengths in (LENGTHS, torch.tensor([1, 2, 17]), torch.tensor([17, 17, 17])):
         idx = lengths - 1
         torch.testing.assert_close(
-            gpt.sequence_scores(model, TOKENS, lengths),
+            forward.sequence_scores(model, TOKENS, lengths),
             full.gather(1, idx.unsqueeze(1))[:, 0],
             atol=1e-6,
             rtol=1e-6,
@@ -247,29 +247,29 @@ def test_follows_weight_updates():
     """The fused forward reads the parameters at every call (optimizer steps, loads)."""
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg())
-    gpt.set_forward(model, "fused")
-    before = gpt.policy_logits(model, TOKENS)
+    forward.set_forward(model, "fused")
+    before = forward.policy_logits(model, TOKENS)
     with torch.no_grad():
         model.decoder.layers[0].mlp.linear_fc2.weight.mul_(3.0)
-    after = gpt.policy_logits(model, TOKENS)
-    gpt.set_forward(model, "megatron")
-    assert torch.equal(after, gpt.policy_logits(model, TOKENS))
+    after = forward.policy_logits(model, TOKENS)
+    forward.set_forward(model, "megatron")
+    assert torch.equal(after, forward.policy_logits(model, TOKENS))
     assert not torch.equal(before, after)
 
 
 def test_auto_falls_back_with_the_reason():
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg(hidden_dropout=0.1))
-    taken, why = gpt.set_forward(model, "auto")
+    taken, why = forward.set_forward(model, "auto")
     assert taken == "megatron" and "dropout" in why
     assert model.aligner_fused is None
     with pytest.raises(ValueError, match="dropout"):
-        gpt.set_forward(model, "fused")
+        forward.set_forward(model, "fused")
     with pytest.raises(ValueError, match="expected one of"):
-        gpt.set_forward(model, "fast")
+        forward.set_forward(model, "fast")
     plain = gpt.build_policy(_cfg())
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        gpt.set_forward(plain, "compiled", tensor_parallel_size=2)
+        forward.set_forward(plain, "compiled", tensor_parallel_size=2)
 
 
 @pytest.mark.skipif(fused.compile_available() is not None, reason=str(fused.compile_available()))
@@ -279,9 +279,9 @@ def test_compiled_equals_megatron():
     dtype = torch.bfloat16
     torch.manual_seed(0)
     model = gpt.build_critic(_cfg(num_query_groups=2), params_dtype=dtype)
-    gpt.set_forward(model, "megatron")
+    forward.set_forward(model, "megatron")
     out0, g0 = _run(model, "value")
-    gpt.set_forward(model, "compiled")
+    forward.set_forward(model, "compiled")
     out1, g1 = _run(model, "value")
     # bf16: a few units in the last place of values up to about 1 (one value of this head is 0.027
     # apart, some 10 units of bf16's 2^-8 there).
@@ -290,13 +290,13 @@ def test_compiled_equals_megatron():
     _same_grads(g1, g0, tol)
     with torch.no_grad():  # the inference graph, and a new shape
         torch.testing.assert_close(
-            gpt.token_values(model, TOKENS[:, :9]),
+            forward.token_values(model, TOKENS[:, :9]),
             out0[:, :8],
             atol=tol,
             rtol=tol,
         )
         # The last layer from position 5 on: a variant of its own.
-        part = gpt.token_values(model, TOKENS, 5)
+        part = forward.token_values(model, TOKENS, 5)
         torch.testing.assert_close(part[:, 5:], out0[:, 5:], atol=tol, rtol=tol)
         assert not part[:, :5].any()
     # A reward model's scores, the last layer at each sequence's last token only: one compiled
@@ -305,10 +305,10 @@ def test_compiled_equals_megatron():
     rm = gpt.build_reward_model(_cfg(num_query_groups=2), params_dtype=dtype)
     for lengths in (LENGTHS, torch.tensor([17, 2, 11])):
         with torch.no_grad():
-            gpt.set_forward(rm, "megatron")
-            want = gpt.sequence_scores(rm, TOKENS, lengths)
-            gpt.set_forward(rm, "compiled")
-            torch.testing.assert_close(gpt.sequence_scores(rm, TOKENS, lengths), want, atol=tol, rtol=tol)
+            forward.set_forward(rm, "megatron")
+            want = forward.sequence_scores(rm, TOKENS, lengths)
+            forward.set_forward(rm, "compiled")
+            torch.testing.assert_close(forward.sequence_scores(rm, TOKENS, lengths), want, atol=tol, rtol=tol)
 
 
 # -- TP=2 ---------------------------------------------------------------------------------
@@ -331,9 +331,9 @@ def _tp_worker(rank: int, port: int) -> None:
         for head in ("lm", "value", "reward"):
             for arch in ("gqa", "gpt2", "qwen3"):
                 model = _build(head, arch)
-                gpt.set_forward(model, "megatron")
+                forward.set_forward(model, "megatron")
                 out0, g0 = _run(model, head)
-                assert gpt.set_forward(model, "fused", tensor_parallel_size=2) == ("fused", None)
+                assert forward.set_forward(model, "fused", tensor_parallel_size=2) == ("fused", None)
                 out1, g1 = _run(model, head)
                 _same_output(out1, out0, head)
                 _same_grads(g1, g0, 1e-5, where=(head, arch))
@@ -360,11 +360,11 @@ def test_trainer_log_probs_from_the_first_masked_position():
     assert loss_start(torch.zeros(2, 7)) == 0
     torch.manual_seed(0)
     model = gpt.build_policy(_cfg())
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     actor = PolicyLogprobs(temperature=0.7, group=None, vocab_start=0, pad_from=None)
     tokens = TOKENS[:2, :8]
-    full = gpt.policy_logits(model, tokens)
-    part = gpt.policy_logits(model, tokens, 2)
+    full = forward.policy_logits(model, tokens)
+    part = forward.policy_logits(model, tokens, 2)
     pairs = {
         "logprobs": (
             actor.sequence_logprobs(full, tokens),

@@ -17,7 +17,17 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from aligner import distributed
-from aligner.models import checkpoint_io, convert_cli, gpt, hf, hf_config, hf_names, model_files, rope
+from aligner.models import (
+    checkpoint_io,
+    convert_cli,
+    forward,
+    gpt,
+    hf,
+    hf_config,
+    hf_names,
+    model_files,
+    rope,
+)
 from aligner.models.config import ConversionError, ModelConfig
 
 VOCAB = 100
@@ -145,7 +155,7 @@ def _logits(model, tokens):
 def _our_logits(model, tokens):
     model.eval()
     with torch.no_grad():
-        return gpt.policy_logits(model, tokens)
+        return forward.policy_logits(model, tokens)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +179,7 @@ def test_import_matches_transformers_and_export_round_trips(case, tmp_path):
     model, cfg = hf.import_hf(src, make_vocab_size_divisible_by=16)
     assert cfg.padded_vocab_size() == 112  # the Megatron embedding has padded rows
     for mode in ("megatron", "fused"):  # Megatron's own forward and ours over its parameters
-        assert gpt.set_forward(model, mode) == (mode, None)
+        assert forward.set_forward(model, mode) == (mode, None)
         ours = _our_logits(model, tokens)
         assert ours.shape[-1] == 112
         assert (ours[..., :VOCAB] - expected).abs().max().item() < TOL, mode
@@ -408,9 +418,9 @@ def test_reward_model_from_sequence_classifier(case, cls, tmp_path):
     assert torch.count_nonzero(state["output_layer.bias"]) == 0
     model.eval()
     for mode in ("megatron", "fused"):
-        gpt.set_forward(model, mode)
+        forward.set_forward(model, mode)
         with torch.no_grad():
-            scores = gpt.sequence_scores(model, tokens, lengths)
+            scores = forward.sequence_scores(model, tokens, lengths)
         assert (scores - expected).abs().max().item() < TOL, mode
 
     out = hf.export_hf(model, cfg, tmp_path / "out", cls, hf_config=src)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from aligner import distributed
-from aligner.models import checkpoint_io, gpt, hf
+from aligner.models import checkpoint_io, forward, hf
 
 pytestmark = pytest.mark.multiprocess
 VOCAB = 100
@@ -179,7 +179,7 @@ def test_tp2_import_export_and_checkpoint(tmp_path):
         assert meta["role"] == "policy" and cfg.make_vocab_size_divisible_by == 8
         model.eval()
         with torch.no_grad():
-            ours = gpt.policy_logits(model, tokens)[..., :VOCAB]
+            ours = forward.policy_logits(model, tokens)[..., :VOCAB]
         assert (ours - ref).abs().max().item() < TOL
         tp1, cfg1 = hf.import_hf(hf_dir, make_vocab_size_divisible_by=8)
         checkpoint_io.save_model_checkpoint(tp1, cfg1, tmp_path / "ckpt_tp1")
@@ -215,7 +215,7 @@ def test_pp2_import_export_and_checkpoint(tmp_path):
         model, _, _ = checkpoint_io.build_from_checkpoint(out / "ckpt_pp2")
         model.eval()
         with torch.no_grad():
-            ours = gpt.policy_logits(model, tokens)
+            ours = forward.policy_logits(model, tokens)
         assert (ours - ref).abs().max().item() < TOL
     finally:
         distributed.destroy()

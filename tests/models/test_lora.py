@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from aligner import distributed
-from aligner.models import gpt, lora
+from aligner.models import forward, gpt, lora, lora_io
 from aligner.models.config import ConversionError, ModelConfig
 from aligner.models.layout import iter_megatron_tensors
 
@@ -170,8 +170,8 @@ def test_apply_lora_freezes_the_base_and_initialises_the_adapters_as_peft():
     with pytest.raises(ConversionError, match="lora.targets="):
         lora.apply_lora(_base("llama"), lora.LoraConfig(rank=2, targets=["output_layer"]))
     fused = _base("llama")
-    gpt.set_forward(fused, "fused")
-    with pytest.raises(ConversionError, match="apply LoRA before aligner.models.gpt.set_forward"):
+    forward.set_forward(fused, "fused")
+    with pytest.raises(ConversionError, match="apply LoRA before aligner.models.forward.set_forward"):
         lora.apply_lora(fused, lora.LoraConfig(rank=2))
 
 
@@ -185,15 +185,15 @@ def test_zero_b_gives_the_base_logits_exactly(arch):
     model = _base(arch)
     base = {}
     for mode in ("megatron", "fused"):
-        gpt.set_forward(model, mode)
+        forward.set_forward(model, mode)
         with torch.no_grad():
-            base[mode] = gpt.policy_logits(model, TOKENS)
-    gpt.set_forward(model, "megatron")  # LoRA goes on before a fused forward is set up
+            base[mode] = forward.policy_logits(model, TOKENS)
+    forward.set_forward(model, "megatron")  # LoRA goes on before a fused forward is set up
     lora.apply_lora(model, lora.LoraConfig(rank=4, alpha=8), seed=1)
     for mode in ("megatron", "fused"):
-        assert gpt.set_forward(model, mode) == (mode, None)
+        assert forward.set_forward(model, mode) == (mode, None)
         with torch.no_grad():
-            assert torch.equal(gpt.policy_logits(model, TOKENS), base[mode]), mode
+            assert torch.equal(forward.policy_logits(model, TOKENS), base[mode]), mode
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -205,16 +205,16 @@ def test_forward_and_gradients_equal_the_merged_model(arch):
     merged = _merged_model(model, arch)
     got = {}
     for mode in ("megatron", "fused"):
-        gpt.set_forward(model, mode)
+        forward.set_forward(model, mode)
         model.zero_grad(set_to_none=True)
-        out = gpt.policy_logits(model, TOKENS)
+        out = forward.policy_logits(model, TOKENS)
         _loss(out).backward()
         got[mode] = (
             out.detach(),
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         )
     assert torch.equal(got["fused"][0], got["megatron"][0])
-    out = gpt.policy_logits(merged, TOKENS)
+    out = forward.policy_logits(merged, TOKENS)
     _loss(out).backward()
     torch.testing.assert_close(got["megatron"][0], out.detach(), atol=1e-5, rtol=0)
     scale = lora.lora_config_of(model).scale
@@ -235,18 +235,18 @@ def test_dropout_runs_on_the_adapters_in_training_only_and_megatron_forward_take
     model = _base("llama")
     lora.apply_lora(model, lora.LoraConfig(rank=4, alpha=8, dropout=0.5), seed=1)
     _random_b(model)
-    assert gpt.set_forward(model, "auto") == ("megatron", "LoRA dropout (lora.dropout=0.5)")
+    assert forward.set_forward(model, "auto") == ("megatron", "LoRA dropout (lora.dropout=0.5)")
     with pytest.raises(ValueError, match="LoRA dropout"):
-        gpt.set_forward(model, "fused")
+        forward.set_forward(model, "fused")
     merged = _merged_model(model, "llama")
     with torch.no_grad():
         model.eval()
         torch.testing.assert_close(
-            gpt.policy_logits(model, TOKENS), gpt.policy_logits(merged, TOKENS), atol=1e-5, rtol=0
+            forward.policy_logits(model, TOKENS), forward.policy_logits(merged, TOKENS), atol=1e-5, rtol=0
         )
         model.train()
         assert not torch.allclose(
-            gpt.policy_logits(model, TOKENS), gpt.policy_logits(merged, TOKENS), atol=1e-3
+            forward.policy_logits(model, TOKENS), forward.policy_logits(merged, TOKENS), atol=1e-3
         )
 
 
@@ -275,10 +275,10 @@ def test_optimizer_steps_change_only_the_adapters_and_the_stream_carries_them_me
     before = {k: v.clone() for k, v in gpt.tensor_state_dict(model).items()}  # after the bf16 cast
     adapters_before = {k: p.detach().clone() for k, p in adapters.items()}
     target = torch.randint(0, 40, TOKENS.shape, generator=torch.Generator().manual_seed(5))
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     for _ in range(3):
         opt.zero_grad()
-        logits = gpt.policy_logits(model, TOKENS)
+        logits = forward.policy_logits(model, TOKENS)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).backward()
         opt.clip_grad_norm(1.0)
         assert opt.step()
@@ -298,9 +298,9 @@ def test_optimizer_steps_change_only_the_adapters_and_the_stream_carries_them_me
 
 
 def _grad_names(model) -> set[str]:
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     model.zero_grad(set_to_none=True)
-    _loss(gpt.policy_logits(model, TOKENS)).backward()
+    _loss(forward.policy_logits(model, TOKENS)).backward()
     return {n for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -321,7 +321,7 @@ def test_trainable_last_n_layers_trains_exactly_what_it_says(tied):
     freeze_all_but_last_layers(model, 3)  # every layer: all but the embedding (and a head tied to it)
     assert _grad_names(model) == everything - {"embedding.word_embeddings.weight"}
 
-    gpt.set_forward(model, "megatron")  # LoRA goes on before a fused forward is set up
+    forward.set_forward(model, "megatron")  # LoRA goes on before a fused forward is set up
     lora.apply_lora(model, lora.LoraConfig(rank=2), seed=0)
     assert _grad_names(model) == set(lora.lora_parameters(model))
     freeze_all_but_last_layers(model, 2)
@@ -368,10 +368,10 @@ def test_hf_export_is_the_merged_model_and_the_peft_adapter_applies_to_the_base(
     lora.apply_lora(model, lora.LoraConfig(rank=4, alpha=8), seed=1)
     _random_b(model)
     export_hf(model, None, tmp_path / "merged", hf_arch)
-    lora.export_peft_adapter(model, tmp_path / "peft", hf_arch, base_model="base")
-    gpt.set_forward(model, "fused")
+    lora_io.export_peft_adapter(model, tmp_path / "peft", hf_arch, base_model="base")
+    forward.set_forward(model, "fused")
     with torch.no_grad():
-        ours = gpt.policy_logits(model, TOKENS)
+        ours = forward.policy_logits(model, TOKENS)
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager").eval()
         torch.testing.assert_close(merged(TOKENS).logits, ours, atol=1e-5, rtol=0)
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
@@ -399,30 +399,30 @@ def test_adapter_files_hold_only_the_adapters_and_round_trip(tmp_path):
     from safetensors.torch import load_file
 
     model = _lora_model("llama")
-    lora.save_lora_adapter(model, tmp_path / "a", meta={"base_fingerprint": "abc"})
+    lora_io.save_lora_adapter(model, tmp_path / "a", meta={"base_fingerprint": "abc"})
     saved = load_file(str(tmp_path / "a" / "adapter.safetensors"))
     assert set(saved) == set(lora.lora_parameters(model))  # TP=1, PP=1: full names = local names
     assert all(t.dtype == torch.float32 for t in saved.values())
     meta = json.loads((tmp_path / "a" / "adapter.json").read_text())
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": list(lora.TARGETS)}
-    assert meta["base_fingerprint"] == "abc" and meta["format"] == lora.ADAPTER_FORMAT
+    assert meta["base_fingerprint"] == "abc" and meta["format"] == lora_io.ADAPTER_FORMAT
 
     fresh = _base("llama")
     lora.apply_lora(fresh, lora.LoraConfig(rank=4, alpha=8), seed=7)  # another A, B = 0
-    assert lora.load_lora_adapter(fresh, tmp_path / "a")["base_fingerprint"] == "abc"
+    assert lora_io.load_lora_adapter(fresh, tmp_path / "a")["base_fingerprint"] == "abc"
     for name, p in lora.lora_parameters(model).items():
         assert torch.equal(lora.lora_parameters(fresh)[name], p), name
-    gpt.set_forward(fresh, "fused")
-    gpt.set_forward(model, "fused")
+    forward.set_forward(fresh, "fused")
+    forward.set_forward(model, "fused")
     with torch.no_grad():
-        assert torch.equal(gpt.policy_logits(fresh, TOKENS), gpt.policy_logits(model, TOKENS))
+        assert torch.equal(forward.policy_logits(fresh, TOKENS), forward.policy_logits(model, TOKENS))
 
     from aligner.checkpoint import CheckpointError
 
     other = _base("llama")
     lora.apply_lora(other, lora.LoraConfig(rank=2, alpha=8), seed=7)
     with pytest.raises(CheckpointError, match="lora.rank: adapter 4, model 2"):
-        lora.load_lora_adapter(other, tmp_path / "a")
+        lora_io.load_lora_adapter(other, tmp_path / "a")
 
 
 def test_actor_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
@@ -564,7 +564,7 @@ def _pretrain_base(out: Path) -> None:
     copy, reverse = get_task("copy", 3), get_task("reverse", 3)
     torch.manual_seed(0)
     model = gpt.build_policy(cfg)
-    gpt.set_forward(model, "fused")
+    forward.set_forward(model, "fused")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for i in range(150):
         prompts = copy.prompts(64, seed=i)
@@ -573,7 +573,7 @@ def _pretrain_base(out: Path) -> None:
             for p in prompts
         ]
         x = torch.tensor(rows)
-        logits = gpt.policy_logits(model, x[:, :-1])[:, 3:]  # the answer's positions
+        logits = forward.policy_logits(model, x[:, :-1])[:, 3:]  # the answer's positions
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 4:].reshape(-1))
         opt.zero_grad()
         loss.backward()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from aligner import distributed
-from aligner.models import gpt
-from aligner.models.config import ConfigError, ModelConfig
+from aligner.config_checks import ConfigError
+from aligner.models import forward, gpt
+from aligner.models.config import ModelConfig
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=16, max_seq_len=16)
 
@@ -142,7 +143,7 @@ def test_policy_shapes_and_dropout_off():
     model = gpt.build_policy(ModelConfig(**TINY))
     model.train()  # dropout is 0 by default: training-mode forwards are deterministic
     tokens = torch.randint(0, 16, (3, 10))
-    a, b = gpt.policy_logits(model, tokens), gpt.policy_logits(model, tokens)
+    a, b = forward.policy_logits(model, tokens), forward.policy_logits(model, tokens)
     assert a.shape == (3, 10, 16)
     assert torch.equal(a, b)
 
@@ -153,7 +154,7 @@ def test_policy_is_causal():
     changed = tokens.clone()
     changed[:, 7:] = (changed[:, 7:] + 1) % 16
     with torch.no_grad():
-        a, b = gpt.policy_logits(model, tokens), gpt.policy_logits(model, changed)
+        a, b = forward.policy_logits(model, tokens), forward.policy_logits(model, changed)
     assert torch.allclose(a[:, :7], b[:, :7], atol=1e-6)
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
@@ -170,13 +171,13 @@ def test_reward_head_init_and_scores_read_at_last_token():
     lengths = torch.tensor([2, 5, 8])
     with torch.no_grad():
         full = rm(tokens, gpt.position_ids_for(tokens), attention_mask=None)[..., 0]
-        scores = gpt.sequence_scores(rm, tokens, lengths)
+        scores = forward.sequence_scores(rm, tokens, lengths)
     assert torch.allclose(scores, full[torch.arange(3), lengths - 1])
     # Padding after the last token does not change the score.
     padded = tokens.clone()
     padded[0, 2:] = 0
     with torch.no_grad():
-        assert torch.allclose(gpt.sequence_scores(rm, padded, lengths)[0], scores[0], atol=1e-6)
+        assert torch.allclose(forward.sequence_scores(rm, padded, lengths)[0], scores[0], atol=1e-6)
 
 
 def test_critic_values_and_init_from_reward_model():
@@ -185,7 +186,7 @@ def test_critic_values_and_init_from_reward_model():
     critic = gpt.build_critic(cfg, init_from=rm).eval()
     tokens = torch.randint(0, 16, (2, 9))
     with torch.no_grad():
-        values = gpt.token_values(critic, tokens)
+        values = forward.token_values(critic, tokens)
         full = rm(tokens, gpt.position_ids_for(tokens), attention_mask=None)[..., 0]
     assert values.shape == (2, 8)
     assert torch.allclose(values, full[:, :-1])  # V(0..t) is the reward model read at t
@@ -217,7 +218,7 @@ def test_gpt2_style_variant_builds():
     names = gpt.tensor_state_dict(model)
     assert "embedding.position_embeddings.weight" in names
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
-    assert gpt.policy_logits(model, torch.randint(0, 16, (1, 5))).shape == (1, 5, 16)
+    assert forward.policy_logits(model, torch.randint(0, 16, (1, 5))).shape == (1, 5, 16)
 
 
 def test_init_from_checkpoint_checks_architecture(tmp_path):
@@ -231,7 +232,7 @@ def test_init_from_checkpoint_checks_architecture(tmp_path):
     assert load_weights_from(fresh, cfg, tmp_path / "ckpt") == "aligner"
     tokens = torch.randint(0, 16, (2, 7))
     with torch.no_grad():
-        assert torch.equal(gpt.policy_logits(saved, tokens), gpt.policy_logits(fresh, tokens))
+        assert torch.equal(forward.policy_logits(saved, tokens), forward.policy_logits(fresh, tokens))
     with pytest.raises(ConversionError, match="hidden_size: 64 != 32"):
         load_weights_from(
             gpt.build_policy(ModelConfig(**{**TINY, "hidden_size": 64})),

@@ -143,7 +143,7 @@ def test_a_client_whose_expected_step_the_server_no_longer_holds_is_fenced(serve
         a.load(0)  # both roles' reset point: critic step 0
         b.load(0)
         assert a.expected_step == b.expected_step == 0
-        assert a.train(tokens, lengths, returns, old_values, mask, 1).result()["applied_step"] == 1
+        assert a.train(tokens, lengths, returns, old_values, mask, 1).result().applied_step == 1
         assert a.expected_step == 1
         with pytest.raises(CriticRestartedError) as e:  # b still expects critic step 0
             b.train(tokens, lengths, returns, old_values, mask, 2).result()
@@ -157,7 +157,7 @@ def test_a_client_whose_expected_step_the_server_no_longer_holds_is_fenced(serve
             b.save(1)
         assert b.server_info().critic_step == 1  # reading the state is allowed
         b.load(0)
-        assert b.train(tokens, lengths, returns, old_values, mask, 1).result()["applied_step"] == 1
+        assert b.train(tokens, lengths, returns, old_values, mask, 1).result().applied_step == 1
         assert b.infer(tokens, lengths, prompt_lengths).result()[0].shape == (4, tokens.shape[1] - 1)
 
 
@@ -194,6 +194,6 @@ def test_a_server_started_again_is_another_instance_and_enforces_its_run_token(s
     run_token = P.resolve_run_token(str(token), "critic.run_token_file")
     with RemoteCriticClient(server.url, **PATIENT, run_token=run_token) as c:
         c.load(0)
-        assert c.train(tokens, lengths, returns, old_values, mask, 1).result()["applied_step"] == 1
+        assert c.train(tokens, lengths, returns, old_values, mask, 1).result().applied_step == 1
         c.save(1)
         assert 1 in c.server_info().checkpoint_steps

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from aligner.critic.config import ConfigError, build_config
+from aligner.config_checks import ConfigError
+from aligner.critic.config import build_config
 from aligner.critic.testing import tiny_config
 from aligner.wire import protocol as P
 from aligner.wire.client import DEFAULT_URL, ENV_URL, resolve_critic_url
@@ -439,13 +440,53 @@ def test_client_error_classes():
     mistake, and what it reports as a server failure."""
     from tritonclient.utils import InferenceServerException
 
-    from aligner.wire.client import _classify
+    from aligner.wire.transport import classify
 
     unhealthy = InferenceServerException(
         "[StatusCode.INTERNAL] Stub process 'critic_infer_0_0' is not healthy."
     )
-    assert _classify(unhealthy) == "unavailable"
-    assert _classify(ConnectionRefusedError("connection refused")) == "unavailable"
-    assert _classify(InferenceServerException(f"{P.ERROR_MARK} tokens: expected int64")) == "request"
+    assert classify(unhealthy) == "unavailable"
+    assert classify(ConnectionRefusedError("connection refused")) == "unavailable"
+    assert classify(InferenceServerException(f"{P.ERROR_MARK} tokens: expected int64")) == "request"
     crash = InferenceServerException("Traceback (most recent call last):\n  ...\nRuntimeError: boom")
-    assert _classify(crash) == "server"
+    assert classify(crash) == "server"
+
+
+def test_the_clients_requests_carry_what_the_server_needs_in_chunks_it_takes():
+    """The client's side of critic_infer, without a server: exactly the optional inputs the
+    server names, a ValueError saying why when it needs texts that are not given, a batch cut
+    into requests of at most ``max_batch_size`` rows, a request's error rows raised; and a
+    critic_train result read back typed, through JSON too (the actor's checkpoint)."""
+    from aligner.wire.errors import CriticServerError
+    from aligner.wire.requests import infer_chunks, infer_request, infer_result
+
+    url = "grpc://127.0.0.1:1"
+    tokens, lengths, pl = _good()
+    info = P.ServerInfo(P.PROTOCOL_VERSION, 14, 16, "char", "char:abc", -1, 1, 4, infer_inputs=["extras"])
+    req = infer_request(info, url, tokens.astype(np.int32), lengths, pl, prompt_texts=["12", "45"])
+    assert req.tokens.dtype == np.int64 and req.texts() == {"extras": ["{}", "{}"]}
+    chunks = list(infer_chunks(req, info.max_batch_size))
+    assert [c.tokens.shape[0] for c in chunks] == [1, 1] and chunks[1].lengths.tolist() == [6]
+    assert chunks[1].extras == ["{}"]
+    info.infer_inputs = ["prompt_text", "response_text"]
+    with pytest.raises(ValueError, match=r"needs \['prompt_text', 'response_text'\].*pass prompt_texts="):
+        infer_request(info, url, tokens, lengths, pl)
+
+    out = {
+        "values": np.zeros((2, 5), np.float64),
+        "rewards": np.ones((2, 1), np.float64),
+        "error": np.full((2, 1), b"", dtype=np.object_),
+    }
+    values, rewards = infer_result(out, url)
+    assert values.dtype == rewards.dtype == np.float32 and rewards.shape == (2,)
+    with pytest.raises(CriticServerError, match=f"critic_infer failed on the critic server at {url}: boom"):
+        infer_result(P.infer_error_wire("boom", 2), url)
+
+    result = P.TrainResult.from_wire(P.TrainResult(0.5, 1.5, 7, 0.25).to_wire())
+    assert (result.loss, result.grad_norm, result.applied_step, result.explained_variance) == (
+        0.5,
+        1.5,
+        7,
+        0.25,
+    )
+    assert P.TrainResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from aligner import distributed
-from aligner.models import gpt
+from aligner.models import forward, gpt
 from aligner.models.config import ModelConfig
 
 
@@ -29,7 +29,7 @@ def main(tp: int, pp: int) -> None:
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         logits = (
-            gpt.policy_logits(model, batch)
+            forward.policy_logits(model, batch)
             if state.pp_size == 1
             else model(batch, gpt.position_ids_for(batch), attention_mask=None)
         )

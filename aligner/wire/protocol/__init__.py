@@ -3,10 +3,12 @@
 Models, their inputs and outputs (names, dtypes, shapes), the protocol version, the typed
 request/response containers, the checks that every request passes before anything is computed or
 applied, the errors and their marks, and the run token. The names below are the contract; its
-parts live in :mod:`.spec` (what is on the wire), :mod:`.messages` (the typed containers),
-:mod:`.validation` (the checks), :mod:`.errors` (errors and marks) and :mod:`.run_token`. Shapes
-use the project's notation (docs/design.md, "Tensor conventions"): ``b`` batch, ``s`` padded
-length; per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..t``.
+parts live in :mod:`aligner.wire.protocol.spec` (what is on the wire),
+:mod:`aligner.wire.protocol.messages` (the typed containers), :mod:`aligner.wire.protocol.validation`
+(the checks), :mod:`aligner.wire.protocol.errors` (errors and marks) and
+:mod:`aligner.wire.protocol.run_token`; callers import the names from here. Shapes use the
+project's notation (docs/design.md, "Tensor conventions"): ``b`` batch, ``s`` padded length;
+per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..t``.
 
 - ``critic_infer`` (dynamic batching, ``b`` leading): tokens i64 [b,s], lengths and
   prompt_lengths i64 [b,1], and the optional prompt_text, response_text and extras bytes [b,1]
@@ -14,7 +16,8 @@ length; per-token arrays have length ``s-1`` and element ``t`` describes the sta
   f32 [b,1], error bytes [b,1].
 - ``critic_train`` (no batching: whole shapes): tokens i64 [b,s], lengths i64 [b,1], returns,
   old_values, mask f32 [b,s-1], step and expected_step i64 [1,1], run_token bytes [1] -> loss,
-  grad_norm, explained_variance, value_clipfrac f32 [1,1], applied_step i64 [1,1].
+  grad_norm, explained_variance, value_clipfrac f32 [1,1], applied_step i64 [1,1]
+  (:class:`TrainResult`).
 - ``critic_save``: step and expected_step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].
 - ``critic_load``: step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].
 - ``server_info``: no input -> info bytes [1] (UTF-8 JSON of :class:`ServerInfo`).

@@ -208,7 +208,13 @@ class TrainResult:
         )
 
     def to_dict(self) -> dict[str, float | int]:
+        """As JSON-ready fields (e.g. the actor's checkpoint of its last critic result)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainResult:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass

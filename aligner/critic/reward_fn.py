@@ -1,23 +1,13 @@
-"""Reward sources of the critic server, and where its weights come from.
+"""Reward functions of the critic server: a function named by import path
+(``aligner.tasks.digits:sort_reward``), loaded as a :class:`RewardFn`, which reads the function's
+signature once to decide how it is called: this project's form ``fn(prompts, responses, **kwargs)``,
+or trlx's ``fn(samples, prompts, outputs, **kwargs)`` (its first parameter named ``samples``:
+prompt + response strings). Keyword arguments go only to a function that accepts them (by name, or
+``**kwargs``): ``prompt_ids``, ``response_ids``, each of the request's extra data-set columns as a
+list over the batch (critic_infer's ``extras``), and the constant ``reward.fn_kwargs``. A failure on
+one request's samples is that request's alone (:func:`score_requests`).
 
-- a reward *function* named by import path (``aligner.tasks.digits:sort_reward``), loaded as a
-  :class:`RewardFn`, which reads the function's signature once to decide how it is called:
-  this project's form ``fn(prompts, responses, **kwargs)``, or trlx's
-  ``fn(samples, prompts, outputs, **kwargs)`` (its first parameter named ``samples``:
-  prompt + response strings). Keyword arguments go only to a function that accepts them (by
-  name, or ``**kwargs``): ``prompt_ids``, ``response_ids``, each of the request's extra
-  data-set columns as a list over the batch (critic_infer's ``extras``), and the constant
-  ``reward.fn_kwargs``. A failure on one request's samples is that request's alone
-  (:func:`score_requests`);
-- a reward *model*: a Megatron GPT with a scalar head, read at each sample's last token, from
-  this project's model checkpoint folder (``meta.json`` + ``model.safetensors``, see
-  :mod:`aligner.models.checkpoint_io`; ``aligner-convert import`` writes one from HF) or from a
-  HF sequence-classification folder (:func:`aligner.models.hf.import_hf`). When its tokenizer
-  (``reward.tokenizer``, or the tokenizer files of ``reward.hf_path``) is not the policy's, it
-  reads the samples' text, tokenized its own way (:class:`RewardTokens`).
-
-Weights are loaded onto the current TP layout by those modules (full tensors in the files,
-this rank's shard in the model), so a reward model saved at TP=1 serves a TP=2 critic.
+The other reward source, a reward model, is :mod:`aligner.critic.reward_model`.
 """
 
 from __future__ import annotations
@@ -25,45 +15,27 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import logging
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from aligner.critic.errors import CriticServiceError
+from aligner.critic.errors import RequestRewardError
 
 __all__ = [
     "RewardFn",
     "load_reward_fn",
     "reward_fn_problem",
     "split_samples",
-    "RequestRewardError",
     "RewardFunctionError",
     "RewardArgumentError",
-    "RewardTextError",
     "call_reward_fn",
     "score_requests",
     "parse_extras",
-    "RewardTokens",
-    "TOKENIZER_FILES",
-    "tokenizer_folder",
-    "checkpoint_folder_problem",
-    "load_reward_model",
-    "policy_init_config",
-    "load_policy_trunk",
-    "HEAD_TENSORS",
 ]
-
-log = logging.getLogger("aligner.critic")
-
-HEAD_TENSORS = frozenset({"output_layer.weight", "output_layer.bias"})
-"""The scalar head's tensors (what a policy's trunk does not provide)."""
 
 KNOWN_KWARGS = ("prompt_ids", "response_ids")
 """Keyword arguments every call offers (a function gets those it accepts): each sample's prompt and
@@ -308,11 +280,6 @@ def split_samples(tokens, lengths, prompt_lengths, eos_id: int) -> tuple[list[li
     return prompts, responses
 
 
-class RequestRewardError(CriticServiceError):
-    """One request's samples could not be scored: that request fails alone, the requests merged
-    with it get what they would get alone (docs/design.md, "Wire protocol")."""
-
-
 class RewardFunctionError(RequestRewardError):
     """The reward function failed on one request's samples: it raised, or answered the wrong
     number of scores or one that is not a finite number. The message names the function and,
@@ -327,16 +294,6 @@ class RewardFunctionError(RequestRewardError):
 class RewardArgumentError(RewardFunctionError):
     """The request cannot give the reward function a required parameter (no column of its extras
     fills it): the whole request's fault, no sample's."""
-
-
-class RewardTextError(RequestRewardError):
-    """A sample's text gives the reward model nothing to read (its tokenizer makes no token of it)."""
-
-    def __init__(self, tokenizer: str, detail: str, sample: int) -> None:
-        self.detail, self.sample = detail, sample
-        super().__init__(
-            f"reward model tokenizer {tokenizer!r} failed on sample {sample} of the request: {detail}"
-        )
 
 
 def _as_reward_fn(fn: Callable[..., Any], name: str) -> RewardFn:
@@ -470,175 +427,3 @@ def _blame_one(fn, name: str, tokenizer, tokens, lengths, prompt_lengths, extras
         except RewardFunctionError:
             return RewardFunctionError(name, err.detail, sample=i)
     return err
-
-
-# ----------------------------------------------------------------------------------------------
-# A reward model that reads text
-# ----------------------------------------------------------------------------------------------
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""A folder with any of these holds a tokenizer (``transformers.AutoTokenizer`` reads it)."""
-
-
-def tokenizer_folder(path: str | None) -> str | None:
-    """``path`` when it is a folder holding tokenizer files (:data:`TOKENIZER_FILES`), else None."""
-    if path and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
-        return str(path)
-    return None
-
-
-class RewardTokens:
-    """Prompt and response text -> the reward model's token ids, with its own tokenizer.
-
-    ``prompt + response`` is tokenized with the tokenizer's special tokens (a BOS or CLS is
-    added as the model was trained), or, with ``chat_template``, formatted first as a user turn
-    (the prompt) and an assistant turn (the response) by the tokenizer's chat template (whose
-    text holds its special tokens). A sequence longer than ``max_len`` keeps its last
-    ``max_len`` tokens (the score is read at the last one), and is counted in :attr:`truncated`.
-
-    Args:
-        tokenizer: an :class:`aligner.tokenizers.HFTokenizer` (or any project tokenizer).
-        spec: how messages name it (``reward.tokenizer`` or the folder it came from).
-        max_len: the reward model's ``max_seq_len``.
-        chat_template: format the pair with the tokenizer's chat template.
-    """
-
-    def __init__(self, tokenizer, spec: str, max_len: int, chat_template: bool = False) -> None:
-        self.tokenizer, self.spec, self.max_len = tokenizer, spec, int(max_len)
-        self.chat_template = chat_template
-        self.hf = getattr(tokenizer, "hf", None)
-        if chat_template and not (self.hf is not None and getattr(self.hf, "chat_template", None)):
-            raise ValueError(
-                f"reward.chat_template=true, but the reward tokenizer {spec!r} has no chat template "
-                "(its tokenizer_config.json sets no chat_template); set reward.chat_template=false"
-            )
-        self.pad_id = int(tokenizer.pad_id)
-        self._count_lock = threading.Lock()
-        self.rows = 0
-        """Samples tokenized so far."""
-        self.truncated = 0
-        """Of those, samples longer than ``max_len`` (cut from the left)."""
-
-    def ids(self, prompt: str, response: str) -> list[int]:
-        """One sample's ids, before truncation."""
-        if self.hf is None:
-            return list(self.tokenizer.encode(prompt + response))
-        if self.chat_template:
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            text = self.hf.apply_chat_template(messages, tokenize=False)
-            return list(self.hf(text, add_special_tokens=False)["input_ids"])
-        return list(self.hf(prompt + response, add_special_tokens=True)["input_ids"])
-
-    def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """tokens ``[b, s]`` int64 (right padded) and lengths ``[b]`` int64 of the samples.
-
-        Raises:
-            RewardTextError: a sample the tokenizer makes no token of (the first such).
-        """
-        rows, cut = [], 0
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            ids = self.ids(p, r)
-            if not ids:
-                raise RewardTextError(self.spec, "its prompt and response text make no token", sample=i)
-            if len(ids) > self.max_len:
-                ids = ids[-self.max_len :]
-                cut += 1
-            rows.append(ids)
-        with self._count_lock:
-            first = cut and not self.truncated
-            self.rows += len(rows)
-            self.truncated += cut
-        if first:
-            log.warning(
-                "the reward model's tokenizer %r makes %d sample(s) longer than its max_seq_len=%d: "
-                "their first tokens are cut (counted in server_info's reward.text.truncated)",
-                self.spec,
-                cut,
-                self.max_len,
-            )
-        s = max(len(r) for r in rows)
-        tokens = np.full((len(rows), s), self.pad_id, dtype=np.int64)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = r
-        return tokens, np.array([len(r) for r in rows], dtype=np.int64)
-
-
-def checkpoint_folder_problem(path: str, hf: bool | None = False) -> str | None:
-    """Why ``path`` is not a model checkpoint folder (with ``hf``, a HF folder; with ``hf=None``,
-    either), or None."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return "the folder does not exist"
-    if hf is None:
-        if (folder / "meta.json").is_file() or (folder / "config.json").is_file():
-            return None
-        return (
-            "neither meta.json nor config.json in it: expected this project's checkpoint folder "
-            "(meta.json + model.safetensors) or a Hugging Face folder (config.json + safetensors)"
-        )
-    want = "config.json" if hf else "meta.json"
-    if not (folder / want).is_file():
-        what = (
-            "a Hugging Face folder (config.json + safetensors)"
-            if hf
-            else "this project's checkpoint folder (meta.json + model.safetensors; `aligner-convert import` "
-            "makes one from a HF folder)"
-        )
-        return f"no {want} in it: expected {what}"
-    return None
-
-
-def load_reward_model(model_path: str | None, hf_path: str | None):
-    """(reward model on the current TP layout, its ModelConfig), or (None, None) without one."""
-    if model_path:
-        from aligner.models.checkpoint_io import build_from_checkpoint
-
-        model, cfg, _ = build_from_checkpoint(model_path, role="reward")
-    elif hf_path:
-        # Imported lazily: the HF converter (and transformers) are needed only here.
-        from aligner.models.hf import import_hf
-
-        model, cfg = import_hf(hf_path, role="reward")
-    else:
-        return None, None
-    model.requires_grad_(False)
-    model.eval()
-    return model, cfg
-
-
-def policy_init_config(path: str):
-    """The architecture of ``init.policy_path``: this project's checkpoint folder (``meta.json``)
-    or a Hugging Face folder (``config.json``, e.g. a causal LM)."""
-    folder = Path(path)
-    if (folder / "meta.json").is_file():
-        from aligner.models.checkpoint_io import read_checkpoint_meta
-
-        return read_checkpoint_meta(folder)["model_config"]
-    from aligner.models.hf_config import model_config_from_hf
-
-    return model_config_from_hf(folder)
-
-
-def load_policy_trunk(critic: torch.nn.Module, path: str) -> None:
-    """Copy a policy's trunk (everything but the LM head) into ``critic``, keeping the critic's
-    fresh value head (collective under TP, like every loader here). ``path``: this project's
-    checkpoint folder, or a Hugging Face folder (a causal LM: the weight stream reads it)."""
-    from aligner.models.config import ConversionError
-
-    folder = Path(path)
-    if not (folder / "meta.json").is_file():
-        from aligner.models.hf import load_hf_into_megatron
-
-        # A causal LM's trunk; the critic keeps its fresh scalar head.
-        load_hf_into_megatron(critic, folder, critic.aligner_config)
-        return
-    from safetensors import safe_open
-
-    from aligner.models.layout import load_megatron_tensors
-
-    saved = policy_init_config(path)
-    diff = critic.aligner_config.architecture_diff(saved)
-    if diff:
-        raise ConversionError(f"init.policy_path={path!r} holds a different architecture: {'; '.join(diff)}")
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
-        load_megatron_tensors(critic, critic.aligner_config, fh.get_tensor, skip=HEAD_TENSORS)

@@ -12,8 +12,9 @@ import json
 import os
 import random
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -25,12 +26,15 @@ __all__ = [
     "ParallelConfig",
     "ParallelState",
     "barrier",
+    "RankZeroError",
+    "all_gather_json",
     "broadcast_json",
     "comm_device",
     "destroy",
     "free_port",
     "initialize",
     "is_writer",
+    "on_rank0",
     "recv_json",
     "seed_everything",
     "send_json",
@@ -64,7 +68,10 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the TP x PP x DP grid, with the groups to pass to maths wrappers."""
+    """This rank's place in the TP x PP x DP grid, with the groups to pass to maths wrappers.
+
+    Made once, by :func:`initialize` (from Megatron's parallel state, which nothing else reads):
+    the roles are handed it and never look up Megatron's globals themselves."""
 
     rank: int
     world_size: int
@@ -78,6 +85,19 @@ class ParallelState:
     tp_group: object
     pp_group: object
     dp_group: object
+    mp_group: object = None
+    """The model-parallel group: this data-parallel replica's TP x PP ranks."""
+    embedding_group: object = None
+    """The first and the last pipeline stage (each holds a copy of a tied embedding); None on a
+    rank outside it, and at PP=1."""
+
+    GROUPS: ClassVar[tuple[str, ...]] = ("tp", "pp", "dp", "mp", "embedding")
+
+    def group(self, kind: str) -> object:
+        """The process group of ``kind``: 'tp', 'pp', 'dp', 'mp' (model parallel) or 'embedding'."""
+        if kind not in self.GROUPS:
+            raise ValueError(f"group kind {kind!r}: expected one of {list(self.GROUPS)}")
+        return getattr(self, f"{kind}_group")
 
     @property
     def is_first_stage(self) -> bool:
@@ -91,6 +111,32 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """The one rank that logs and writes run-level files (global rank 0)."""
         return self.rank == 0
+
+    @classmethod
+    def from_megatron(cls, device: torch.device) -> ParallelState | None:
+        """This rank's state as Megatron's parallel state holds it; None when that is not set up."""
+        from megatron.core import parallel_state as mpu
+
+        if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
+            return None
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        in_embedding = pp > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True)
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
+            tp_size=mpu.get_tensor_model_parallel_world_size(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            pp_size=pp,
+            dp_rank=mpu.get_data_parallel_rank(),
+            dp_size=mpu.get_data_parallel_world_size(),
+            device=device,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            pp_group=mpu.get_pipeline_model_parallel_group(),
+            dp_group=mpu.get_data_parallel_group(),
+            mp_group=mpu.get_model_parallel_group(),
+            embedding_group=mpu.get_embedding_group() if in_embedding else None,
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -163,20 +209,9 @@ def initialize(parallel: ParallelConfig | None = None, seed: int = 1234) -> Para
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    return ParallelState(
-        rank=dist.get_rank(),
-        world_size=world,
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        tp_size=tp,
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        pp_size=pp,
-        dp_rank=mpu.get_data_parallel_rank(),
-        dp_size=mpu.get_data_parallel_world_size(),
-        device=device,
-        tp_group=mpu.get_tensor_model_parallel_group(),
-        pp_group=mpu.get_pipeline_model_parallel_group(),
-        dp_group=mpu.get_data_parallel_group(),
-    )
+    state = ParallelState.from_megatron(device)
+    assert state is not None
+    return state
 
 
 def destroy() -> None:
@@ -205,9 +240,10 @@ def barrier(group: object | None = None) -> None:
         dist.barrier(group=group)
 
 
-def comm_device() -> torch.device:
-    """Where collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+def comm_device(group: object | None = None) -> torch.device:
+    """Where collectives over ``group`` (default: the world) take their tensors: the current CUDA
+    device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -228,6 +264,71 @@ def broadcast_json(obj: Any, src: int = 0, group: object | None = None) -> Any:
     buf = blob.to(dev) if dist.get_rank() == src else torch.empty(int(n), dtype=torch.uint8, device=dev)
     dist.broadcast(buf, src, group=group)
     return json.loads(bytes(buf.cpu().numpy()))
+
+
+def all_gather_json(obj: Any, group: object | None = None) -> list[Any]:
+    """Every member's JSON-able ``obj``, in group-rank order (as bytes in tensors: nothing is
+    pickled)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return [obj]
+    dev = comm_device(group)
+    data = _json_tensor(obj).to(dev)
+    n = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.empty_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    padded = torch.zeros(max(int(x) for x in sizes), dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return [json.loads(bytes(p[: int(x)].cpu().numpy())) for p, x in zip(parts, sizes)]
+
+
+T = TypeVar("T")
+
+
+class RankZeroError(RuntimeError):
+    """What the other ranks raise when :func:`on_rank0`'s function failed on the first rank with an
+    error they do not rebuild; the message names it."""
+
+
+def on_rank0(
+    fn: Callable[[], T],
+    *,
+    group: object | None = None,
+    carried: Sequence[type[BaseException]] = (),
+    wrap: Callable[[str], BaseException] = RankZeroError,
+) -> T:
+    """``fn()`` on the first rank of ``group`` (default: global rank 0), and its outcome on every
+    rank: its JSON-able result, or its error. Call it on every rank of the group.
+
+    The first rank raises its own exception. The others raise the same type when it is one of
+    ``carried`` (rebuilt with ``from_json(e.to_json())`` where the type has both, else from its
+    message), and ``wrap("<Type>: <message>")`` otherwise. One broadcast; none in a world of one.
+    """
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    mine = not dist.is_initialized() or dist.get_rank() == src
+    raised: BaseException | None = None
+    outcome: dict[str, Any] | None = None
+    if mine:
+        try:
+            outcome = {"value": fn()}
+        except Exception as e:  # every rank raises, not only this one
+            raised = e
+            outcome = {"type": type(e).__name__, "message": str(e)}
+            if hasattr(e, "to_json"):
+                outcome["json"] = e.to_json()
+    outcome = broadcast_json(outcome, src, group)
+    if raised is not None:
+        raise raised
+    if "value" in outcome:
+        return outcome["value"]
+    for cls in carried:
+        if cls.__name__ == outcome["type"]:
+            if "json" in outcome and hasattr(cls, "from_json"):
+                raise cls.from_json(outcome["json"])
+            raise cls(outcome["message"])
+    raise wrap(f"{outcome['type']}: {outcome['message']}")
 
 
 def send_json(obj: Any, dst: int, group: object | None = None) -> None:

@@ -33,6 +33,19 @@ def test_two_process_layouts(tp, pp, expect):
         assert results[0]["loss"] is None and results[1]["loss"] is not None  # loss on the last stage
     if tp == 1 and pp == 1:
         assert results[0]["loss"] == results[1]["loss"]  # same data, same weights on both DP ranks
+    # on_rank0: rank 0's answer everywhere; its error raised as itself on rank 0, and on rank 1 as
+    # itself when carried, else as a RankZeroError naming it.
+    assert [r["decided"] for r in results] == [{"from": 0}, {"from": 0}]
+    own = ["KeyError", "'only on rank 0'"]
+    assert results[0]["errors"] == [own, own]
+    assert results[1]["errors"] == [
+        ["RankZeroError", "KeyError: 'only on rank 0'"],
+        ["KeyError", "\"'only on rank 0'\""],
+    ]
+    assert all(r["gathered"] == [{"rank": 0}, {"rank": 1}] for r in results)
+    # The model-parallel group is the replica's TP x PP ranks; the embedding group spans the stages.
+    assert [r["mp_ranks"] for r in results] == ([[0], [1]] if tp == pp == 1 else [[0, 1], [0, 1]])
+    assert [r["in_embedding_group"] for r in results] == [pp == 2, pp == 2]
 
 
 def test_invalid_parallel_config_names_field():

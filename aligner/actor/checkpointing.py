@@ -32,7 +32,7 @@ at any point leaves the previous complete step as the newest step both roles com
 is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
 
 ``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
-the save, or in the middle of a step (:data:`FAULT_POINTS`): how the tests show a crash never
+the save, or in the middle of a step (:data:`aligner.faults.ACTOR`): how the tests show a crash never
 yields a checkpoint that loads wrongly.
 
 A critic-free run (``ppo.advantage`` grpo, rloo or reinforce_pp) has no server side: the server
@@ -53,7 +53,6 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aligner import faults
 from aligner.actor.config import ActorConfig, PolicyOptimConfig
 from aligner.checkpoint import (
     CheckpointError,
@@ -78,7 +78,7 @@ from aligner.checkpoint import (
     step_dir_name,
     write_json,
 )
-from aligner.distributed import ParallelState, barrier, broadcast_json, comm_device
+from aligner.distributed import ParallelState, barrier, comm_device, on_rank0
 from aligner.models.checkpoint_io import load_model_checkpoint, save_model_checkpoint
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
@@ -91,8 +91,6 @@ from aligner.wire.handle import CriticHandle, CriticRestartedError
 
 __all__ = [
     "ROLE",
-    "FAULT_POINTS",
-    "fault_point",
     "ActorState",
     "ActorCheckpointer",
     "checkpoint_root",
@@ -104,17 +102,6 @@ log = logging.getLogger(__name__)
 
 ROLE = "actor"
 FORMAT_VERSION = 1
-FAULT_POINTS = (
-    "mid_step",
-    "before_critic_save",
-    "after_critic_save",
-    "mid_actor_write",
-    "before_commit",
-    "after_commit",
-)
-"""Where ``ALIGNER_FAULT_AT=<point>@<step>`` kills the actor: ``mid_step`` after the generation of
-step N, before its critic_train is sent (:class:`~aligner.actor.trainer.PPOTrainer`); the others
-at the named moment of the save of step N (:meth:`ActorCheckpointer.save`)."""
 _TMP = ".tmp." + ROLE
 LORA_DIR = "policy_lora"
 """The adapters of a LoRA policy in an actor checkpoint (in place of ``policy/``)."""
@@ -141,18 +128,6 @@ class ActorState:
 def checkpoint_root(cfg: ActorConfig) -> Path:
     """``checkpoint.dir``, or ``<logging.run_dir>/checkpoints``."""
     return Path(cfg.checkpoint.dir or os.path.join(cfg.logging.run_dir, "checkpoints"))
-
-
-def fault_point(point: str, step: int) -> None:
-    """Kill this process (SIGKILL) when ``$ALIGNER_FAULT_AT`` names ``point`` (one of
-    :data:`FAULT_POINTS`) at ``step``, or at any step when it names no step: the crashes the
-    resume tests start from. Does nothing when the variable is unset."""
-    want = os.environ.get("ALIGNER_FAULT_AT")
-    if not want:
-        return
-    name, _, at = want.partition("@")
-    if name == point and (not at or int(at) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
@@ -299,12 +274,12 @@ class ActorCheckpointer:
         """Both roles' checkpoints of ``state.step`` (the critic's by the server). Returns the
         actor's folder."""
         step, st = state.step, self.state
-        fault_point("before_critic_save", step)
+        faults.ACTOR.hit("before_critic_save", step)
         # A timeout or a restarted server raises here, on every rank, before anything of this
         # step is written: the previous checkpoints stay as they were.
         if not self.critic_free:  # a critic-free run has nothing on the server to save
             self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
-        fault_point("after_critic_save", step)
+        faults.ACTOR.hit("after_critic_save", step)
         step_dir = self.root / step_dir_name(step)
         final, tmp = step_dir / ROLE, step_dir / _TMP
         if st.rank == 0:
@@ -319,20 +294,20 @@ class ActorCheckpointer:
             )
         else:
             save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
-        fault_point("mid_actor_write", step)
+        faults.ACTOR.hit("mid_actor_write", step)
         if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
             tensors, meta = state.optimizer.state_tensors()
             save_tensors(tmp / self._optim_file(), tensors)
             write_json(tmp / self._optim_file(".json"), meta)
         save_tensors(tmp / self._rng_file(), rng_state_tensors())
         barrier()
-        fault_point("before_commit", step)
+        faults.ACTOR.hit("before_commit", step)
         if st.rank == 0:
             write_json(tmp / "trainer_state.json", self._state_json(state))
             commit_directory(tmp, final, {"step": step, "role": ROLE})
         barrier()
         self.last_saved = step
-        fault_point("after_commit", step)
+        faults.ACTOR.hit("after_commit", step)
         if st.rank == 0:
             self._prune()
         self.say(f"saved checkpoint step {step}: {final}")
@@ -475,25 +450,11 @@ class ActorCheckpointer:
         """``fn()`` on rank 0 (a request to the server), and its outcome on every rank: rank 0
         raises its own error, the others the same CriticRestartedError, or a CheckpointError
         naming ``what``."""
-        if self.state.world_size == 1:
-            fn()
-            return
-        outcome: dict[str, Any] | None = None
-        error: BaseException | None = None
-        if self.state.rank == 0:
-            try:
-                fn()
-            except CriticRestartedError as e:
-                error, outcome = e, {"restarted": e.to_json()}
-            except Exception as e:  # every rank raises, not only rank 0
-                error, outcome = e, {"error": f"{type(e).__name__}: {e}"}
-        outcome = broadcast_json(outcome)
-        if error is not None:
-            raise error
-        if outcome is not None:
-            if "restarted" in outcome:
-                raise CriticRestartedError.from_json(outcome["restarted"])
-            raise CheckpointError(f"{what} failed on rank 0: {outcome['error']}")
+        on_rank0(
+            fn,
+            carried=(CriticRestartedError,),
+            wrap=lambda e: CheckpointError(f"{what} failed on rank 0: {e}"),
+        )
 
 
 def _apply_current_hyperparameters(optimizer: torch.optim.Optimizer, o: PolicyOptimConfig) -> None:

@@ -83,14 +83,6 @@ def _rows(x: Any) -> list:
     return (x.detach().cpu() if hasattr(x, "detach") else x).tolist()
 
 
-def _broadcast_from_first(group: Any, *tensors: torch.Tensor) -> None:
-    """Each of ``tensors`` from the first rank of ``group`` (its TP rank 0, or its first stage)
-    to the group's other ranks, in place."""
-    src = dist.get_global_rank(group, 0)
-    for t in tensors:
-        dist.broadcast(t, src, group=group)
-
-
 def _failed(error: BaseException) -> Future:
     """A future that holds ``error``: a request refused before it was sent fails where it is waited on."""
     future: Future = Future()
@@ -182,14 +174,13 @@ class CriticLink:
             values, scores = torch.empty(b, s - 1), torch.empty(b)
         st = self.state
         if st.tp_size * st.pp_size > 1:
-            # From TP rank 0 of the first stage to the replica's other ranks: over the first
-            # stage's TP group, then from the first stage down each pipeline. On the collectives'
-            # device (NCCL takes CUDA tensors only), then back.
+            # From TP rank 0 of the first stage (the model-parallel group's first rank) to the
+            # replica's other ranks. On the collectives' device (NCCL takes CUDA tensors only), then back.
+            group = st.group("mp")
+            src = dist.get_global_rank(group, 0)
             values, scores = values.to(comm_device()), scores.to(comm_device())
-            if st.tp_size > 1 and st.pp_rank == 0:
-                _broadcast_from_first(st.tp_group, values, scores)
-            if st.pp_size > 1:
-                _broadcast_from_first(st.pp_group, values, scores)
+            dist.broadcast(values, src, group=group)
+            dist.broadcast(scores, src, group=group)
             values, scores = values.cpu(), scores.cpu()
         return values, scores
 

@@ -61,10 +61,13 @@ def set_schedule_position(scheduler: Schedule, optimizer: torch.optim.Optimizer,
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None, num_layers: int | None = None) -> None:
+def freeze_all_but_last_layers(
+    model: torch.nn.Module, n: int | None, num_layers: int | None = None, pp_rank: int = 0
+) -> None:
     """Train only the model's last ``n`` transformer layers plus the final norm and LM head (all
     when None). ``num_layers``: the whole model's, for a pipeline stage that holds some of them
-    (its layers are numbered from its stage's offset); default the layers this module holds.
+    (its layers are numbered from its stage's offset, ``pp_rank`` times the layers it holds);
+    default the layers this module holds.
     An LM head tied to the embedding is frozen with it, on every stage that holds a copy.
 
     With LoRA (:func:`aligner.models.lora.apply_lora`) the base weights stay frozen, the final
@@ -74,11 +77,7 @@ def freeze_all_but_last_layers(model: torch.nn.Module, n: int | None, num_layers
     m = gpt.unwrap(model)
     local = len(m.decoder.layers)
     total = num_layers if num_layers is not None else local
-    offset = 0
-    if total != local:
-        from megatron.core import parallel_state as mpu
-
-        offset = mpu.get_pipeline_model_parallel_rank() * local
+    offset = pp_rank * local if total != local else 0
     tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
     lora = lora_config_of(m) is not None
     for name, param in m.named_parameters():

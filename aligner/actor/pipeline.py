@@ -40,7 +40,7 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, to
 
 
 def allreduce_tied_embedding_grads(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    model: torch.nn.Module, state: ParallelState, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Sum the gradient of the word embedding tied to the LM head over the first and the last
     pipeline stage (each holds a copy; Megatron's ``_allreduce_word_embedding_grads``), in fp32,
@@ -48,12 +48,10 @@ def allreduce_tied_embedding_grads(
     masters collect the gradients during backward) the master's gradient is the one summed.
     A no-op without pipeline parallelism, tied weights or a trained embedding; collective over
     the embedding group, whose two stages agree on all three."""
-    from megatron.core import parallel_state as mpu
-
     m = gpt.unwrap(model)
-    if mpu.get_pipeline_model_parallel_world_size() == 1 or not m.share_embeddings_and_output_weights:
+    if state.pp_size == 1 or not m.share_embeddings_and_output_weights:
         return
-    if not mpu.is_rank_in_embedding_group(ignore_virtual=True):
+    if state.embedding_group is None:  # a middle stage
         return
     weight = m.shared_embedding_or_output_weight()
     if weight is None or not weight.requires_grad:
@@ -64,7 +62,7 @@ def allreduce_tied_embedding_grads(
         target = next(mt for p, mt in zip(optimizer.model_params, optimizer.master_params) if p is weight)
     grad = target.grad if target.grad is not None else torch.zeros_like(target)
     total = grad.float()
-    dist.all_reduce(total, group=mpu.get_embedding_group())
+    dist.all_reduce(total, group=state.group("embedding"))
     target.grad = total.to(grad.dtype)
 
 

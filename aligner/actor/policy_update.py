@@ -205,5 +205,5 @@ class PolicyUpdate:
             return self._micro_loss(r, idx[rows], logits)
 
         stats = self.pipeline.train(self.policy, r.tokens[idx], self.ppo.micro_batch_size, loss_fn, r.start)
-        allreduce_tied_embedding_grads(self.policy, self.optimizer)
+        allreduce_tied_embedding_grads(self.policy, self.state, self.optimizer)
         return stats

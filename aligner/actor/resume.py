@@ -31,7 +31,7 @@ from aligner.actor.checkpointing import ROLE, ActorCheckpointer
 from aligner.actor.config import CriticClientConfig
 from aligner.actor.critic_link import server_mode_problem
 from aligner.checkpoint import COMPLETE_MARKER, CheckpointError, complete_steps, read_json, step_dir_name
-from aligner.distributed import broadcast_json
+from aligner.distributed import on_rank0
 from aligner.wire.handle import CriticError, CriticRestartedError
 from aligner.wire.protocol import ServerInfo
 
@@ -45,15 +45,14 @@ def resolve_resume(checkpointer: ActorCheckpointer) -> Path | None:
     """The actor step folder to resume from, or None for a fresh start, per
     ``checkpoint.resume``; resets the server's critic to step 0 for a fresh start when it has
     trained. Call on every rank (rank 0 asks the server and decides; the rest follow)."""
-    decision: list[Any] = [None, None]
-    if checkpointer.state.rank == 0:
+
+    def decide() -> str | None:
         try:
-            decision = [_decide(checkpointer), None]
-        except Exception as e:  # every rank raises, not only rank 0
-            decision = [None, f"{type(e).__name__}: {e}"]
-    path, error = broadcast_json(decision)
-    if error is not None:
-        raise CheckpointError(error)
+            return _decide(checkpointer)
+        except Exception as e:  # the same error on every rank
+            raise CheckpointError(f"{type(e).__name__}: {e}") from e
+
+    path = on_rank0(decide, carried=(CheckpointError,))
     return None if path is None else Path(path)
 
 
@@ -208,33 +207,27 @@ def rollback_dir(checkpointer: ActorCheckpointer, error: CriticRestartedError) -
     them now) hold; and the critic step the server holds now. CheckpointError naming both
     lists when there is none. Call on every rank."""
     ck = checkpointer
-    decision: list[Any] = [None, None, None]
-    if ck.state.rank == 0:
+
+    def decide() -> tuple[str, int]:
         try:
             info = ck.critic.server_info()
             server_steps = sorted(int(s) for s in info.checkpoint_steps)
             mine = [s for s in complete_steps(ck.root, role=ROLE) if s > 0]
             common = mine if ck.critic_free else sorted(set(mine) & set(server_steps))
-            if common:
-                decision = [str(ck.root / step_dir_name(common[-1])), None, info.critic_step]
-            else:
-                decision = [
-                    None,
-                    f"cannot roll back after the critic server restarted ({error}): no step is "
-                    f"complete for both roles (actor checkpoints under {ck.root}: {mine or 'none'}; "
-                    f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
-                    "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's",
-                    None,
-                ]
-        except CriticRestartedError as e:  # restarted again: the caller counts it and retries
-            decision = [None, {"restarted": e.to_json()}, None]
-        except Exception as e:  # every rank raises, not only rank 0
-            decision = [None, f"{type(e).__name__}: {e}", None]
-    path, problem, critic_step = broadcast_json(decision)
-    if isinstance(problem, dict):
-        raise CriticRestartedError.from_json(problem["restarted"])
-    if problem is not None:
-        raise CheckpointError(problem)
+        except CriticRestartedError:  # restarted again: the caller counts it and retries
+            raise
+        except Exception as e:  # the same error on every rank
+            raise CheckpointError(f"{type(e).__name__}: {e}") from e
+        if not common:
+            raise CheckpointError(
+                f"cannot roll back after the critic server restarted ({error}): no step is "
+                f"complete for both roles (actor checkpoints under {ck.root}: {mine or 'none'}; "
+                f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
+                "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's"
+            )
+        return str(ck.root / step_dir_name(common[-1])), info.critic_step
+
+    path, critic_step = on_rank0(decide, carried=(CriticRestartedError, CheckpointError))
     return Path(path), int(critic_step)
 
 

@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from aligner import rl
-from aligner.actor.checkpointing import ActorCheckpointer, ActorState, fault_point
+from aligner import faults, rl
+from aligner.actor.checkpointing import ActorCheckpointer, ActorState
 from aligner.actor.config import ActorConfig
 from aligner.actor.critic_link import CriticLink, sample_texts
 from aligner.actor.logprobs import PolicyLogprobs
@@ -126,7 +126,9 @@ class PPOTrainer:
         a reward model reading text gets as the prompt (None: the decoded prompt tokens)."""
         if self.val_extras is not None and len(self.val_extras) != len(self.val_prompts):
             raise ValueError(f"val_extras: {len(self.val_extras)} rows for {len(self.val_prompts)} prompts")
-        freeze_all_but_last_layers(policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers)
+        freeze_all_but_last_layers(
+            policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers, state.pp_rank
+        )
         self.precision = resolve_precision(cfg.precision, state.device)
         self.optimizer, self.scheduler = make_policy_optimizer(policy, cfg, self.precision)
         # After the optimizer: it casts the policy to its compute dtype, the dtype the engine
@@ -297,7 +299,7 @@ class PPOTrainer:
             advantages, returns = self._advantages(rewards, values, mask, loss_mask, scores)
 
             # 6. The critic's training batch for this step id; the server trains while we do.
-            fault_point("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
+            faults.ACTOR.hit("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
             if not self.critic_free:
                 self.critic.train(tokens, gen.lengths, returns, values, mask, step_id)
 

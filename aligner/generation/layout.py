@@ -154,7 +154,7 @@ class GenerationLayout:
         groups (every rank calls it with the same size): the replicas' model-parallel ranks
         are gathered and every group is created on every rank, in the same order.
         """
-        ps = parallel_state if parallel_state is not None else _current_state()
+        ps = parallel_state if parallel_state is not None else ParallelState.from_megatron(comm_device())
         if ps is None:  # a single process without Megatron's parallel state
             problems = generation_tp_problems(tensor_parallel_size, 1, 1)
             if problems:
@@ -169,9 +169,11 @@ class GenerationLayout:
         if pp == 1 and g == tp:
             group = ps.tp_group if tp > 1 else None
             return cls(size=g, rank=ps.tp_rank, group=group, replica_group=group, **common)
-        from megatron.core import parallel_state as mpu
-
-        replica = mpu.get_model_parallel_group()
+        replica = ps.group("mp")
+        if replica is None:
+            raise ValueError(
+                "the parallel state has no model-parallel group: make it with aligner.distributed.initialize"
+            )
         ranks = dist.get_process_group_ranks(replica)
         if len(ranks) != tp * pp:
             raise ValueError(
@@ -190,28 +192,6 @@ class GenerationLayout:
                 mine = group
         assert mine is not None
         return cls(size=g, rank=dist.get_rank(mine), group=mine, replica_group=replica, **common)
-
-
-def _current_state() -> ParallelState | None:
-    """A :class:`ParallelState` read from Megatron's globals, or None when they are not set."""
-    from megatron.core import parallel_state as mpu
-
-    if not (dist.is_initialized() and mpu.model_parallel_is_initialized()):
-        return None
-    return ParallelState(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        tp_size=mpu.get_tensor_model_parallel_world_size(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        pp_size=mpu.get_pipeline_model_parallel_world_size(),
-        dp_rank=mpu.get_data_parallel_rank(),
-        dp_size=mpu.get_data_parallel_world_size(),
-        device=comm_device(),
-        tp_group=mpu.get_tensor_model_parallel_group(),
-        pp_group=mpu.get_pipeline_model_parallel_group(),
-        dp_group=mpu.get_data_parallel_group(),
-    )
 
 
 def _all_replicas(ranks: list[int]) -> list[list[int]]:

@@ -50,6 +50,19 @@ def main(tp: int, pp: int) -> None:
         forward_only=False,
     )
     grads = sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+
+    # The small collectives: rank 0 decides, every rank gets its answer or its error.
+    decided = distributed.on_rank0(lambda: {"from": dist.get_rank()})
+    errors = []
+    for carried in ((), (KeyError,)):
+
+        def fail() -> None:
+            raise KeyError(f"only on rank {dist.get_rank()}")
+
+        try:
+            distributed.on_rank0(fail, carried=carried)
+        except Exception as e:
+            errors.append([type(e).__name__, str(e)])
     result = {
         "rank": state.rank,
         "world": state.world_size,
@@ -59,6 +72,11 @@ def main(tp: int, pp: int) -> None:
         "device": str(state.device),
         "has_grads": grads > 0,
         "loss": float(losses[0]["loss"]) if losses else None,
+        "decided": decided,
+        "errors": errors,
+        "gathered": distributed.all_gather_json({"rank": state.rank}),
+        "mp_ranks": dist.get_process_group_ranks(state.group("mp")),
+        "in_embedding_group": state.group("embedding") is not None,
     }
     gathered = [None] * state.world_size
     dist.all_gather_object(gathered, result)

@@ -92,7 +92,7 @@ def case(tie: bool, bf16: bool = False) -> dict[str, float]:
     # Under bf16 the optimizer's fp32 masters collect the gradients during backward.
     opt = make_optimizer(policy, lr=1e-3, precision="bf16") if bf16 else None
     got_stats = pipe.train(policy, tokens, mbs, loss_fn, start)
-    allreduce_tied_embedding_grads(policy, opt)
+    allreduce_tied_embedding_grads(policy, state, opt)
     got_grads = _grads_by_name(policy, cfg, opt)
     diffs = {
         "logprobs": float((got_lp - want_lp).abs().max()),
@@ -135,11 +135,11 @@ def freeze_case() -> dict[str, float]:
     )
     state = distributed.initialize(distributed.ParallelConfig(1, 2), seed=11)
     policy = gpt.build_policy(cfg)
-    freeze_all_but_last_layers(policy, 1, cfg.num_layers)
+    freeze_all_but_last_layers(policy, 1, cfg.num_layers, state.pp_rank)
     lay = ParallelLayout.current()
     params = dict(gpt.unwrap(policy).named_parameters())
     trained = sorted(spec.name for spec, local in lay.targets(cfg, "lm") if params[local].requires_grad)
-    allreduce_tied_embedding_grads(policy)  # returns on both stages: a hang would time the test out
+    allreduce_tied_embedding_grads(policy, state)  # returns on both stages: a hang would time the test out
     gathered = [None] * state.pp_size
     dist.all_gather_object(gathered, trained, group=state.pp_group)
     mpu.destroy_model_parallel()

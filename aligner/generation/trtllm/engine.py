@@ -12,13 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aligner.distributed import all_gather_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.layout import broadcast_output
 from aligner.generation.sampling import check_prompts
 from aligner.generation.trtllm.boundary import LlmApi, load_llm_api
 from aligner.generation.trtllm.config import DTYPES, TrtllmConfig, is_int
 from aligner.generation.trtllm.handles import (
-    all_gather_text,
     default_architecture,
     ipc_handles,
     local_device_uuid,
@@ -297,7 +297,7 @@ class TrtllmEngine:
         """Every member's ``{uuid: payload}`` merged, on the owner (None elsewhere)."""
         if self.group is None:
             return mine
-        texts = all_gather_text(uuid + "\n" + mine[uuid], self.group)
+        texts = all_gather_json(uuid + "\n" + mine[uuid], self.group)
         if not self.is_owner:
             return None
         merged: dict[str, str] = {}

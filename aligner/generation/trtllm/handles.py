@@ -10,10 +10,8 @@ import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from aligner.generation.trtllm.config import DTYPES
@@ -26,7 +24,6 @@ __all__ = [
     "local_device_uuid",
     "default_architecture",
     "write_hf_config_dir",
-    "all_gather_text",
 ]
 
 
@@ -76,26 +73,3 @@ def write_hf_config_dir(
     tmp.write_text(conf.to_json_string())
     os.replace(tmp, out / "config.json")
     return out
-
-
-def _comm_device(group: Any) -> torch.device:
-    """Where tensors for collectives over ``group`` live (NCCL needs CUDA)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_gather_text(text: str, group: Any) -> list[str]:
-    """Every group member's ``text``, in group-rank order (as bytes in tensors: no pickle)."""
-    dev = _comm_device(group)
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
-    n = dist.get_world_size(group)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.empty_like(size) for _ in range(n)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
-    padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded, group=group)
-    return [bytes(p[: int(s)].cpu().tolist()).decode() for p, s in zip(parts, sizes)]

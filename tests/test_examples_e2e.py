@@ -19,10 +19,10 @@ import random
 from pathlib import Path
 
 import pytest
+from _actor_runs import run_actor
 from _examples import load
 
 from aligner.critic.launch import start_server
-from aligner.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -49,28 +49,15 @@ def _server(tmp_path: Path, policy: str, *extra: str):
 
 
 def _actor(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    """examples/train_actor.py in this process, composed as its command line would be."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from aligner.actor.run import run
-
-    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
-        dcfg = compose(
-            "actor",
-            overrides=[
-                f"critic.url={url}",
-                f"logging.run_dir={run_dir}",
-                f"checkpoint.dir={run_dir / 'checkpoints'}",
-                "checkpoint.save_at_end=false",
-                "checkpoint.keep_best=false",
-                "logging.progress_bar=false",
-                "logging.tensorboard=false",
-                *overrides,
-            ],
-        )
-    run(OmegaConf.to_object(dcfg))
-    return read_metrics(str(run_dir / "metrics.jsonl"))
+    """The actor's entry point in this process, composed as its command line would be."""
+    fixed = [
+        f"checkpoint.dir={run_dir / 'checkpoints'}",
+        "checkpoint.save_at_end=false",
+        "checkpoint.keep_best=false",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
+    return run_actor(url, run_dir, [*fixed, *overrides], scored_only=False)
 
 
 def _scores(rows: list[dict]) -> list[float]:

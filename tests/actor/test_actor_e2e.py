@@ -15,114 +15,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from _actor_runs import (
+    FAST,
+    best_window,
+    check_hf_export,
+    critic_step,
+    digit_server,
+    run_actor,
+    torchrun_actor,
+)
 
-from aligner.actor.run import run
 from aligner.checkpoint import complete_steps
-from aligner.critic.launch import start_server
 from aligner.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Small and fast: 3-digit tasks, the demo's model and learning rate.
-FAST = [
-    "data.num_digits=3",
-    "generation.max_new_tokens=4",
-    "ppo.global_batch_size=256",
-    "ppo.mini_batch_size=64",
-    "ppo.micro_batch_size=64",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-]
-
-
-def _server(tmp_path: Path, task: str, *extra: str):
-    return start_server(
-        [
-            "server.http_port=0",
-            "server.grpc_port=0",
-            "server.metrics_port=null",
-            "model.max_seq_len=16",
-            "optim.lr=1e-3",
-            f"reward.fn=aligner.tasks.digits:{task}_reward",
-            f"log.dir={tmp_path / 'critic'}",
-            "checkpoint.save_on_sigterm=false",
-            "log.tensorboard=false",
-            *extra,
-        ],
-        log_path=tmp_path / "server.log",
-    )
-
-
-def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
-        dcfg = compose("actor", overrides=[f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides])
-    run(OmegaConf.to_object(dcfg))
-    return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
-
-
-def _torchrun(nproc: int, url: str, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    from aligner.distributed import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(ROOT / "examples" / "train_actor.py"),
-        f"critic.url={url}",
-        f"logging.run_dir={run_dir}",
-        *overrides,
-    ]
-    out = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=str(ROOT),
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out
-
-
-def _critic_step(url: str) -> int:
-    from aligner.wire.client import RemoteCriticClient
-
-    with RemoteCriticClient(url, timeout_s=30) as c:
-        return int(c.server_info().critic_step)
-
-
-def _check_hf_export(folder: Path, task: str) -> None:
-    """transformers loads the exported policy and, greedily, answers the task."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from aligner.tasks import get_task
-    from aligner.tokenizers import CharTokenizer
-
-    tok = CharTokenizer()
-    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    t = get_task(task, 3)
-    prompts = t.prompts(32, seed=7)
-    ids = torch.tensor([tok.encode(p) for p in prompts])
-    with torch.no_grad():
-        out = model.generate(
-            ids, max_new_tokens=4, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
-        )
-    answers = [tok.decode(row[ids.shape[1] :].tolist()) for row in out]
-    score = sum(t.reward(prompts, answers)) / len(prompts)
-    assert score > 0.5, list(zip(prompts, answers))[:4]
-
-
-def _best_window(rows: list[dict], n: int = 5) -> float:
-    """The best mean reward over n consecutive steps: "reached 0.9 within the budget"."""
-    s = [r["objective/scores"] for r in rows]
-    return max(sum(s[i : i + n]) / n for i in range(len(s) - n + 1))
 
 
 @pytest.mark.slow
@@ -135,8 +41,8 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     per step (the server's critic step ends equal to the actor's). The server runs every request
     alone: merging the two ranks' critic_infer requests, or not, as their timing decides, rounds
     the values differently, and the run would learn along another path each time."""
-    with _server(tmp_path, "copy", "server.dynamic_batching=false") as server:
-        out = _torchrun(
+    with digit_server(tmp_path, "copy", "server.dynamic_batching=false") as server:
+        out = torchrun_actor(
             2,
             server.url,
             tmp_path / "run",
@@ -148,7 +54,7 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
                 "ppo.micro_batch_size=32",
             ],
         )
-        assert _critic_step(server.url) == 120
+        assert critic_step(server.url) == 120
     assert "TP=1, PP=1, DP=2" in out.stdout
     all_rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     rows = [r for r in all_rows if "objective/scores" in r]
@@ -160,10 +66,10 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     assert {100, 120} <= set(complete_steps(ckpt, role="actor"))
     assert (ckpt / "best").is_symlink()
-    _check_hf_export(tmp_path / "hf", task="copy")
+    check_hf_export(tmp_path / "hf", task="copy")
     assert rows[0]["objective/scores"] < 0.3
     # From ~0.06 to a plateau of 0.8-0.9 within the budget (DP=2 runs measured 0.92 at best).
-    assert _best_window(rows) >= 0.85, [round(r["objective/scores"], 3) for r in rows[::10]]
+    assert best_window(rows) >= 0.85, [round(r["objective/scores"], 3) for r in rows[::10]]
     assert "reward at end" in out.stdout and (tmp_path / "run" / "reward_kl.png").is_file()
     for key in (
         "objective/kl",
@@ -226,13 +132,13 @@ def test_reverse_is_learned(tmp_path, monkeypatch):
     extra = ["generation.num_threads=2"]
     if compile_available() is None:
         extra.append("generation.decode_step=compiled")
-    with _server(tmp_path, "reverse") as server:
-        rows = _run_in_process(
+    with digit_server(tmp_path, "reverse") as server:
+        rows = run_actor(
             server.url,
             tmp_path / "run",
             ["data.task=reverse", "ppo.num_steps=300", "precision=fp32", *extra, *FAST],
         )
-    assert _best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
+    assert best_window(rows) >= 0.9, [round(r["objective/scores"], 3) for r in rows[::10]]
     assert len(checked) >= 300 and all(checked), checked.count(False)
 
 
@@ -254,9 +160,11 @@ def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(PPOTrainer, "__init__", recording)
     runs = {}
     for reuse in ("true", "false"):
-        server = _server(tmp_path / reuse, "copy", "optim.epochs=2", f"optim.reuse_infer_forward={reuse}")
+        server = digit_server(
+            tmp_path / reuse, "copy", "optim.epochs=2", f"optim.reuse_infer_forward={reuse}"
+        )
         with server:
-            runs[reuse] = _run_in_process(
+            runs[reuse] = run_actor(
                 server.url,
                 tmp_path / reuse / "run",
                 [
@@ -301,9 +209,9 @@ def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
         return real(logp, old_logp, -advantages, mask, **kw)
 
     monkeypatch.setattr(core, "policy_loss", flipped)
-    with _server(tmp_path, "copy") as server:
-        rows = _run_in_process(server.url, tmp_path / "run", ["data.task=copy", "ppo.num_steps=120", *FAST])
-    assert _best_window(rows) < 0.3, [round(r["objective/scores"], 3) for r in rows[::10]]
+    with digit_server(tmp_path, "copy") as server:
+        rows = run_actor(server.url, tmp_path / "run", ["data.task=copy", "ppo.num_steps=120", *FAST])
+    assert best_window(rows) < 0.3, [round(r["objective/scores"], 3) for r in rows[::10]]
     # It is not for lack of updates: the policy moved.
     assert rows[-1]["objective/kl"] > 0.1
 
@@ -313,8 +221,8 @@ def test_flipped_policy_gradient_sign_does_not_learn(tmp_path, monkeypatch):
 def test_larger_kl_coefficient_ends_with_smaller_kl(tmp_path):
     finals = {}
     for beta in (0.005, 0.5):
-        with _server(tmp_path / f"b{beta}", "copy") as server:
-            rows = _run_in_process(
+        with digit_server(tmp_path / f"b{beta}", "copy") as server:
+            rows = run_actor(
                 server.url,
                 tmp_path / f"run{beta}",
                 ["data.task=copy", "ppo.num_steps=40", f"ppo.init_kl_coef={beta}", *FAST],
@@ -330,8 +238,8 @@ def test_pipeline_parallel_actor_learns_copy_generating_in_its_own_layout(tmp_pa
     """PP=2 on two processes, generating at TP=2 (the two stages' ranks form the generation
     group, and each holds half of every layer after each refit): the policy trains through
     Megatron's pipeline schedule and learns copy through the real server."""
-    with _server(tmp_path, "copy") as server:
-        out = _torchrun(
+    with digit_server(tmp_path, "copy") as server:
+        out = torchrun_actor(
             2,
             server.url,
             tmp_path / "run",
@@ -345,12 +253,12 @@ def test_pipeline_parallel_actor_learns_copy_generating_in_its_own_layout(tmp_pa
                 "checkpoint.save_interval=0",
             ],
         )
-        assert _critic_step(server.url) == 90
+        assert critic_step(server.url) == 90
     assert "TP=1, PP=2, DP=1" in out.stdout
     rows = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "objective/scores" in r]
     assert len(rows) == 90 and rows[0]["objective/scores"] < 0.3
     # From ~0.07 to above 0.8 in 90 steps (measured: 0.86 by step 80, 0.9 by step 100).
-    assert _best_window(rows) >= 0.8, [round(r["objective/scores"], 3) for r in rows[::10]]
+    assert best_window(rows) >= 0.8, [round(r["objective/scores"], 3) for r in rows[::10]]
     # Each step moved the updated policy into the engine, except those right after a validation
     # (before training and every 50 steps), which refitted it already.
     moved = [r["step"] for r in rows if r["refit/mbytes"] > 0]
@@ -378,9 +286,9 @@ def test_tensor_and_data_parallel_actor_on_four_processes(tmp_path):
     ]
     runs = {}
     for name, nproc, extra in (("dp2", 2, []), ("tp2dp2", 4, ["parallel.tensor_model_parallel_size=2"])):
-        with _server(tmp_path / name, "copy") as server:
-            out = _torchrun(nproc, server.url, tmp_path / name / "run", [*small, *extra])
-            assert _critic_step(server.url) == 3
+        with digit_server(tmp_path / name, "copy") as server:
+            out = torchrun_actor(nproc, server.url, tmp_path / name / "run", [*small, *extra])
+            assert critic_step(server.url) == 3
         rows = read_metrics(str(tmp_path / name / "run" / "metrics.jsonl"))
         runs[name] = [r for r in rows if "objective/scores" in r]
     assert "TP=2, PP=1, DP=2" in out.stdout

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _actor_runs import best_window, run_actor
 
 from aligner.checkpoint import complete_steps
 from aligner.critic.launch import start_server
-from aligner.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,23 +66,6 @@ def reward_server(tmp_path_factory):
         yield server
 
 
-def _run_in_process(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from aligner.actor.run import run
-
-    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
-        dcfg = compose("actor", overrides=[f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides])
-    run(OmegaConf.to_object(dcfg))
-    return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
-
-
-def _best_window(rows: list[dict], n: int = 5) -> float:
-    s = [r["objective/scores"] for r in rows]
-    return max(sum(s[i : i + n]) / n for i in range(len(s) - n + 1))
-
-
 def _scores(rows: list[dict]) -> list[float]:
     return [round(r["objective/scores"], 2) for r in rows]
 
@@ -91,13 +74,13 @@ def _scores(rows: list[dict]) -> list[float]:
 @pytest.mark.server
 def test_grpo_learns_copy_without_a_critic_and_resumes_without_the_server(reward_server, tmp_path, capfd):
     run = tmp_path / "run"
-    rows = _run_in_process(
+    rows = run_actor(
         reward_server.url,
         run,
         ["ppo.advantage=grpo", "ppo.samples_per_prompt=8", "ppo.num_steps=50", *COPY],
     )
     assert len(rows) == 50 and rows[0]["objective/scores"] < 0.3
-    assert _best_window(rows) >= 0.8, _scores(rows)
+    assert best_window(rows) >= 0.8, _scores(rows)
     out = capfd.readouterr().out
     assert "ppo: advantage estimator grpo (std-normalised), 8 sample(s) per prompt; critic-free" in out
     # The copies of a prompt drew different responses from the start: the groups had something to
@@ -107,7 +90,7 @@ def test_grpo_learns_copy_without_a_critic_and_resumes_without_the_server(reward
     # The end's checkpoint is the actor's alone, and a longer run continues from it.
     ckpt = run / "checkpoints"
     assert complete_steps(ckpt, role="actor") == [50] and complete_steps(ckpt, role="critic") == []
-    more = _run_in_process(
+    more = run_actor(
         reward_server.url,
         run,
         ["ppo.advantage=grpo", "ppo.samples_per_prompt=8", "ppo.num_steps=51", *COPY],
@@ -120,7 +103,7 @@ def test_grpo_learns_copy_without_a_critic_and_resumes_without_the_server(reward
 @pytest.mark.slow
 @pytest.mark.server
 def test_rloo_learns_copy_without_a_critic(reward_server, tmp_path):
-    rows = _run_in_process(
+    rows = run_actor(
         reward_server.url,
         tmp_path / "run",
         [
@@ -132,19 +115,19 @@ def test_rloo_learns_copy_without_a_critic(reward_server, tmp_path):
         ],
     )
     assert rows[0]["objective/scores"] < 0.3
-    assert _best_window(rows) >= 0.8, _scores(rows)
+    assert best_window(rows) >= 0.8, _scores(rows)
 
 
 @pytest.mark.slow
 @pytest.mark.server
 def test_reinforce_pp_learns_copy_with_one_sample_per_prompt(reward_server, tmp_path):
-    rows = _run_in_process(
+    rows = run_actor(
         reward_server.url,
         tmp_path / "run",
         ["ppo.advantage=reinforce_pp", "ppo.num_steps=40", "checkpoint.save_at_end=false", *COPY],
     )
     assert rows[0]["objective/scores"] < 0.3
-    assert _best_window(rows) >= 0.8, _scores(rows)
+    assert best_window(rows) >= 0.8, _scores(rows)
     assert "rollout/group_score_std" not in rows[-1] and "rollout/overlong_filtered" not in rows[-1]
 
 
@@ -152,7 +135,7 @@ def test_reinforce_pp_learns_copy_with_one_sample_per_prompt(reward_server, tmp_
 @pytest.mark.server
 def test_dynamic_sampling_generates_again_for_the_groups_it_drops(reward_server, tmp_path):
     """With overlong filtering on (it leaves the unfinished responses out of the loss)."""
-    rows = _run_in_process(
+    rows = run_actor(
         reward_server.url,
         tmp_path / "run",
         [
@@ -188,7 +171,7 @@ def test_grpo_with_the_wrong_sign_stays_low(reward_server, tmp_path, monkeypatch
         return -real(*a, **k)
 
     monkeypatch.setattr(rl, "grpo_advantages", flipped)
-    rows = _run_in_process(
+    rows = run_actor(
         reward_server.url,
         tmp_path / "run",
         [
@@ -199,7 +182,7 @@ def test_grpo_with_the_wrong_sign_stays_low(reward_server, tmp_path, monkeypatch
             *COPY,
         ],
     )
-    assert _best_window(rows) < 0.2, _scores(rows)
+    assert best_window(rows) < 0.2, _scores(rows)
     assert rows[-1]["objective/kl"] > 0.05  # not for lack of updates: the policy moved
 
 
@@ -223,7 +206,7 @@ def test_the_reward_only_server_scores_refuses_training_and_a_gae_actor(reward_s
         with pytest.raises(CriticRequestError, match="critic_train: field 'mode'.*got mode=reward_only"):
             client.train(tokens, lengths, returns, old_values, mask, 1).result()
     with pytest.raises(Exception, match="ppo.advantage='gae' needs the critic's values.*mode=reward_only"):
-        _run_in_process(reward_server.url, tmp_path / "gae", ["ppo.num_steps=1", *COPY])
+        run_actor(reward_server.url, tmp_path / "gae", ["ppo.num_steps=1", *COPY])
 
 
 # -- the critic warm-up, against the real critic service in this process ------------------------

@@ -429,7 +429,7 @@ def test_actor_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     """A LoRA run's actor checkpoint holds the adapters (no policy/ folder) with the base's
     fingerprint; resuming from its first checkpoint ends with the uninterrupted run's adapters,
     bit for bit, on an unchanged base; another base is refused."""
-    from test_actor_recovery import TOK, ToyCritic
+    from _toy_critic import TOK, ToyCritic
 
     from aligner.actor.checkpointing import LORA_DIR, ActorCheckpointer, weights_fingerprint
     from aligner.actor.config import ActorConfig, validate_actor_config
@@ -589,14 +589,14 @@ def test_a_lora_policy_learns_copy_through_a_real_server(tmp_path):
     reference is the base, the adapters start at B = 0); generation runs on merged weights
     (its log-probs agree with the training forward's); the checkpoint holds the adapters; the
     HF export (merged) answers the task in transformers, with the peft adapter beside it."""
-    from test_actor_e2e import FAST, _best_window, _check_hf_export, _run_in_process, _server
+    from _actor_runs import FAST, best_window, check_hf_export, digit_server, run_actor
 
     from aligner.actor.checkpointing import LORA_DIR
     from aligner.checkpoint import complete_steps, step_dir_name
 
     _pretrain_base(tmp_path / "base")
-    with _server(tmp_path, "copy") as server:
-        rows = _run_in_process(
+    with digit_server(tmp_path, "copy") as server:
+        rows = run_actor(
             server.url,
             tmp_path / "run",
             [
@@ -619,11 +619,11 @@ def test_a_lora_policy_learns_copy_through_a_real_server(tmp_path):
     scores = [round(r["objective/scores"], 3) for r in rows]
     assert len(rows) == 100 and rows[0]["objective/kl"] == 0.0
     assert sum(scores[:5]) / 5 < 0.6, scores[:5]
-    assert _best_window(rows) >= 0.9, scores[::10]
+    assert best_window(rows) >= 0.9, scores[::10]
     assert max(r["rollout/logprob_mismatch_mean"] for r in rows) < 2e-2
     ckpt = tmp_path / "run" / "checkpoints"
     assert complete_steps(ckpt, role="actor") == [50, 100]
     assert (ckpt / step_dir_name(100) / "actor" / LORA_DIR / "adapter.safetensors").is_file()
     assert not (ckpt / step_dir_name(100) / "actor" / "policy").exists()
-    _check_hf_export(tmp_path / "hf", task="copy")
+    check_hf_export(tmp_path / "hf", task="copy")
     assert (tmp_path / "hf" / "peft_adapter" / "adapter_config.json").is_file()

@@ -1,6 +1,8 @@
-"""The actor's PPO loop: its configuration, the trainer recipe, the pieces the recipe moves
-tensors between, and its checkpoints.
+"""The actor: its entry point, its configuration, the trainer recipe, the pieces the recipe moves
+tensors between, and its checkpoints. What it sees of the server is :mod:`aligner.wire`.
 
+- :mod:`aligner.actor.run`: the entry point (``python -m aligner.actor.run``;
+  ``examples/train_actor.py`` forwards to it) and the composition root, as numbered build steps;
 - :mod:`aligner.actor.config`: the typed config behind ``actor.yaml`` and its checks (the
   ``generation`` section's is :mod:`aligner.generation.config`);
 - :mod:`aligner.actor.trainer`: :class:`~aligner.actor.trainer.PPOTrainer`, the loop as the numbered
@@ -13,7 +15,7 @@ tensors between, and its checkpoints.
 - :mod:`aligner.actor.model_source`: the policy's architecture and tokenizer (``init_from``);
 - :mod:`aligner.actor.critic_link`: the critic server seen from the actor's ranks;
 - :mod:`aligner.actor.logprobs`: log-probs and entropies over this rank's vocabulary shard;
-- :mod:`aligner.actor.optimizer`: the policy's AdamW and learning-rate schedule;
+- :mod:`aligner.actor.optimizer`: the policy's AdamW, learning-rate schedule and frozen layers;
 - :mod:`aligner.actor.rollout`: the rollout and the step record its metrics come from;
 - :mod:`aligner.actor.policy_update`: the PPO update of the policy (step 7), epochs x minibatches;
 - :mod:`aligner.actor.pipeline`: forwards and backwards through Megatron's pipeline schedule (PP > 1);

@@ -1,0 +1,287 @@
+"""Helpers shared by the launch-recipe tests (tests/recipes/): the Kubernetes manifests as
+examples/k8s/render.py renders them, the pieces of a rendered pod, each entry point's checked config
+for a command line's Hydra overrides, torchrun's own parse of its arguments, the critic's and the
+actor's pod checks both the manifest tests and the layout tests run, and stand-in ``srun`` /
+``scontrol`` / ``python`` commands under which the SLURM script records what it launches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from _examples import load
+
+from aligner.critic import wait as wait_cli
+from aligner.wire import client as critic_client
+from aligner.wire import protocol as P
+from aligner.wire import readiness
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "examples" / "k8s"
+SBATCH = ROOT / "examples" / "slurm" / "ppo_hetjob.sbatch"
+CRITIC_ENTRY = "servers/serve_critic.py"
+ACTOR_ENTRY = "examples/train_actor.py"
+SHARED_VOLUME = "shared"
+# What the Kubeflow training operator puts into every PyTorchJob pod (all its versions).
+OPERATOR_ENV = {"RANK": "1", "MASTER_ADDR": "run-actor-master-0", "MASTER_PORT": "23456"}
+
+
+render = load("k8s", "render")
+
+
+# --- rendering and config helpers ------------------------------------------------------------------
+
+
+def rendered(*sets: str, files: tuple = ()) -> list[dict]:
+    """The objects ``render.py [-f files] [--set ...]`` prints."""
+    text = render.render(render.load_values(list(files), list(sets)))
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {[d['kind'] for d in docs]}"
+    return found[0]
+
+
+def container(pod_spec: dict, name: str, init: bool = False) -> dict:
+    group = pod_spec["initContainers" if init else "containers"]
+    found = [c for c in group if c["name"] == name]
+    assert len(found) == 1, f"no single container {name!r} in {[c['name'] for c in group]}"
+    return found[0]
+
+
+def env_of(c: dict) -> dict[str, str]:
+    """A container's plain environment variables (those with a value)."""
+    return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+
+def secret_env_of(c: dict) -> dict[str, tuple[str, str]]:
+    """A container's variables taken from Secrets: name -> (Secret, key)."""
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def expand_k8s(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command and args; every reference must be defined."""
+
+    def sub(m: re.Match) -> str:
+        assert m.group(1) in env, f"{arg!r} refers to $({m.group(1)}), which the pod does not define"
+        return env[m.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, arg)
+
+
+def torchrun(args: list[str]):
+    """torchrun's own parse of ``args`` (what follows 'torchrun' or '-m torch.distributed.run')."""
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser().parse_args(args)
+
+
+def compose(config: str, overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
+        return hydra_compose(config, overrides=list(overrides))
+
+
+def critic_config(overrides: list[str]):
+    """The server's checked config for these command-line overrides (unknown keys, wrong types and
+    inconsistent values fail here as they fail the server)."""
+    from aligner.critic.config import build_config
+
+    return build_config(compose("critic", overrides))
+
+
+def actor_config(overrides: list[str], world_size: int):
+    """The actor's checked config for these overrides at this world size."""
+    from omegaconf import OmegaConf
+
+    from aligner.actor.config import validate_actor_config
+    from aligner.tokenizers import build_tokenizer
+
+    cfg = OmegaConf.to_object(compose("actor", overrides))
+    validate_actor_config(
+        cfg, world_size=world_size, vocab_size=build_tokenizer(cfg.tokenizer, cfg.init_from).vocab_size
+    )
+    return cfg
+
+
+def resolve_port(pod_container: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in pod_container.get("ports", [])}
+    assert port in named, f"port {port!r} is not a named port of container {pod_container['name']}"
+    return named[port]
+
+
+def shared_mount(pod_spec: dict, c: dict) -> tuple[str, str]:
+    """(claim name, mount path) of the shared volume in this pod."""
+    vols = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    return vols[SHARED_VOLUME]["persistentVolumeClaim"]["claimName"], mounts[SHARED_VOLUME]
+
+
+def assert_dev_shm_in_memory(pod_spec: dict, c: dict) -> None:
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert "/dev/shm" in mounts, f"{c['name']}: /dev/shm is not mounted"
+    vol = {v["name"]: v for v in pod_spec["volumes"]}[mounts["/dev/shm"]]
+    assert vol["emptyDir"]["medium"] == "Memory"
+
+
+# --- the critic -----------------------------------------------------------------------------------
+
+
+def critic_parts(docs: list[dict]):
+    dep, svc = one(docs, "Deployment"), one(docs, "Service")
+    pod = dep["spec"]["template"]["spec"]
+    c = container(pod, "critic")
+    assert c["args"][0] == "torchrun", (
+        "the critic's args start with torchrun (the image's entrypoint is tini)"
+    )
+    tr = torchrun(c["args"][1:])
+    assert tr.training_script == CRITIC_ENTRY and (ROOT / tr.training_script).is_file()
+    return dep, svc, pod, c, tr, critic_config(tr.training_script_args)
+
+
+# --- the actor ------------------------------------------------------------------------------------
+
+
+def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[str, str] | None = None):
+    """Checks shared by the Job and the PyTorchJob; returns (torchrun args, actor config)."""
+    svc = one(docs, "Service")
+    critic_cfg = critic_parts(docs)[-1]
+
+    # Waiting for the server: the readiness CLI, with the URL the actor will use.
+    wait = container(pod, "wait-for-critic", init=True)
+    assert wait["args"][:3] == ["python", "-m", "aligner.critic.wait"]
+    assert importlib.util.find_spec(wait["args"][2]) is not None
+    wait_args = wait_cli._parser().parse_args(wait["args"][3:])
+    assert wait_args.timeout >= 60
+
+    c = container(pod, name)
+    for cont in (wait, c):
+        env = env_of(cont)
+        assert set(env) == {critic_client.ENV_URL}, f"{cont['name']}: env {sorted(env)}"
+        # The actor writes with the run token of the critic's Secret; waiting needs none.
+        critic_token = secret_env_of(container(one(docs, "Deployment")["spec"]["template"]["spec"], "critic"))
+        want = critic_token if cont is c else {}
+        assert secret_env_of(cont) == want and set(want) == ({P.RUN_TOKEN_ENV} if want else set())
+        url = env[critic_client.ENV_URL]
+        scheme, hostport = readiness.parse_url(url)
+        host, port = hostport.rsplit(":", 1)
+        svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+        assert (scheme, host, int(port)) == ("grpc", svc["metadata"]["name"], svc_ports["grpc"])
+        assert int(port) == critic_cfg.server.grpc_port
+
+    args = [expand_k8s(a, {**env_of(c), **(operator_env or {})}) for a in c["args"]]
+    assert args[0] == "torchrun"
+    tr = torchrun(args[1:])
+    assert tr.training_script == ACTOR_ENTRY and (ROOT / tr.training_script).is_file()
+    nproc = int(tr.nproc_per_node)
+    nnodes = int(tr.nnodes.split(":")[-1])
+    cfg = actor_config(tr.training_script_args, world_size=nnodes * nproc)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == nproc
+
+    # No critic.url on the command line: the actor reads the Service's address from the environment.
+    assert cfg.critic.url is None
+    old = os.environ.get(critic_client.ENV_URL)
+    os.environ[critic_client.ENV_URL] = env_of(c)[critic_client.ENV_URL]
+    try:
+        assert critic_client.resolve_critic_url(cfg.critic.url) == env_of(c)[critic_client.ENV_URL]
+    finally:
+        if old is None:
+            del os.environ[critic_client.ENV_URL]
+        else:
+            os.environ[critic_client.ENV_URL] = old
+
+    # Both roles save into, and resume from, one folder on one shared volume.
+    critic_pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    critic_claim, critic_mount = shared_mount(critic_pod, container(critic_pod, "critic"))
+    claim, mount = shared_mount(pod, c)
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert claim == critic_claim == pvc["metadata"]["name"] and mount == critic_mount
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"], "the two roles run on different nodes"
+    assert cfg.checkpoint.dir == critic_cfg.checkpoint.dir
+    assert cfg.checkpoint.dir.startswith(mount.rstrip("/") + "/")
+    assert critic_cfg.log.dir.startswith(mount) and cfg.logging.run_dir.startswith(mount)
+    assert cfg.checkpoint.resume == "auto", "a rescheduled pod must resume with the same command"
+    assert cfg.checkpoint.save_interval > 0
+    assert_dev_shm_in_memory(pod, c)
+    assert pod["nodeSelector"] == critic_pod["nodeSelector"]
+    return tr, cfg
+
+
+# --- SLURM ----------------------------------------------------------------------------------------
+
+_STUB = """#!{python}
+import json, os, signal, sys, time
+log = os.environ["STUB_LOG"]
+def record(**kw):
+    with open(log, "a") as f:
+        f.write(json.dumps(kw) + "\\n")
+name = os.path.basename(sys.argv[0])
+args = sys.argv[1:]
+if name == "scontrol":
+    print("\\n".join(args[2].split(",")))
+    sys.exit(0)
+role = "critic" if "{critic}" in args else "actor" if "{actor}" in args else "other"
+def on_term(*_):
+    record(event="TERM", role=role)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+record(event="start", cmd=name, role=role, args=args, pid=os.getpid(),
+       url=os.environ.get("ALIGNER_CRITIC_URL"))
+if args[:2] == ["-m", "aligner.critic.wait"]:
+    # As the real check does, return once the server is up (here: once its stub has started).
+    deadline = time.time() + 30
+    while time.time() < deadline and '"role": "critic"' not in open(log).read():
+        time.sleep(0.01)
+if role == "critic" or (role == "actor" and os.environ.get("STUB_ACTOR_BLOCK")):
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        time.sleep(0.05)
+    record(event="stub timed out", role=role)
+"""
+
+
+def _slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    body = _STUB.format(python=sys.executable, critic=CRITIC_ENTRY, actor=ACTOR_ENTRY)
+    for name in ("srun", "scontrol", "python"):
+        (stubs / name).write_text(body)
+        (stubs / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(
+        PATH=f"{stubs}{os.pathsep}{env['PATH']}",
+        PYTHON=str(stubs / "python"),
+        STUB_LOG=str(tmp_path / "log.jsonl"),
+        ALIGNER_REPO=str(ROOT),
+        RUN_ROOT=str(tmp_path / "run"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST_HET_GROUP_0="gpu-c01",
+        SLURM_JOB_NODELIST_HET_GROUP_1="gpu-a01,gpu-a02",
+    )
+    env.update(extra)
+    return env
+
+
+def _log(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _after(args: list[str], marker: str) -> list[str]:
+    return args[args.index(marker) + 2 :]  # what follows '-m <module>'

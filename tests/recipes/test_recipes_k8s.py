@@ -1,0 +1,393 @@
+"""The Kubernetes recipe (examples/k8s) against the code.
+
+The manifests are rendered exactly as a user renders them (examples/k8s/render.py), validated
+against the Kubernetes API schema (kubernetes-validate ships it; no cluster), and their ports,
+probe paths, environment names and command lines are checked against what the entry points read
+and serve: every Hydra override is composed with the entry point's own structured schema and
+checked as the entry point checks it, torchrun's arguments are parsed by torchrun's own parser.
+Also the renderer's own rules, errors and command line. The layouts the tests run are in
+test_recipes_layouts.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from _recipes import (
+    K8S,
+    OPERATOR_ENV,
+    ROOT,
+    assert_dev_shm_in_memory,
+    check_actor_pod,
+    container,
+    critic_parts,
+    one,
+    render,
+    rendered,
+    resolve_port,
+    secret_env_of,
+)
+from hydra.errors import ConfigCompositionException
+
+from aligner.config_checks import ConfigError
+from aligner.wire import client as critic_client
+from aligner.wire import protocol as P
+from aligner.wire import readiness
+
+# The Kubernetes versions the manifests must be valid for: an older one still in service and the
+# newest the package knows.
+K8S_VERSIONS = ("1.28", kubernetes_validate.latest_version())
+# Triton's KServe v2 health endpoints (served on the HTTP port).
+TRITON_HEALTH = {"ready": "/v2/health/ready", "live": "/v2/health/live"}
+
+
+# --- schema validation ----------------------------------------------------------------------------
+
+# The fields of the training operator's PyTorchJob CRD (kubeflow.org/v1) that sit outside the pod
+# templates; the templates themselves are checked as Kubernetes PodTemplateSpecs.
+PYTORCHJOB_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "kubeflow.org/v1"},
+        "kind": {"const": "PyTorchJob"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "required": ["pytorchReplicaSpecs"],
+            "additionalProperties": False,
+            "properties": {
+                "elasticPolicy": {"type": "object"},
+                "nprocPerNode": {"type": "string"},
+                "runPolicy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "activeDeadlineSeconds": {"type": "integer"},
+                        "backoffLimit": {"type": "integer"},
+                        "cleanPodPolicy": {"enum": ["None", "Running", "All"]},
+                        "managedBy": {"type": "string"},
+                        "schedulingPolicy": {"type": "object"},
+                        "suspend": {"type": "boolean"},
+                        "ttlSecondsAfterFinished": {"type": "integer"},
+                    },
+                },
+                "pytorchReplicaSpecs": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["Master"],
+                    "properties": {
+                        role: {
+                            "type": "object",
+                            "required": ["replicas", "template"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "replicas": {"type": "integer", "minimum": 1},
+                                "restartPolicy": {"enum": ["Always", "OnFailure", "Never", "ExitCode"]},
+                                "template": {"type": "object"},
+                            },
+                        }
+                        for role in ("Master", "Worker")
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def validate(doc: dict) -> None:
+    """Against the Kubernetes API schema (strict: unknown fields are errors) of each version."""
+    if doc["kind"] == "PyTorchJob":
+        jsonschema.validate(doc, PYTORCHJOB_SCHEMA)
+        docs = [
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"{doc['metadata']['name']}-{role.lower()}"},
+                "template": spec["template"],
+            }
+            for role, spec in doc["spec"]["pytorchReplicaSpecs"].items()
+        ]
+    else:
+        docs = [doc]
+    for d in docs:
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                raise AssertionError(f"{d['kind']} {d['metadata']['name']} at {path}: {e.message}") from None
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_every_manifest_is_valid_for_the_kubernetes_api(nodes):
+    docs = rendered(f"actor_nodes={nodes}")
+    kinds = [d["kind"] for d in docs]
+    actor_kind = "Job" if nodes == 1 else "PyTorchJob"
+    assert kinds == ["Secret", "PersistentVolumeClaim", "Service", "Deployment", "NetworkPolicy", actor_kind]
+    for d in docs:
+        validate(d)
+        assert d["metadata"]["namespace"] == "default"
+
+
+def test_a_values_file_of_your_own_changes_what_it_names(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        textwrap.dedent(
+            """\
+            run_name: exp2
+            namespace: rlhf
+            image: registry.example.com/team/aligner:1.2
+            storage_class: cephfs
+            critic_data_parallel: 2
+            node_selector: {pool: h100}
+            policy_path: /shared/models/policy
+            """
+        )
+    )
+    docs = rendered(files=(mine,))
+    for d in docs:
+        validate(d)
+        assert d["metadata"]["name"].startswith("exp2-") and d["metadata"]["namespace"] == "rlhf"
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == "cephfs"
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    c = container(pod, "critic")
+    assert c["image"] == "registry.example.com/team/aligner:1.2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and pod["nodeSelector"] == {"pool": "h100"}
+    actor = container(one(docs, "Job")["spec"]["template"]["spec"], "actor")
+    assert "init_from=/shared/models/policy" in actor["args"]
+
+
+# --- the critic -----------------------------------------------------------------------------------
+
+
+def test_critic_ports_probes_and_service_match_what_the_server_serves(schemas):
+    dep, svc, pod, c, tr, cfg = critic_parts(rendered())
+    assert cfg.server.host == "0.0.0.0", "server.host must let the Service reach the server"
+    served = {"http": cfg.server.http_port, "grpc": cfg.server.grpc_port, "metrics": cfg.server.metrics_port}
+    assert all(served.values()), f"fixed ports are needed behind a Service, got {served}"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == served
+
+    # The Service: named gRPC and HTTP ports that lead to the server's.
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {"grpc", "http"} <= set(ports)
+    for name, p in ports.items():
+        assert resolve_port(c, p["targetPort"]) == served[name]
+        assert p["port"] == served[name], "clients dial the server's own port numbers"
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    # Probes: Triton's health endpoints, on the HTTP port.
+    assert c["readinessProbe"]["httpGet"]["path"] == TRITON_HEALTH["ready"]
+    assert c["livenessProbe"]["httpGet"]["path"] == TRITON_HEALTH["live"]
+    assert c["startupProbe"]["httpGet"]["path"] in TRITON_HEALTH.values()
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert resolve_port(c, c[probe]["httpGet"]["port"]) == cfg.server.http_port
+    # The readiness the launcher and the actor's client wait for is the same endpoint.
+    assert TRITON_HEALTH["ready"] in Path(readiness.__file__).read_text()
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == cfg.server.metrics_port
+
+
+def test_critic_gpus_parallelism_and_graceful_stop(schemas):
+    dep, svc, pod, c, tr, cfg = critic_parts(rendered("critic_tensor_parallel=2", "critic_data_parallel=2"))
+    assert tr.nproc_per_node == "4" and tr.standalone
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.data_parallel_size) == (2, 2)
+    assert p.world_size_problem(4) is None, "the critic's processes must be its TP x DP"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    # SIGTERM saves the critic; torchrun waits --shutdown-timeout for it, inside the grace period.
+    assert cfg.checkpoint.save_on_sigterm and cfg.checkpoint.resume == "auto"
+    assert tr.shutdown_timeout is not None
+    assert pod["terminationGracePeriodSeconds"] > tr.shutdown_timeout >= 60
+    assert_dev_shm_in_memory(pod, c)
+
+
+# --- the actor ------------------------------------------------------------------------------------
+
+
+def test_actor_job_waits_for_the_critic_and_shares_its_checkpoints(schemas):
+    docs = rendered("actor_gpus_per_node=2", "actor_tensor_parallel=2")
+    job = one(docs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    tr, cfg = check_actor_pod(docs, pod, "actor")
+    assert tr.standalone and tr.nnodes == "1" and tr.nproc_per_node == "2"
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert pod["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] >= 1
+
+
+def test_actor_pytorchjob_on_several_nodes(schemas):
+    # 4 nodes x 2 GPUs with TP 2 is 4 data-parallel ranks: the minibatch of 64 is 16 per rank,
+    # which the default micro batch (64) does not divide, so the values lower it.
+    nodes = ("actor_nodes=4", "actor_gpus_per_node=2", "actor_tensor_parallel=2")
+    docs = rendered(*nodes, "actor_overrides=[ppo.micro_batch_size=16]")
+    job = one(docs, "PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    assert specs["Master"]["template"] == specs["Worker"]["template"]
+    assert job["spec"]["nprocPerNode"] == "2"
+    pod = specs["Master"]["template"]["spec"]
+    c = container(pod, "pytorch")  # the operator finds its container by this name
+    assert "pytorchjob-port" in {p["name"] for p in c["ports"]}
+    tr, cfg = check_actor_pod(docs, pod, "pytorch", operator_env=OPERATOR_ENV)
+    assert tr.nnodes == "4" and tr.nproc_per_node == "2"
+    assert tr.node_rank == int(OPERATOR_ENV["RANK"]) and tr.master_addr == OPERATOR_ENV["MASTER_ADDR"]
+    assert tr.master_port == int(OPERATOR_ENV["MASTER_PORT"])
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.ppo.micro_batch_size == 16
+    # The same values without the smaller micro batch break the actor's own batch-size check.
+    bad = rendered(*nodes)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        check_actor_pod(
+            bad,
+            one(bad, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"],
+            "pytorch",
+            OPERATOR_ENV,
+        )
+
+
+def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
+    """Writes need the run token: one Secret, read by the critic and by every actor pod (Job and
+    PyTorchJob) as $ALIGNER_RUN_TOKEN; and only the actor's pods reach the critic's ports."""
+    for nodes in (1, 3):
+        docs = rendered(f"actor_nodes={nodes}")
+        secret = one(docs, "Secret")
+        token = secret["stringData"]["token"]
+        assert len(token) >= render.MIN_TOKEN_CHARS and secret["immutable"] is True
+        ref = (secret["metadata"]["name"], "token")
+        dep, svc, critic_pod, c, tr, cfg = critic_parts(docs)
+        assert secret_env_of(c) == {P.RUN_TOKEN_ENV: ref}
+        # The server reads that variable when its config names no token file.
+        assert cfg.server.run_token_file is None
+        assert P.resolve_run_token(None, "server.run_token_file", {P.RUN_TOKEN_ENV: token}) == token
+        actor = one(docs, "Job" if nodes == 1 else "PyTorchJob")
+        pods = (
+            [actor["spec"]["template"]]
+            if nodes == 1
+            else [r["template"] for r in actor["spec"]["pytorchReplicaSpecs"].values()]
+        )
+        for pod in pods:
+            (main,) = pod["spec"]["containers"]
+            assert secret_env_of(main) == {P.RUN_TOKEN_ENV: ref}
+
+        policy = one(docs, "NetworkPolicy")
+        critic_labels = dep["spec"]["template"]["metadata"]["labels"]
+        spec = policy["spec"]
+        assert spec["podSelector"]["matchLabels"].items() <= critic_labels.items()
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}, "actor pods by label, nothing else"
+        admitted = peer["podSelector"]["matchLabels"]
+        for pod in pods:
+            assert admitted.items() <= pod["metadata"]["labels"].items()
+        assert not admitted.items() <= critic_labels.items()
+        ports = {resolve_port(c, p["port"]) for p in rule["ports"]}
+        svc_ports = {p["name"]: resolve_port(c, p["targetPort"]) for p in svc["spec"]["ports"]}
+        assert ports == {svc_ports["grpc"], svc_ports["http"]} == {cfg.server.grpc_port, cfg.server.http_port}
+    # A fresh token per render, unless the values give one.
+    assert one(rendered(), "Secret")["stringData"] != one(rendered(), "Secret")["stringData"]
+    given = "a-run-token-of-my-own-0123"
+    assert one(rendered(f"run_token={given}"), "Secret")["stringData"]["token"] == given
+
+
+def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):
+    docs = rendered(
+        "critic_overrides=[optim.lr=3e-4, model.num_layers=4]", "actor_overrides=[ppo.num_steps=7]"
+    )
+    assert critic_parts(docs)[-1].optim.lr == 3e-4
+    pod = one(docs, "Job")["spec"]["template"]["spec"]
+    assert check_actor_pod(docs, pod, "actor")[1].ppo.num_steps == 7
+    typo = rendered("actor_overrides=[ppo.num_stpes=7]")
+    with pytest.raises(ConfigCompositionException, match="num_stpes"):
+        check_actor_pod(typo, one(typo, "Job")["spec"]["template"]["spec"], "actor")
+
+
+def test_environment_names_in_the_manifests_are_ones_the_code_reads():
+    source = "\n".join(
+        p.read_text() for d in ("aligner", "servers", "examples") for p in (ROOT / d).rglob("*.py")
+    )
+    names = set()
+
+    def collect(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("env"), list):
+                names.update(e["name"] for e in node["env"])
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    for nodes in (1, 2):
+        collect(rendered(f"actor_nodes={nodes}"))
+    assert names == {critic_client.ENV_URL, P.RUN_TOKEN_ENV}
+    for name in names:
+        assert f'"{name}"' in source, f"no code reads ${name}"
+
+
+# --- the renderer ---------------------------------------------------------------------------------
+
+
+def test_every_value_is_used_and_every_placeholder_has_a_value():
+    defaults = yaml.safe_load(render.DEFAULT_VALUES.read_text())
+    used = set()
+    for path in K8S.glob("*.yaml"):
+        if path.name != "values.yaml":
+            used |= set(render.PLACEHOLDER.findall(path.read_text()))
+            list(yaml.safe_load_all(path.read_text()))  # templates are YAML before rendering too
+    assert used == set(defaults) | set(render.DERIVED)
+
+
+def test_render_rules_and_errors(tmp_path):
+    values = {"a": None, "b": ["x=1", "y=2"], "c": [], "d": 3, "e": {"k": "v"}}
+    text = render.render_text(
+        'f: ${a}\ng: "${d}"\nh: ${d}\ni: ${e}\nl:\n  - ${b}\n  - ${c}\n  - "z=${a}"\n', values
+    )
+    assert yaml.safe_load(text) == {"g": "3", "h": 3, "i": {"k": "v"}, "l": ["x=1", "y=2", "z=null"]}
+    with pytest.raises(render.RenderError, match=r"\$\{nope\}"):
+        render.render_text("x: ${nope}", values)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_nmae: x\n")
+    with pytest.raises(render.RenderError, match="run_nmae"):
+        render.load_values([bad])
+    for setting, pattern in (
+        ("run_name=Not_A_Label", "run_name"),
+        ("critic_tensor_parallel=two", "critic_tensor_parallel"),
+        ("critic_data_parallel=0", "critic_data_parallel"),
+        ("critic_gpus=2", "critic_gpus.*computed"),
+        ("actor_tensor_parallel=3", "actor_tensor_parallel"),
+        ("actor_pipeline_parallel=2", "actor_pipeline_parallel=2 = 2"),
+        ("actor_generation_tensor_parallel=3", "actor_generation_tensor_parallel=3 does not divide"),
+        ("actor_generation_tensor_parallel=two", "actor_generation_tensor_parallel"),
+        ("storage_class=", "storage_class"),
+        ('image=a"b', "image"),
+        ("actor_overrides=[lonely]", "actor_overrides"),
+        ("run_token=short", "run_token"),
+    ):
+        with pytest.raises(render.RenderError, match=pattern):
+            render.load_values([], [setting])
+
+
+def test_render_cli_prints_what_you_apply(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("run_name: cli\nrun_token: cli-token-0123456789abcdef\n")
+    cmd = [sys.executable, str(K8S / "render.py"), "-f", str(mine), "--set", "actor_nodes=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == render.render(render.load_values([mine], ["actor_nodes=2"]))
+    only = subprocess.run(cmd + ["--only", "critic"], capture_output=True, text=True, timeout=60)
+    assert [d["kind"] for d in yaml.safe_load_all(only.stdout)] == ["Service", "Deployment", "NetworkPolicy"]
+    bad = subprocess.run(cmd + ["--set", "gpus=1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "gpus" in bad.stderr

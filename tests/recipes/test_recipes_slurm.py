@@ -1,0 +1,126 @@
+"""The SLURM recipe (examples/slurm/ppo_hetjob.sbatch): two heterogeneous-job components, the
+critic launched first and waited for, then the actor against it, and SIGTERM stopping both in
+order. The script runs under stand-in ``srun``/``scontrol`` commands (tests/_recipes.py) that
+record what it launches. The layouts the tests run are in test_recipes_layouts.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+
+from _recipes import (
+    ACTOR_ENTRY,
+    CRITIC_ENTRY,
+    SBATCH,
+    _after,
+    _log,
+    _slurm_env,
+    actor_config,
+    critic_config,
+    torchrun,
+)
+
+from aligner.critic import wait as wait_cli
+
+
+def sbatch_components() -> list[dict[str, str]]:
+    """The #SBATCH options of each hetjob component, as {option: value}."""
+    lines = SBATCH.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    components: list[dict[str, str]] = [{}]
+    for line in lines:
+        if line.startswith("#SBATCH"):
+            opt = line.split(None, 1)[1]
+            if opt == "hetjob":
+                components.append({})
+            else:
+                key, _, value = opt.partition("=")
+                components[-1][key] = value
+    return components
+
+
+def test_sbatch_script_is_valid_bash_with_two_components():
+    check = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    components = sbatch_components()
+    assert len(components) == 2, "one critic component, one actor component"
+    for component in components:
+        assert {"--nodes", "--gpus-per-node", "--cpus-per-task"} <= set(component)
+    signal_opt = "--signal=" + components[0]["--signal"]
+    assert re.fullmatch(r"--signal=B:TERM@\d+", signal_opt), (
+        "SIGTERM to the batch script, which stops both roles"
+    )
+
+
+def test_sbatch_launches_the_critic_then_the_actor_against_it(tmp_path, schemas):
+    env = _slurm_env(tmp_path)
+    run = subprocess.run(
+        ["bash", str(SBATCH), "ppo.num_steps=10", "ppo.micro_batch_size=32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    log = _log(tmp_path)
+    starts = {e["role"]: e for e in log if e["event"] == "start"}
+    assert len(starts) == 3 == len([e for e in log if e["event"] == "start"])
+    critic, wait, actor = starts["critic"], starts["other"], starts["actor"]
+    assert (critic["cmd"], wait["cmd"], actor["cmd"]) == ("srun", "python", "srun")
+    assert log.index(wait) < log.index(actor), "the actor starts only once the critic is ready"
+
+    # The critic: component 0, torchrun with as many processes as its TP size and its GPUs.
+    components = sbatch_components()
+    assert "--het-group=0" in critic["args"]
+    assert f"--gpus-per-node={components[0]['--gpus-per-node']}" in critic["args"]
+    assert f"--cpus-per-task={components[0]['--cpus-per-task']}" in critic["args"]
+    tr = torchrun(_after(critic["args"], "-m"))
+    assert tr.nproc_per_node == components[0]["--gpus-per-node"]
+    assert tr.training_script == CRITIC_ENTRY
+    ccfg = critic_config(tr.training_script_args)
+    assert ccfg.server.host == "0.0.0.0" and ccfg.checkpoint.save_on_sigterm
+    assert int(tr.nproc_per_node) == ccfg.parallel.world_size
+    url = f"grpc://gpu-c01:{ccfg.server.grpc_port}"
+
+    # The wait: the readiness CLI, on the critic's address, watching the critic's step.
+    assert wait["args"][:2] == ["-m", "aligner.critic.wait"]
+    wargs = wait_cli._parser().parse_args(wait["args"][2:])
+    assert wargs.url == url and wargs.pid == critic["pid"]
+
+    # The actor: component 1 on both of its nodes, the critic's address from the job, same checkpoints.
+    assert "--het-group=1" in actor["args"] and "--nodes=2" in actor["args"]
+    assert actor["url"] == url
+    assert f"--gpus-per-node={components[1]['--gpus-per-node']}" in actor["args"]
+    assert f"--cpus-per-task={components[1]['--cpus-per-task']}" in actor["args"]
+    tr = torchrun(_after(actor["args"], "-m"))
+    assert tr.training_script == ACTOR_ENTRY and tr.nnodes == "2"
+    assert tr.nproc_per_node == components[1]["--gpus-per-node"]
+    assert tr.rdzv_endpoint.startswith("gpu-a01:")
+    acfg = actor_config(tr.training_script_args, world_size=2 * int(tr.nproc_per_node))
+    assert acfg.critic.url is None and acfg.ppo.num_steps == 10
+    assert acfg.checkpoint.dir == ccfg.checkpoint.dir == str(tmp_path / "run" / "checkpoints")
+    assert acfg.checkpoint.resume == ccfg.checkpoint.resume == "auto"
+    # At the end, the critic is stopped with SIGTERM (it saves before it exits).
+    assert log[-1] == {"event": "TERM", "role": "critic"}
+
+
+def test_sbatch_sigterm_stops_the_actor_then_the_critic(tmp_path):
+    env = _slurm_env(tmp_path, STUB_ACTOR_BLOCK="1")
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(e.get("role") == "actor" for e in _log(tmp_path)):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the actor never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@N sends before the time limit
+        assert proc.wait(timeout=30) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    terms = [e["role"] for e in _log(tmp_path) if e["event"] == "TERM"]
+    assert terms == ["actor", "critic"]

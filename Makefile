@@ -57,9 +57,10 @@ clean:
 # $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
 CHECK_PYTHONS ?= python3.10 python3.12
 CHECK_VENVS ?= /tmp/aligner-check-pythons
-CHECK_TESTS ?= tests/models/test_models.py tests/models/test_hf_convert.py tests/rl/test_rl_*.py \
+CHECK_TESTS ?= tests/models/test_models.py tests/models/test_hf_convert.py \
+	tests/models/test_hf_convert_files.py tests/models/test_hf_convert_errors.py tests/rl/test_rl_*.py \
 	tests/test_checkpoint.py tests/test_tokenizers_tasks.py tests/test_cpu_compat.py \
-	tests/test_precision.py tests/critic/test_critic_service.py tests/generation/test_generation.py
+	tests/test_precision.py tests/critic/test_critic_service*.py tests/generation/test_generation.py
 
 .PHONY: check-pythons
 check-pythons:

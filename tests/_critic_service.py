@@ -1,0 +1,21 @@
+"""Shared by the in-process CriticService tests (tests/critic/test_critic_service*.py): a tiny
+service on the module's parallel state, and a batch of digit-sorting samples to infer and train on."""
+
+from __future__ import annotations
+
+from aligner.critic.config import build_config
+from aligner.critic.service import CriticService
+from aligner.critic.testing import digit_batch, tiny_config, train_arrays
+
+
+def _service(pstate, root, precision: str | None = None, **sections) -> CriticService:
+    cfg = tiny_config(root, **sections)
+    if precision is not None:  # default: the config's 'auto'
+        cfg["precision"] = precision
+    return CriticService(build_config(cfg), pstate)
+
+
+def _batch(svc, b=4, seed=0):
+    tokens, lengths, pl, prompts, responses = digit_batch(svc.tokenizer, b, seed=seed)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=seed)
+    return tokens, lengths, pl, returns, old_values, mask, prompts, responses

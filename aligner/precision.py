@@ -16,11 +16,11 @@ TP-aware clipping and saves through safetensors + JSON.
 
 How to use it (the actor's trainer and the critic service do exactly this)::
 
-    from aligner import precision as mp
+    from aligner.precision import make_optimizer, precision_dtype, resolve_precision
 
-    prec = mp.resolve_precision(cfg.precision)                    # "auto" -> "bf16" | "fp32"
-    model = build_policy(mcfg, params_dtype=mp.precision_dtype(prec))   # or build fp32, see below
-    opt = mp.make_optimizer(model, lr, betas=(b1, b2), eps=eps, weight_decay=wd, precision=prec)
+    prec = resolve_precision(cfg.precision)                       # "auto" -> "bf16" | "fp32"
+    model = build_policy(mcfg, params_dtype=precision_dtype(prec))      # or build fp32, see below
+    opt = make_optimizer(model, lr, betas=(b1, b2), eps=eps, weight_decay=wd, precision=prec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)    # opt is a torch Optimizer
 
     opt.zero_grad()                                  # model grads and master grads
@@ -52,21 +52,19 @@ Rules that matter:
   scheduler's ``state_dict()`` holds only numbers (JSON).
 - The newest optimizer built over a parameter owns its gradient (an older one's hook is removed).
 
-The actor's trainer, mechanically:
+How the actor uses it:
 
-- ``make_optimizer(model, cfg)`` in ``aligner/ppo/optimizer.py``: return
-  ``mp.make_optimizer(model, o.lr, (o.adam_beta1, o.adam_beta2), o.adam_eps, o.weight_decay,
-  precision=prec)`` and keep the ``LambdaLR`` as it is. Freeze layers first
-  (``freeze_all_but_last_layers``): only trainable weights get masters. Passing the module casts
-  all of it, frozen weights included.
-- ``_minibatch_step``: ``allreduce_gradients(self.params, ...)`` becomes
-  ``self.optimizer.allreduce_grads(self._dp_group, dp_size)``, and ``clip_grad_norm(self.params,
-  ...)`` becomes ``self.optimizer.clip_grad_norm(grad_clip, self._tp_group, tp_size, tp_rank)``.
-- The reference model and the generation engine run in the policy's dtype (build the reference
-  with ``params_dtype=mp.precision_dtype(prec)``); ``policy_logits`` returns fp32 either way.
-- Checkpoints: ``optimizer_to_safe(opt)`` / ``optimizer_from_safe`` save Adam's moments but not
-  the masters; use ``opt.state_tensors()`` / ``opt.load_state_tensors()`` (they read the older
-  layout too) and ``master_state_dict`` / ``load_master_state_dict`` for the model's weights.
+- :func:`aligner.actor.optimizer.make_policy_optimizer` builds it with :func:`make_optimizer`
+  (``optim.*`` as its keyword arguments) after freezing layers (``freeze_all_but_last_layers``):
+  only trainable weights get masters. Passing the module casts all of it, frozen weights included.
+- :class:`aligner.actor.policy_update.PolicyUpdate` sums the masters' gradients over data
+  parallelism (``optimizer.allreduce_grads``) and clips them (``optimizer.clip_grad_norm`` over
+  the TP group) before each step.
+- The reference model and the generation engine run in the policy's dtype (the reference is
+  built with ``params_dtype=precision_dtype(prec)``); ``policy_logits`` returns fp32 either way.
+- Checkpoints: ``opt.state_tensors()`` / ``opt.load_state_tensors()`` carry the masters and the
+  moments (they read the older layout of ``optimizer_to_safe`` too), and
+  ``master_state_dict`` / ``load_master_state_dict`` the model's weights.
 """
 
 from __future__ import annotations

@@ -121,10 +121,20 @@ def test_rloo_learns_copy_without_a_critic(reward_server, tmp_path):
 @pytest.mark.slow
 @pytest.mark.server
 def test_reinforce_pp_learns_copy_with_one_sample_per_prompt(reward_server, tmp_path):
+    """In fp32 on every machine (``precision: auto`` picks bf16 only where the CPU has it, and the
+    curves differ). Measured in fp32 over seeds 1-6 and 1234: the 5-step mean first reaches 0.8 at
+    steps 27-47 (1234, this test's seed, is the slowest); by step 70 every seed's best window is
+    0.88 or more."""
     rows = run_actor(
         reward_server.url,
         tmp_path / "run",
-        ["ppo.advantage=reinforce_pp", "ppo.num_steps=40", "checkpoint.save_at_end=false", *COPY],
+        [
+            "ppo.advantage=reinforce_pp",
+            "ppo.num_steps=70",
+            "precision=fp32",
+            "checkpoint.save_at_end=false",
+            *COPY,
+        ],
     )
     assert rows[0]["objective/scores"] < 0.3
     assert best_window(rows) >= 0.8, _scores(rows)

@@ -300,7 +300,8 @@ def on_rank0(
     wrap: Callable[[str], BaseException] = RankZeroError,
 ) -> T:
     """``fn()`` on the first rank of ``group`` (default: global rank 0), and its outcome on every
-    rank: its JSON-able result, or its error. Call it on every rank of the group.
+    rank: its JSON-able result, or its error (a result that is not JSON-able is a TypeError on
+    every rank, never a rank left waiting). Call it on every rank of the group.
 
     The first rank raises its own exception. The others raise the same type when it is one of
     ``carried`` (rebuilt with ``from_json(e.to_json())`` where the type has both, else from its
@@ -313,6 +314,7 @@ def on_rank0(
     if mine:
         try:
             outcome = {"value": fn()}
+            json.dumps(outcome)  # a result that cannot travel fails here, not in the broadcast
         except Exception as e:  # every rank raises, not only this one
             raised = e
             outcome = {"type": type(e).__name__, "message": str(e)}

@@ -31,18 +31,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from aligner import distributed
 from aligner.models import forward, gpt, hf, hf_config, hf_names, rope
 from aligner.models.config import ConversionError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _world():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    transformers.logging.set_verbosity_error()
-    distributed.initialize(distributed.ParallelConfig())
-    yield
-    distributed.destroy()
+pytestmark = pytest.mark.usefixtures("one_process_world")
 
 
 # --------------------------------------------------------------------------------------------

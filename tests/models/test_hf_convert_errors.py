@@ -15,18 +15,10 @@ import transformers
 from _hf_convert import _GPT2, _WIDE_HEADS, _hf_model, _save
 from safetensors.torch import load_file, save_file
 
-from aligner import distributed
 from aligner.models import gpt, hf, hf_config
 from aligner.models.config import ConversionError, ModelConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _world():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    transformers.logging.set_verbosity_error()
-    distributed.initialize(distributed.ParallelConfig())
-    yield
-    distributed.destroy()
+pytestmark = pytest.mark.usefixtures("one_process_world")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,18 +14,10 @@ from _hf_convert import TOL, VOCAB, _hf_model, _logits, _our_logits, _save, _tok
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aligner import distributed
 from aligner.models import checkpoint_io, convert_cli, gpt, hf, model_files
 from aligner.models.config import ConversionError, ModelConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _world():
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    transformers.logging.set_verbosity_error()
-    distributed.initialize(distributed.ParallelConfig())
-    yield
-    distributed.destroy()
+pytestmark = pytest.mark.usefixtures("one_process_world")
 
 
 # --------------------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ class Actor:
     checkpointer: ActorCheckpointer
     engine: GenerationEngine
     sampler: PromptSampler
-    logger: MetricsLogger
+    logger: MetricsLogger | None
     run_config: dict | None
     resume_step: int = -1  # -1: a fresh start (rows of an earlier run in run_dir are dropped)
     bar: Any | None = None  # tqdm's bar, on the logging rank with logging.progress_bar
@@ -384,7 +384,8 @@ class Actor:
             close()
         if self.bar is not None:
             self.bar.close()
-        self.logger.close()
+        if self.logger is not None:  # None until step 8 opened it
+            self.logger.close()
         self.critic.close()
 
 
@@ -399,7 +400,7 @@ def build_actor(
     tune_allocator(state.device.type)  # keep freed activations in the heap on CPU runs
     if critic is None:
         critic = connect_critic(cfg, inputs, state)  # 3
-    engine = None
+    engine = actor = None
     try:
         policy, reference = build_models(cfg, state)  # 4
         # 5. The initial weights' digest: a resumed run must have the same frozen reference.
@@ -473,10 +474,13 @@ def build_actor(
             actor.trainer.load_training_state(checkpointer.load(actor.trainer.actor_state(), resume_dir))
         return actor
     except BaseException:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
-        critic.close()
+        if actor is not None:  # the engine, the logger and its bar, the client
+            actor.close()
+        else:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
+            critic.close()
         raise
 
 

@@ -47,11 +47,13 @@ class Faults:
         if not value:
             return None
         point, sep, at = value.partition("@")
-        try:
-            step = int(at) if sep or self.step_required else None
-        except ValueError:
-            step = -1
-        if point not in self.points or step == -1 or (step is None and self.step_required):
+        step, ok = None, point in self.points
+        if sep or self.step_required:  # a step is given, or must be
+            try:
+                step = int(at)
+            except ValueError:
+                ok = False
+        if not ok:
             expected = "<point>@<step>" if self.step_required else "<point>[@<step>]"
             raise ValueError(
                 f"{self.env}={value!r}: expected {expected} with a point in {list(self.points)}, "

@@ -78,7 +78,7 @@ from aligner.checkpoint import (
     step_dir_name,
     write_json,
 )
-from aligner.distributed import ParallelState, barrier, comm_device, on_rank0
+from aligner.distributed import ParallelState, all_gather_json, barrier, comm_device, on_rank0
 from aligner.models.checkpoint_io import load_model_checkpoint, save_model_checkpoint
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
@@ -147,10 +147,8 @@ def weights_fingerprint(model: torch.nn.Module, state: ParallelState) -> str:
     digest = h.hexdigest()[:32]
     if state.pp_size > 1:
         # One digest for the whole model: each stage's, in stage order.
-        mine = torch.tensor(list(digest.encode()), dtype=torch.uint8, device=comm_device())
-        stages = [torch.empty_like(mine) for _ in range(state.pp_size)]
-        dist.all_gather(stages, mine, group=state.pp_group)
-        digest = hashlib.sha256(b"".join(bytes(t.cpu().tolist()) for t in stages)).hexdigest()[:32]
+        stages = all_gather_json(digest, group=state.pp_group)
+        digest = hashlib.sha256("".join(stages).encode()).hexdigest()[:32]
     return digest
 
 

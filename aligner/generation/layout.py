@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aligner.distributed import ParallelState, comm_device
+from aligner.distributed import ParallelState, all_gather_json, comm_device
 from aligner.generation.engine import GenerationOutput
 from aligner.models.config import ModelConfig
 from aligner.models.layout import ParallelLayout
@@ -197,12 +197,9 @@ class GenerationLayout:
 def _all_replicas(ranks: list[int]) -> list[list[int]]:
     """Every replica's model-parallel ranks (this rank's are ``ranks``), in the order of their
     first rank, the same list on every rank."""
-    mine = torch.tensor(ranks, dtype=torch.int64, device=comm_device())
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
     seen: dict[tuple[int, ...], None] = {}
-    for p in parts:
-        seen.setdefault(tuple(int(x) for x in p.tolist()), None)
+    for p in all_gather_json(ranks):
+        seen.setdefault(tuple(p), None)
     return sorted((list(r) for r in seen), key=lambda r: r[0])
 
 

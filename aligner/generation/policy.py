@@ -1,6 +1,5 @@
 """The policy module as the generation paths read it: eval mode for the length of a call, and the
-real vocabulary size (logit columns beyond it, Megatron's
-padding, are never sampled). Shared by :class:`~aligner.generation.native.NativeEngine` and the
+real vocabulary size (logit columns beyond it, Megatron's padding, are never sampled). Shared by :class:`~aligner.generation.native.NativeEngine` and the
 reference :func:`~aligner.generation.no_cache.generate_no_cache`.
 """
 

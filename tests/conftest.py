@@ -21,3 +21,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> torch.device:
+    """Each device a test can run on: the CPU everywhere, and CUDA as a test marked ``gpu``
+    (skipped without one; ``pytest -m gpu`` runs only those)."""
+    return torch.device(request.param)

@@ -50,7 +50,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Consecutive stages the layers are cut into (Megatron PP)."""
     backend: str = "auto"
-    """'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
+    """'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'. It also decides the device: under
+    nccl each rank runs on ``cuda:LOCAL_RANK``, under gloo on the CPU (also where CUDA is
+    present)."""
     timeout_s: float = 600.0
     """Collective timeout before a hung peer becomes an error."""
 
@@ -166,16 +168,26 @@ def initialize(parallel: ParallelConfig | None = None, seed: int = 1234) -> Para
     parallel = parallel or ParallelConfig()
     cpu_compat.apply()
 
-    use_cuda = torch.cuda.is_available()
-    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
+    has_cuda = torch.cuda.is_available()
+    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if has_cuda else "gloo")
+    if backend == "nccl" and not has_cuda:
         raise RuntimeError("backend='nccl' needs CUDA, which this torch build does not see; use 'gloo'")
+    # One device per rank, decided here: cuda:LOCAL_RANK under NCCL, else the CPU. Every model,
+    # optimizer state, buffer and collective of both roles then lives on it.
+    use_cuda = backend == "nccl"
 
     if not dist.is_initialized():
         from datetime import timedelta
 
         if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if local >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"LOCAL_RANK={local}, but this process sees {torch.cuda.device_count()} CUDA device(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): launch at most one "
+                    "process per GPU on each node"
+                )
+            torch.cuda.set_device(local)
         timeout = timedelta(seconds=parallel.timeout_s)
         if "RANK" not in os.environ:
             # A plain single process: a world of one, over an in-process store. No port is

@@ -12,6 +12,7 @@ import math
 import os
 import secrets
 import string
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,7 +47,10 @@ class Timers:
     """Wall-clock seconds of the named parts of one step, as the metrics ``timers/<name>``.
 
     ``timed = Timers()``, then ``with timed("generate"): ...`` around each part; a name timed
-    twice adds up (a part may be spread over the step)."""
+    twice adds up (a part may be spread over the step). Where CUDA is in use, each part starts
+    and ends with a device synchronisation: kernels are queued asynchronously, and without it a
+    part's time would be what the host took to queue them, and the next part's would include
+    them (the phases would not add up to the step)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -56,11 +60,21 @@ class Timers:
     def __call__(self, name: str) -> Iterator[None]:
         key = f"timers/{name}"
         self.seconds.setdefault(key, 0.0)
+        _synchronize()
         t = time.perf_counter()
         try:
             yield
         finally:
+            _synchronize()
             self.seconds[key] += time.perf_counter() - t
+
+
+def _synchronize() -> None:
+    """Wait for the current CUDA device's queued work, where CUDA has been initialised (never
+    initialising it, nor importing torch: a CPU run pays nothing)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @dataclass

@@ -165,23 +165,24 @@ class CriticLink:
         """Values ``[b, s-1]`` and scores ``[b]`` (float32) of the batch of ``shape`` ``[b, s]``
         that :meth:`infer` sent, on every rank of the data-parallel replica."""
         b, s = shape
+        st = self.state
         if future is not None:
             values_np, rewards_np = self.agree("critic_infer", future.result)
-            values = torch.as_tensor(values_np, dtype=torch.float32).reshape(b, s - 1)
-            scores = torch.as_tensor(rewards_np, dtype=torch.float32).reshape(b)
+            # Moved to this rank's device once, on arrival: everything after works there.
+            values = torch.as_tensor(values_np, dtype=torch.float32).reshape(b, s - 1).to(st.device)
+            scores = torch.as_tensor(rewards_np, dtype=torch.float32).reshape(b).to(st.device)
         else:
             self.agree("critic_infer", lambda: None)
-            values, scores = torch.empty(b, s - 1), torch.empty(b)
-        st = self.state
+            values, scores = torch.empty(b, s - 1, device=st.device), torch.empty(b, device=st.device)
         if st.tp_size * st.pp_size > 1:
             # From TP rank 0 of the first stage (the model-parallel group's first rank) to the
-            # replica's other ranks. On the collectives' device (NCCL takes CUDA tensors only), then back.
+            # replica's other ranks, on the collectives' device (the rank's own under NCCL).
             group = st.group("mp")
             src = dist.get_global_rank(group, 0)
-            values, scores = values.to(comm_device()), scores.to(comm_device())
+            values, scores = values.to(comm_device(group)), scores.to(comm_device(group))
             dist.broadcast(values, src, group=group)
             dist.broadcast(scores, src, group=group)
-            values, scores = values.cpu(), scores.cpu()
+            values, scores = values.to(st.device), scores.to(st.device)
         return values, scores
 
     # -- critic_train ------------------------------------------------------------------------------
@@ -261,7 +262,8 @@ class CriticLink:
         """Concatenate every DP rank's rows (``tokens`` first, then its per-row tensors, padded to
         a common length) on all ranks."""
         group = self.state.dp_group
-        s = torch.tensor([rows[0].shape[1]], device=comm_device())
+        dev = comm_device(group)
+        s = torch.tensor([rows[0].shape[1]], device=dev)
         dist.all_reduce(s, op=dist.ReduceOp.MAX, group=group)
         pad = int(s) - rows[0].shape[1]
         tokens, lengths, *per_token = rows
@@ -270,7 +272,8 @@ class CriticLink:
             per_token = [torch.nn.functional.pad(x, (0, pad)) for x in per_token]
         out = []
         for x in (tokens, lengths, *per_token):
+            x = x.to(dev).contiguous()
             parts = [torch.empty_like(x) for _ in range(self.state.dp_size)]
-            dist.all_gather(parts, x.contiguous(), group=group)
+            dist.all_gather(parts, x, group=group)
             out.append(torch.cat(parts))
         return out

@@ -76,7 +76,8 @@ class PolicyLogprobs:
         # A shard with no action column at all gets a large finite negative instead of -inf, so
         # its local max and sums stay finite (its exp terms vanish in the global normaliser).
         fill = float("-inf") if self.pad_from > 0 else -1e30
-        return logits.index_fill(-1, torch.arange(self.pad_from, logits.shape[-1]), fill)
+        columns = torch.arange(self.pad_from, logits.shape[-1], device=logits.device)
+        return logits.index_fill(-1, columns, fill)
 
     def sequence_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """logits ``[b, s - start, v]`` (masked; positions ``start..s-1``), tokens ``[b, s]`` ->

@@ -57,9 +57,9 @@ def allreduce_tied_embedding_grads(
     if weight is None or not weight.requires_grad:
         return
     target = weight
-    if optimizer is not None and hasattr(optimizer, "master_params"):
+    if optimizer is not None and hasattr(optimizer, "grad_params"):  # the fp32 gradient's holder
         optimizer.copy_grads_to_master()
-        target = next(mt for p, mt in zip(optimizer.model_params, optimizer.master_params) if p is weight)
+        target = next(mt for p, mt in zip(optimizer.model_params, optimizer.grad_params) if p is weight)
     grad = target.grad if target.grad is not None else torch.zeros_like(target)
     total = grad.float()
     dist.all_reduce(total, group=state.group("embedding"))
@@ -163,7 +163,7 @@ class PipelineSchedule:
         mbs = min(micro_batch_size, b)
         batches = []
         for i in range(0, b, mbs):
-            rows = torch.arange(i, min(i + mbs, b))
+            rows = torch.arange(i, min(i + mbs, b), device=tokens.device)
             if len(rows) < mbs:  # the schedule's buffers are [s, mbs, h]: pad with row 0
                 rows = torch.cat([rows, rows.new_zeros(mbs - len(rows))])
             batches.append(rows)

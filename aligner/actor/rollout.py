@@ -126,7 +126,7 @@ class GroupFilter:
         n = self.group_size
         good = informative_groups(scores, n)
         self.filtered += int((~good).sum())
-        offsets = torch.arange(n)
+        offsets = torch.arange(n, device=scores.device)
         for groups, into in (
             (good.nonzero().flatten(), self.kept),
             ((~good).nonzero().flatten(), self.spare),
@@ -147,7 +147,7 @@ class GroupFilter:
             if need <= 0:
                 break
             take = min(need, scores.numel())
-            part = _rows(gen, torch.arange(take))
+            part = _rows(gen, torch.arange(take, device=scores.device))
             parts.append((part, values[:take, : part.tokens.shape[1] - 1], scores[:take]))
             need -= take
         if need > 0:

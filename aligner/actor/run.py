@@ -214,17 +214,21 @@ def connect_critic(cfg: ActorConfig, inputs: Inputs, state: ParallelState) -> Re
 
 def build_models(cfg: ActorConfig, state: ParallelState) -> tuple[Any, Any | None]:
     """Step 4: the policy (``init_from``'s weights) and the frozen reference (None without a KL
-    penalty), then the policy's LoRA adapters."""
+    penalty), then the policy's LoRA adapters; all of it on this rank's device.
+
+    Megatron initialises the weights on the CPU (``use_cpu_initialization``: the same initial
+    weights at any layout and on any machine); each model then moves to the device once."""
     policy = gpt.build_policy(cfg.model)
     if cfg.init_from:
         load_weights_from(policy, cfg.model, cfg.init_from)
+    policy.to(state.device)
     reference = None
     if cfg.ppo.init_kl_coef > 0 or cfg.ppo.adaptive_kl:
         # A second module with the initial weights (not a deepcopy: Megatron modules hold
         # process groups, which cannot be copied).
         # In the policy's compute dtype (bf16 under mixed precision): it only runs forwards.
         dtype = precision_dtype(resolve_precision(cfg.precision, state.device))
-        reference = gpt.build_policy(cfg.model, params_dtype=dtype)
+        reference = gpt.build_policy(cfg.model, params_dtype=dtype).to(state.device)
         gpt.load_state_dict_strict(reference, gpt.tensor_state_dict(policy), what="reference model")
         reference.eval().requires_grad_(False)  # ppo.reference_on_cpu: the trainer offloads it
     if cfg.lora.enabled:

@@ -36,7 +36,8 @@ Algorithms (``ppo.*``, :class:`~aligner.actor.config.PPOConfig`):
 All numbers come from :mod:`aligner.rl`; this file only moves tensors between the pieces, each
 in a module of its own: the prompts (:mod:`aligner.actor.prompts`), the critic as the actor's
 ranks see it (:mod:`aligner.actor.critic_link`), log-probs over this rank's vocabulary shard
-(:mod:`aligner.actor.logprobs`), the optimizer and its schedule (:mod:`aligner.actor.optimizer`),
+(:mod:`aligner.actor.logprobs`), step 5's rewards and advantages (:mod:`aligner.actor.shaping`),
+the optimizer and its schedule (:mod:`aligner.actor.optimizer`),
 the rollout and the step's record (:mod:`aligner.actor.rollout`), the policy update
 (:mod:`aligner.actor.policy_update`), checkpoints (:mod:`aligner.actor.checkpointing`) and the
 step they resume from (:mod:`aligner.actor.resume`), the frozen reference and where its weights
@@ -71,6 +72,7 @@ from aligner.actor.prompts import PromptSampler
 from aligner.actor.reference import ReferenceModel
 from aligner.actor.resume import check_restart, rollback_dir, rolled_back
 from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, fill_by_rounds, global_mean
+from aligner.actor.shaping import shape_and_estimate
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from aligner.metrics import MetricsLogger, Timers
@@ -272,15 +274,19 @@ class PPOTrainer:
                 # 4. ...while the reference's and the policy's log-probs are computed.
                 orders = self.policy_update.epoch_orders(step_id, tokens.shape[0])
                 beta = self.kl_ctl.value
-                ref_logprobs = None
-                if self.reference is not None and beta > 0:
-                    with self.reference.on_device() as reference:
-                        ref_logprobs, _ = self._no_grad(reference, gen, start=start)
-                first = None
+                with_reference = self.reference is not None and beta > 0
+                first, ref_logprobs = None, None
                 if self.reuse_rollout_forward and not warmup:
+                    # The reference first: the policy's forward keeps its graph for the update.
+                    if with_reference:
+                        ref_logprobs = self._reference_logprobs(gen, start)
                     first, old_logprobs, entropy = self.policy_update.first_forward(tokens, orders[0], start)
                 else:
+                    if with_reference:
+                        self.reference.prefetch()  # an offloaded reference's copy runs under this forward
                     old_logprobs, entropy = self._no_grad(self.policy, gen, with_entropy=True, start=start)
+                    if with_reference:
+                        ref_logprobs = self._reference_logprobs(gen, start)
                 if ref_logprobs is None:
                     ref_logprobs = old_logprobs
             with timed("critic_wait"):
@@ -291,12 +297,26 @@ class PPOTrainer:
                 last_train = self.critic.take_completed()
 
             # 5. KL-shaped per-token rewards -> advantages (GAE and whitening, or critic-free).
-            scores = self._shape_scores(raw_scores, gen.ended, gen.response_lengths)
-            kl = rl.kl_penalty(old_logprobs, ref_logprobs, p.kl_estimator) * mask
-            rewards, non_score = rl.shaped_rewards(scores, kl, mask, beta)
-            # The tokens the policy loss covers: without the responses cut off (overlong filtering).
-            loss_mask = rl.overlong_filter(mask, gen.ended) if p.overlong_filtering else mask
-            advantages, returns = self._advantages(rewards, values, mask, loss_mask, scores)
+            shaped = shape_and_estimate(
+                p,
+                max_new_tokens=cfg.generation.max_new_tokens,
+                raw_scores=raw_scores,
+                values=values,
+                ended=gen.ended,
+                response_lengths=gen.response_lengths,
+                mask=mask,
+                old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs,
+                beta=beta,
+                score_moments=self.score_moments,
+                group=self._dp_group,
+            )
+            kl, loss_mask, advantages, returns = (
+                shaped.kl,
+                shaped.loss_mask,
+                shaped.advantages,
+                shaped.returns,
+            )
 
             # 6. The critic's training batch for this step id; the server trains while we do.
             faults.ACTOR.hit("mid_step", step_id)  # the crash tests' kill: generated, nothing sent yet
@@ -330,7 +350,7 @@ class PPOTrainer:
             mask=mask,
             scores=raw_scores,
             kl=kl,
-            non_score=non_score,
+            non_score=shaped.non_score,
             entropy=entropy,
             old_logprobs=old_logprobs,
             values=values,
@@ -339,14 +359,14 @@ class PPOTrainer:
             lr=self.scheduler.get_last_lr()[0],
             policy_stats=policy_stats,
             critic_stats=last_train,
-            timers=timed.seconds,
+            timers={**timed.seconds, **(self.reference.take_seconds() if self.reference else {})},
             critic_free=self.critic_free,
             loss_mask=loss_mask if p.overlong_filtering else None,
         )
         metrics = record.metrics(self._dp_group)
         metrics.update(sampled)
         if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
-            spread = rl.group_score_std(scores, p.samples_per_prompt).reshape(1)
+            spread = rl.group_score_std(shaped.scores, p.samples_per_prompt).reshape(1)
             metrics["rollout/group_score_std"] = float(global_mean(spread, None, self._dp_group))
         if p.critic_warmup_steps:
             metrics["ppo/critic_warmup"] = float(warmup)
@@ -373,13 +393,13 @@ class PPOTrainer:
             inputs = self._reward_inputs(gen, self.val_extras, self.val_prompts)
             future = self.critic.infer(tokens, gen.lengths, gen.prompt_lengths, step, **inputs)
             start = rl.loss_start(mask)
+            if self.reference is not None:
+                self.reference.prefetch()  # an offloaded reference's copy runs under the policy's forward
             logprobs, _ = self._no_grad(self.policy, gen, start=start)
             if self.reference is not None:
-                with self.reference.on_device() as reference:
-                    ref_logprobs, _ = self._no_grad(reference, gen, start=start)
-                kl = ((logprobs - ref_logprobs) * mask).sum(1)
+                kl = ((logprobs - self._reference_logprobs(gen, start)) * mask).sum(1)
             else:
-                kl = torch.zeros(tokens.shape[0])
+                kl = torch.zeros(tokens.shape[0], device=tokens.device)
             _, scores = self.critic.result(future, tokens.shape)
             self.logger.samples(step, self._sample_rows(gen, scores))
             metrics = {  # means over every data-parallel rank's prompts
@@ -390,6 +410,8 @@ class PPOTrainer:
                     ("val/response_length", gen.response_lengths.float()),
                 )
             }
+        if self.reference is not None:
+            self.reference.take_seconds()  # inside timers/validation: the step's own copy is reported alone
         return {**metrics, **timed.seconds}
 
     def finish(self) -> None:
@@ -447,6 +469,12 @@ class PPOTrainer:
         return self.logprobs.no_grad(
             model, gen.tokens, mb, with_entropy=with_entropy, start=start, lengths=gen.lengths
         )
+
+    def _reference_logprobs(self, gen: GenerationOutput, start: int) -> torch.Tensor:
+        """The frozen reference's log-probs ``[b, s-1]`` of the generated rows (an offloaded
+        reference's weights visit the device for this forward)."""
+        with self.reference.on_device() as reference:
+            return self._no_grad(reference, gen, start=start)[0]
 
     def _refit_engine(self) -> Any:
         """Give the engine the policy's current weights, once after each change (collective: an
@@ -538,60 +566,3 @@ class PPOTrainer:
         elif p.critic_warmup_steps:
             line += f"; critic warm-up: the policy waits for the first {p.critic_warmup_steps} step(s)"
         return line
-
-    def _advantages(
-        self,
-        rewards: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor,
-        loss_mask: torch.Tensor,
-        scores: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(advantages, returns)`` ``[b, s-1]`` per ``ppo.advantage`` from the KL-shaped
-        ``rewards`` and the shaped ``scores [b]`` in them: GAE on the critic's ``values`` over the
-        response ``mask`` (whitened over ``loss_mask``: the tokens the loss covers); critic-free,
-        over ``loss_mask``: GRPO and RLOO within each group of ``samples_per_prompt`` adjacent
-        rows, REINFORCE++ on token-level returns whitened over every data-parallel rank. Returns
-        are the critic's targets (GAE), REINFORCE++'s returns-to-go, or zeros (GRPO, RLOO).
-
-        GRPO and RLOO compare each row's sequence reward, its score plus its KL penalty
-        (``-beta`` times its summed KL). Under GRPO's std normalisation a group of equal scores
-        gets its samples' KL differences at unit size: within such a group the penalty pulls
-        toward the reference at full strength, whatever beta is. Measured on 3-digit copy
-        (tests/actor/test_group_estimators.py): this form reaches a 5-step mean of 0.8 by step 41;
-        normalising the scores alone and adding the KL penalty centred at beta's scale reached 0.64
-        in 50 steps, and the scores alone 0.43 (each group's samples collapse onto one response).
-        """
-        p = self.cfg.ppo
-        if p.advantage == "gae":
-            advantages, returns = rl.compute_gae(rewards, values, mask, p.gamma, p.lam, p.value_lam)
-            if p.whiten_advantages:
-                advantages = rl.global_whiten(advantages, loss_mask, shift_mean=True, group=self._dp_group)
-            return advantages, returns
-        if p.advantage == "reinforce_pp":
-            return rl.reinforce_pp_advantages(rewards, loss_mask, p.gamma, group=self._dp_group)
-        sequence = rewards.sum(1)  # score - beta * KL over the response (rewards are 0 off the mask)
-        if p.advantage == "grpo":
-            advantages = rl.grpo_advantages(sequence, loss_mask, p.samples_per_prompt, p.grpo_std_norm)
-        else:
-            advantages = rl.rloo_advantages(sequence, loss_mask, p.samples_per_prompt)
-        return advantages, torch.zeros_like(advantages)
-
-    def _shape_scores(
-        self, scores: torch.Tensor, ended: torch.Tensor, response_lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """The server's scores ``[b]`` as the rewards use them: the missing-EOS penalty, the soft
-        overlong penalty (``ppo.overlong_buffer``), clipping, and the running normalisation
-        (whose statistics this updates)."""
-        p = self.cfg.ppo
-        scores = rl.apply_missing_eos_penalty(scores, ended, p.missing_eos_penalty)
-        if p.overlong_buffer:
-            max_new = self.cfg.generation.max_new_tokens
-            scores = scores + rl.overlong_penalty(
-                response_lengths, max_new, p.overlong_buffer, p.overlong_penalty
-            )
-        scores = rl.clip_scores(scores, p.score_clip)
-        if p.normalize_scores:
-            self.score_moments.update(scores, group=self._dp_group)
-            scores = self.score_moments.normalize(scores)
-        return scores

@@ -196,23 +196,22 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_up_with_the_rest():
 
 
 def test_the_trainer_shapes_scores_and_picks_the_estimator_the_config_names():
-    """PPOTrainer's step 5 on its own (the methods read only the config, the score normaliser
-    and the data-parallel group): the soft overlong penalty beside the missing-EOS one, and each
-    estimator on the KL-shaped rewards, over the loss mask overlong filtering leaves."""
-    from types import SimpleNamespace
-
+    """The trainer's step 5 (aligner.actor.shaping, which reads only the config, the score
+    normaliser and the data-parallel group): the soft overlong penalty beside the missing-EOS one,
+    and each estimator on the KL-shaped rewards, over the loss mask overlong filtering leaves."""
     from aligner import rl
-    from aligner.actor.trainer import PPOTrainer
+    from aligner.actor.shaping import advantages_for, shape_and_estimate, shape_scores
 
     cfg = ActorConfig()
     cfg.generation.max_new_tokens = 8
     cfg.ppo.missing_eos_penalty, cfg.ppo.overlong_buffer, cfg.ppo.overlong_penalty = -1.0, 4, 2.0
-    trainer = SimpleNamespace(cfg=cfg, score_moments=rl.RunningMoments(), _dp_group=None)
-    shaped = PPOTrainer._shape_scores(
-        trainer,
+    shaped = shape_scores(
+        cfg.ppo,
+        cfg.generation.max_new_tokens,
         torch.tensor([1.0, 1.0, 1.0, 1.0]),
         torch.tensor([True, True, False, True]),
         torch.tensor([3, 6, 8, 4]),
+        rl.RunningMoments(),
     )
     assert shaped.tolist() == [1.0, 0.0, -2.0, 1.0]  # 6 tokens: (4 - 6) / 4 * 2; 8 without EOS: -1 - 2
 
@@ -232,12 +231,39 @@ def test_the_trainer_shapes_scores_and_picks_the_estimator_the_config_names():
         ("gae", rl.global_whiten(rl.compute_gae(rewards, values, mask, 1.0, 0.95)[0], loss_mask)),
     ):
         cfg.ppo.advantage = adv
-        got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask, scores)
+        got, _ = advantages_for(cfg.ppo, rewards, values, mask, loss_mask)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=adv)
         assert not got[3].any() or adv == "gae"  # the filtered row has no advantage (GAE: no loss)
     cfg.ppo.grpo_std_norm, cfg.ppo.advantage = False, "grpo"
-    got, _ = PPOTrainer._advantages(trainer, rewards, values, mask, loss_mask, scores)
+    got, _ = advantages_for(cfg.ppo, rewards, values, mask, loss_mask)
     torch.testing.assert_close(got, rl.grpo_advantages(sequence, loss_mask, 2, std_norm=False))
+
+    # The whole of step 5 in one call is those pieces in a row.
+    cfg.ppo.advantage, cfg.ppo.overlong_filtering = "gae", True
+    ended = torch.tensor([True, True, True, False])
+    old_lp, ref_lp = torch.rand(4, 4, generator=g), torch.rand(4, 4, generator=g)
+    raw = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    got = shape_and_estimate(
+        cfg.ppo,
+        max_new_tokens=8,
+        raw_scores=raw,
+        values=values,
+        ended=ended,
+        response_lengths=torch.tensor([3, 3, 3, 3]),
+        mask=mask,
+        old_logprobs=old_lp,
+        ref_logprobs=ref_lp,
+        beta=0.1,
+        score_moments=rl.RunningMoments(),
+    )
+    want_scores = shape_scores(cfg.ppo, 8, raw, ended, torch.tensor([3, 3, 3, 3]), rl.RunningMoments())
+    want_kl = rl.kl_penalty(old_lp, ref_lp, cfg.ppo.kl_estimator) * mask
+    want_rewards, want_non_score = rl.shaped_rewards(want_scores, want_kl, mask, 0.1)
+    want_adv, want_ret = advantages_for(cfg.ppo, want_rewards, values, mask, loss_mask)
+    for name, want in (("scores", want_scores), ("kl", want_kl), ("rewards", want_rewards)):
+        assert torch.equal(getattr(got, name), want), name
+    assert torch.equal(got.non_score, want_non_score) and torch.equal(got.loss_mask, loss_mask)
+    assert torch.equal(got.advantages, want_adv) and torch.equal(got.returns, want_ret)
 
 
 def test_a_reward_model_reading_text_gets_the_prompt_as_the_data_set_writes_it():

@@ -205,6 +205,13 @@ class TrtllmEngine:
     def refit(self, policy: torch.nn.Module) -> None:
         """Send ``policy``'s current weights to the engine. Collective: every rank of the world
         calls it (the weight stream gathers over TP and PP)."""
+        held = {p.device for p in policy.parameters()}
+        if self.device.type == "cuda" and held != {self.device}:
+            # The engine maps CUDA-IPC handles: a CPU tensor's handle is a shared-memory file.
+            raise ValueError(
+                f"TensorRT-LLM refit: the policy's weights are on {sorted(map(str, held))}, not on this "
+                f"rank's GPU {self.device}: the engine loads them from CUDA tensors"
+            )
         if self.is_owner:
             self._wake({"weights"})
         uuid: str | None = None

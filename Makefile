@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast faults lint bench clean
+.PHONY: setup demo test test-fast faults lint bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -50,6 +50,45 @@ bench: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs
+
+# The wheels a lent GPU machine lacks (it has torch, transformers, numpy, pyarrow, ..., and no network),
+# as CPython 3.12 manylinux wheels in $(GPU_WHEELS) (ignored); docs/gpu-check.md. datasets, dill and
+# multiprocess read the prompt file; antlr4 4.9.3 (hydra's parser) has no wheel on the index, so it is
+# built here (pure Python). What travels there, this tree and the wheels together, must stay under 64 MiB.
+GPU_WHEELS ?= .whl
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEEL_PINS ?= megatron-core==0.16.1 hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 \
+	multiprocess==0.70.19
+GPU_TRAVEL_MIB := 64
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	$(PYTHON) -m pip wheel --quiet --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==4.9.3
+	@ls -1s --block-size=K $(GPU_WHEELS)/*.whl
+	@wheels=$$(cat $(GPU_WHEELS)/*.whl | wc -c); \
+	  tree=$$(git ls-files -z -co --exclude-standard | xargs -0 cat 2>/dev/null | wc -c); \
+	  echo "wheels $$((wheels / 1024)) KiB + working tree $$((tree / 1024)) KiB = $$(((wheels + tree) / 1024)) KiB" \
+	    "(at most $(GPU_TRAVEL_MIB) MiB travel)"; \
+	  test $$((wheels + tree)) -le $$(($(GPU_TRAVEL_MIB) * 1048576)) || { echo "over $(GPU_TRAVEL_MIB) MiB"; exit 1; }
+
+# The GPU check (docs/gpu-check.md): environment, pytest -m gpu, a short PPO run; one JSON report in
+# runs/gpu_check.json. On the GPU machine (no .venv there) it installs $(GPU_WHEELS)/*.whl into $(GPU_SITE)
+# when megatron-core, hydra or datasets cannot be imported; without CUDA it runs the reduced check.
+# Options of the check: make gpu-check GPU_CHECK_ARGS="--steps 10 --recompute".
+GPU_SITE ?= /tmp/site
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@set -e; export PYTHONPATH="$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"; \
+	if ! $(GPU_CHECK_PY) -c "import megatron.core, hydra, omegaconf, datasets" 2>/dev/null; then \
+	  ls $(GPU_WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(GPU_WHEELS): run make gpu-wheels where pip has the index"; exit 1; }; \
+	  echo "installing $(GPU_WHEELS)/*.whl into $(GPU_SITE)"; \
+	  $(GPU_CHECK_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(GPU_SITE) $(GPU_WHEELS)/*.whl; \
+	fi; \
+	$(GPU_CHECK_PY) -m aligner.gpu_check $(GPU_CHECK_ARGS)
 
 # Install into throwaway venvs on the other supported Pythons and run a test subset there.
 # Not part of `make test` (CI runs 3.11 only). The local CPU torch wheel is for 3.11 only, so

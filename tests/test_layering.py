@@ -14,7 +14,8 @@ Layers, lowest first:
 2. ``aligner.precision``: mixed-precision training of those models;
 3. ``aligner.generation``: the engines;
 4. ``aligner.actor`` and ``aligner.critic`` (the server), side by side: each reaches the other
-   only through ``aligner.wire``.
+   only through ``aligner.wire``;
+5. ``aligner.gpu_check``: the GPU check, which composes both roles in one process.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LAYERS = {
     "aligner.generation": 3,
     "aligner.actor": 4,
     "aligner.critic": 4,
+    "aligner.gpu_check": 5,
 }
 ROLES = ("aligner.actor", "aligner.critic")
 WIRE = "aligner.wire"

@@ -1,8 +1,11 @@
 """What the actor's policy and the server's critic share about optimisation: the AdamW and
 clipping settings (:class:`OptimConfig`, the ``optim`` section of both roles' configs), and the
 gradient plumbing: data-parallel averaging and global-norm clipping over tensor-parallel shards
-(replicated weights counted once). The optimizer itself is
-:class:`aligner.precision.MixedPrecisionAdamW`, which applies these to its fp32 master gradients."""
+(replicated weights counted once), and what the two optimizers share about gradients and state.
+The optimizers themselves are :class:`aligner.precision.MixedPrecisionAdamW` (every
+data-parallel rank holds the whole state) and :class:`aligner.sharded_optim.ShardedAdamW`
+(``use_distributed_optimizer``: each rank holds a slice of it); both apply these to their fp32
+gradients."""
 
 from __future__ import annotations
 
@@ -16,7 +19,30 @@ import torch.distributed as dist
 
 from aligner.config_checks import Problems
 
-__all__ = ["OptimConfig", "allreduce_gradients", "clip_grad_norm"]
+__all__ = [
+    "OptimConfig",
+    "PARALLEL_ATTRS",
+    "STATE_FORMAT",
+    "allreduce_gradients",
+    "clip_grad_norm",
+    "move_grad",
+    "optimizer_meta",
+    "route_grads",
+    "state_problems",
+]
+
+STATE_FORMAT = "aligner.adamw/1"
+"""Tag in the optimizer's JSON metadata (older checkpoints without it load as fp32 AdamW state).
+Both optimizers save this one layout: whole tensors per parameter, whatever the sharding."""
+# Attributes megatron-core and clip_grad_norm read from a parameter; an fp32 copy or a gradient
+# holder of it carries them.
+PARALLEL_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "sequence_parallel",
+    "shared",
+)
 
 
 @dataclass
@@ -37,6 +63,12 @@ class OptimConfig:
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still
     measured and logged)."""
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 master weights and both Adam moments over the data-parallel ranks (ZeRO
+    stage 1, Megatron's option of the same name): each rank keeps a 1/DP slice of them, steps
+    it, and the ranks all-gather the updated weights. The same numbers as without it, bit for
+    bit; checkpoints hold the whole state and load at any DP size, with or without it. A no-op
+    at DP=1."""
 
     def adamw(self) -> dict[str, Any]:
         """The keyword arguments of :func:`aligner.precision.make_optimizer` these settings give."""
@@ -62,7 +94,74 @@ class OptimConfig:
             self.grad_clip,
             ">= 0, or null/0 to disable clipping",
         )
+        p.expect(
+            isinstance(self.use_distributed_optimizer, bool),
+            f"{prefix}.use_distributed_optimizer",
+            self.use_distributed_optimizer,
+            "true or false",
+        )
         return p
+
+
+def move_grad(p: torch.Tensor, holder: torch.Tensor) -> None:
+    """Add ``p``'s gradient (if any) into ``holder``'s fp32 gradient and clear it on ``p``."""
+    if p.grad is None:
+        return
+    if holder.grad is None:
+        holder.grad = p.grad.to(torch.float32)
+    else:
+        holder.grad.add_(p.grad)
+    p.grad = None
+
+
+def route_grads(p: torch.Tensor, holder: torch.Tensor) -> None:
+    """From now on, move every gradient backward leaves on ``p`` into ``holder``'s fp32 gradient
+    (:func:`move_grad`, run once per backward after autograd has summed ``p``'s gradient), so
+    that micro-batches accumulate in fp32, not bf16. The newest optimizer built over a
+    parameter owns its gradient: an older route of ``p`` is removed."""
+    old = getattr(p, "_aligner_master_grad_hook", None)
+    if old is not None:
+        old.remove()
+    p._aligner_master_grad_hook = p.register_post_accumulate_grad_hook(lambda q: move_grad(q, holder))
+
+
+def optimizer_meta(model_params: list[torch.Tensor], adam: dict[str, Any]) -> dict[str, Any]:
+    """The JSON half of an optimizer's state (:data:`STATE_FORMAT`): the model's dtypes and
+    shapes, and ``adam`` (param groups, scalar state, which parameters have state)."""
+    return {
+        "format": STATE_FORMAT,
+        "precision": "bf16" if any(p.dtype == torch.bfloat16 for p in model_params) else "fp32",
+        "model_dtypes": [str(p.dtype).removeprefix("torch.") for p in model_params],
+        "shapes": [list(p.shape) for p in model_params],
+        "adam": adam,
+    }
+
+
+def state_problems(
+    model_params: list[torch.Tensor], tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> list[str]:
+    """What stops a saved optimizer state ``(tensors, meta)`` (one group over ``model_params``)
+    from loading (empty when it fits)."""
+    adam = meta.get("adam", meta)
+    groups = adam.get("param_groups")
+    if not isinstance(groups, list):
+        return ["optimizer metadata has no param_groups"]
+    problems = []
+    got = [len(g["params"]) for g in groups]
+    if got != [len(model_params)]:
+        problems.append(f"optimizer parameter groups of sizes {got}, expected {[len(model_params)]}")
+    shapes = meta.get("shapes")
+    want = [list(p.shape) for p in model_params]
+    if shapes is not None and shapes != want:
+        bad = [i for i, (a, b) in enumerate(zip(shapes, want)) if a != b]
+        problems.append(
+            f"optimizer saved for {len(shapes)} parameters, expected {len(want)}; shape mismatch at {bad[:8]}"
+        )
+    for i, p in enumerate(model_params):
+        t = tensors.get(f"master.{i}")
+        if t is not None and tuple(t.shape) != tuple(p.shape):
+            problems.append(f"master.{i}: expected shape {tuple(p.shape)}, got {tuple(t.shape)}")
+    return problems
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:

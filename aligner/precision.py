@@ -52,6 +52,13 @@ Rules that matter:
   scheduler's ``state_dict()`` holds only numbers (JSON).
 - The newest optimizer built over a parameter owns its gradient (an older one's hook is removed).
 
+The distributed optimizer (``optim.use_distributed_optimizer``, ZeRO-1): ``make_optimizer(...,
+dp_group=group)`` gives a :class:`ShardedAdamW` (:mod:`aligner.sharded_optim`), the same
+interface over a 1/DP slice of the masters and moments, with the same numbers bit for bit. Code
+that serves both reads gradients through ``opt.grad_params`` (the masters here) and whole masters
+through ``opt.full_masters()``; only this class has ``master_params``. The sharded one's
+``step``, ``state_tensors`` and ``full_masters`` are collective over its DP group.
+
 How the actor uses it:
 
 - :func:`aligner.actor.optimizer.make_policy_optimizer` builds it with :func:`make_optimizer`
@@ -63,8 +70,8 @@ How the actor uses it:
 - The reference model and the generation engine run in the policy's dtype (the reference is
   built with ``params_dtype=precision_dtype(prec)``); ``policy_logits`` returns fp32 either way.
 - Checkpoints: ``opt.state_tensors()`` / ``opt.load_state_tensors()`` carry the masters and the
-  moments (they read the older layout of ``optimizer_to_safe`` too), and
-  ``master_state_dict`` / ``load_master_state_dict`` the model's weights.
+  moments (they read the older layout of ``optimizer_to_safe`` too; both optimizers write and
+  read one layout), and ``master_state_dict`` / ``load_master_state_dict`` the model's weights.
 """
 
 from __future__ import annotations
@@ -79,7 +86,17 @@ from torch import nn
 
 from aligner.checkpoint import CheckpointError, optimizer_from_safe, optimizer_to_safe
 from aligner.models.gpt import load_state_dict_strict, tensor_state_dict
-from aligner.optim import allreduce_gradients, clip_grad_norm
+from aligner.optim import (
+    PARALLEL_ATTRS,
+    STATE_FORMAT,
+    allreduce_gradients,
+    clip_grad_norm,
+    move_grad,
+    optimizer_meta,
+    route_grads,
+    state_problems,
+)
+from aligner.sharded_optim import ShardedAdamW
 
 __all__ = [
     "PRECISIONS",
@@ -87,6 +104,8 @@ __all__ = [
     "bf16_supported",
     "resolve_precision",
     "MixedPrecisionAdamW",
+    "ShardedAdamW",
+    "Optimizer",
     "make_optimizer",
     "master_state_dict",
     "load_master_state_dict",
@@ -95,18 +114,8 @@ __all__ = [
 
 PRECISIONS = ("bf16", "fp32")
 """Precisions a model can train in; config keys also accept 'auto' (see resolve_precision)."""
-STATE_FORMAT = "aligner.adamw/1"
-"""Tag in the optimizer's JSON metadata (older checkpoints without it load as fp32 AdamW state)."""
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Attributes megatron-core and aligner.optim read from a parameter; the master copy carries them.
-_PARALLEL_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_stride",
-    "sequence_parallel",
-    "shared",
-)
 
 
 def precision_dtype(name: str) -> torch.dtype:
@@ -174,6 +183,9 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         last_grad_norm: the norm measured by the latest :meth:`clip_grad_norm` of this step.
     """
 
+    sharded = False
+    """Every data-parallel rank holds the whole state (see :class:`ShardedAdamW` for the other)."""
+
     def __init__(
         self,
         params: Iterable[nn.Parameter],
@@ -193,7 +205,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                 masters.append(p)
                 continue
             m = p.detach().to(torch.float32).clone()
-            for a in _PARALLEL_ATTRS:
+            for a in PARALLEL_ATTRS:
                 if hasattr(p, a):
                     setattr(m, a, getattr(p, a))
             masters.append(m)
@@ -205,30 +217,12 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         self._pairs = [(p, m) for p, m in zip(model_params, masters) if p is not m]
         self.last_grad_norm: float | None = None
         for p, m in self._pairs:
-            old = getattr(p, "_aligner_master_grad_hook", None)
-            if old is not None:
-                old.remove()
-            p._aligner_master_grad_hook = p.register_post_accumulate_grad_hook(self._grad_hook(m))
+            route_grads(p, m)  # backward's bf16 gradient lands in the master's fp32 one
 
-    @staticmethod
-    def _move_grad(p: torch.Tensor, master: torch.Tensor) -> None:
-        """Add ``p``'s gradient (if any) into ``master``'s fp32 gradient and clear it on ``p``."""
-        if p.grad is None:
-            return
-        if master.grad is None:
-            master.grad = p.grad.to(torch.float32)
-        else:
-            master.grad.add_(p.grad)
-        p.grad = None
-
-    @classmethod
-    def _grad_hook(cls, master: torch.Tensor):
-        def hook(p: torch.Tensor) -> None:
-            # Runs once per backward, after autograd has summed this weight's gradient: move it
-            # into the fp32 master so later micro-batches accumulate in fp32, not bf16.
-            cls._move_grad(p, master)
-
-        return hook
+    @property
+    def grad_params(self) -> list[torch.Tensor]:
+        """What holds each model parameter's fp32 gradient (``.grad``): its master."""
+        return self.master_params
 
     @property
     def precision(self) -> str:
@@ -247,7 +241,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         """Move gradients still on the model's low-precision weights (set by hand, or produced
         with the hooks removed) into the fp32 masters. Called by every method below."""
         for p, m in self._pairs:
-            self._move_grad(p, m)
+            move_grad(p, m)
 
     def allreduce_grads(self, group, world: int) -> None:
         """Average the fp32 master gradients over the data-parallel ``group`` of size ``world``."""
@@ -294,7 +288,27 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         if self._pairs:
             torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
 
+    def full_masters(self) -> list[torch.Tensor]:
+        """Every parameter's fp32 master (the masters themselves)."""
+        return [m.detach() for m in self.master_params]
+
+    @torch.no_grad()
+    def load_masters(self, values: list[torch.Tensor | None], *, to_model: bool = True) -> None:
+        """Set the masters from fp32 values, one per parameter (None: the model's current
+        weight), and (``to_model``) round the model's weights from them."""
+        for p, m, v in zip(self.model_params, self.master_params, values):
+            if v is not None:
+                m.copy_(v)
+            elif m is not p:
+                m.copy_(p)
+        if to_model:
+            self.copy_master_to_model()
+
     # -- checkpoints: safetensors + JSON --------------------------------------------------------
+
+    def state_meta(self) -> dict[str, Any]:
+        """The JSON half of :meth:`state_tensors`."""
+        return optimizer_meta(self.model_params, optimizer_to_safe(self)[1])
 
     def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The full state: tensors (``master.<i>`` fp32 weights, ``<i>.exp_avg``,
@@ -302,40 +316,11 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         tensors, adam = optimizer_to_safe(self)
         for i, m in enumerate(self.master_params):
             tensors[f"master.{i}"] = m.detach()
-        meta = {
-            "format": STATE_FORMAT,
-            "precision": self.precision,
-            "model_dtypes": [str(p.dtype).removeprefix("torch.") for p in self.model_params],
-            "shapes": [list(p.shape) for p in self.model_params],
-            "adam": adam,
-        }
-        return tensors, meta
+        return tensors, optimizer_meta(self.model_params, adam)
 
     def state_problems(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> list[str]:
         """What stops ``(tensors, meta)`` from loading here (empty when it fits)."""
-        adam = meta.get("adam", meta)
-        problems = []
-        groups = adam.get("param_groups")
-        if not isinstance(groups, list):
-            return ["optimizer metadata has no param_groups"]
-        own = [len(g["params"]) for g in self.param_groups]
-        got = [len(g["params"]) for g in groups]
-        if own != got:
-            problems.append(f"optimizer parameter groups of sizes {got}, expected {own}")
-        shapes = meta.get("shapes")
-        if shapes is not None:
-            want = [list(p.shape) for p in self.model_params]
-            if shapes != want:
-                bad = [i for i, (a, b) in enumerate(zip(shapes, want)) if a != b]
-                problems.append(
-                    f"optimizer saved for {len(shapes)} parameters, expected {len(want)}; "
-                    f"shape mismatch at {bad[:8]}"
-                )
-        for i, m in enumerate(self.master_params):
-            t = tensors.get(f"master.{i}")
-            if t is not None and tuple(t.shape) != tuple(m.shape):
-                problems.append(f"master.{i}: expected shape {tuple(m.shape)}, got {tuple(t.shape)}")
-        return problems
+        return state_problems(self.model_params, tensors, meta)
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -350,13 +335,11 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         optimizer_from_safe(self, {k: v for k, v in tensors.items() if not k.startswith("master.")}, adam)
         for group in self.param_groups:  # how to compute, not what: this optimizer's own choice
             group["foreach"] = self.defaults["foreach"]
-        for i, (p, m) in enumerate(zip(self.model_params, self.master_params)):
-            t = tensors.get(f"master.{i}")
-            if t is not None:
-                m.copy_(t)
-            elif m is not p:
-                m.copy_(p)
-        self.copy_master_to_model()
+        self.load_masters([tensors.get(f"master.{i}") for i in range(len(self.model_params))])
+
+
+Optimizer = MixedPrecisionAdamW | ShardedAdamW
+"""Either optimizer: the same interface (see :class:`ShardedAdamW` for what differs)."""
 
 
 def make_optimizer(
@@ -366,13 +349,19 @@ def make_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     precision: str | None = None,
-) -> MixedPrecisionAdamW:
+    *,
+    dp_group: Any = None,
+) -> Optimizer:
     """AdamW for a model in ``precision`` ('bf16' | 'fp32' | 'auto'; None: the weights' dtype).
 
     fp32: torch's AdamW on the model's own weights (no copies). bf16: fp32 masters as
     described in this module's docstring. Given a module whose weights are fp32 and
     ``precision='bf16'``, the fp32 weights become the masters and the module is cast to bf16 in
     place. Given a parameter list, its dtype must already match ``precision``.
+
+    ``dp_group``: shard the masters and moments over this data-parallel group
+    (:class:`ShardedAdamW`, ``optim.use_distributed_optimizer``); None: every rank holds them
+    whole (:class:`MixedPrecisionAdamW`). The numbers are the same either way.
     """
     is_module = isinstance(params_or_model, nn.Module)
     if is_module:
@@ -395,22 +384,31 @@ def make_optimizer(
                 f"{sorted(str(d) for d in dtypes)}; build the model with "
                 f"params_dtype={want} (or pass the module itself to cast an fp32 model to bf16)"
             )
-    opt = MixedPrecisionAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if dp_group is not None:
+        opt: Optimizer = ShardedAdamW(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, dp_group=dp_group
+        )
+    else:
+        opt = MixedPrecisionAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if masters_from is not None:
-        with torch.no_grad():
-            for m, src in zip(opt.master_params, masters_from):
-                m.copy_(src)
+        # The model was cast from these very values: its weights are their rounding already.
+        opt.load_masters(masters_from, to_model=False)
     return opt
 
 
-def master_state_dict(model: nn.Module, optimizer: MixedPrecisionAdamW | None) -> dict[str, torch.Tensor]:
+def master_state_dict(
+    model: nn.Module, optimizer: Optimizer | None, masters: list[torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's tensors by name (as :func:`aligner.models.gpt.tensor_state_dict`), with each
     trained weight replaced by its fp32 master: what a checkpoint of a bf16 model should hold.
-    Loadable into a model of either precision (loading casts)."""
+    Loadable into a model of either precision (loading casts). ``masters``: the optimizer's
+    whole masters when at hand (``master.<i>`` of its :meth:`state_tensors`); else they are
+    taken from it, which for a :class:`ShardedAdamW` is collective over its DP group."""
     out = tensor_state_dict(model)
     if optimizer is None:
         return out
-    for name, m in _masters_by_name(model, optimizer):
+    values = masters if masters is not None else optimizer.full_masters()
+    for name, m in _by_name(model, optimizer, values):
         if name in out:
             out[name] = m.detach()
     return out
@@ -419,7 +417,7 @@ def master_state_dict(model: nn.Module, optimizer: MixedPrecisionAdamW | None) -
 @torch.no_grad()
 def load_master_state_dict(
     model: nn.Module,
-    optimizer: MixedPrecisionAdamW | None,
+    optimizer: Optimizer | None,
     state: dict[str, torch.Tensor],
     what: str = "model",
 ) -> None:
@@ -430,15 +428,17 @@ def load_master_state_dict(
     load_state_dict_strict(model, state, what=what)
     if optimizer is None:
         return
-    for name, m in _masters_by_name(model, optimizer):
-        t = state.get(name)
-        if t is not None:
-            m.copy_(t)
-    optimizer.copy_master_to_model()
+    values: list[torch.Tensor | None] = [None] * len(optimizer.model_params)
+    for name, i in _by_name(model, optimizer, list(range(len(values)))):
+        if values[i] is None:
+            values[i] = state.get(name)
+    optimizer.load_masters(values)  # None: the weight just loaded (a strict load leaves none)
 
 
-def _masters_by_name(model: nn.Module, optimizer: MixedPrecisionAdamW) -> list[tuple[str, torch.Tensor]]:
-    by_id = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params)}
+def _by_name(model: nn.Module, optimizer: Optimizer, values: list[Any]) -> list[tuple[str, Any]]:
+    """``(name, value)`` of every name of a trained parameter (tied ones under each of their
+    names); ``values`` one per optimizer parameter."""
+    by_id = {id(p): v for p, v in zip(optimizer.model_params, values)}
     return [
         (name, by_id[id(p)]) for name, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id
     ]

@@ -12,6 +12,8 @@ Layout under the run's checkpoint root (shared with the critic server when both 
                                     frozen base weights' fingerprint; a resume needs the same base
         optim_tp00_pp00.safetensors fp32 masters and AdamW moments of model-parallel rank (0, 0)
                                     (+ optim_tp00_pp00.json), shared by its data-parallel replicas
+                                    (gathered from their slices with optim.use_distributed_optimizer:
+                                    the same file, which loads at any DP size, sharded or not)
         rng_tp00_pp00_dp000.safetensors
                                     every RNG state of the rank at (tp 0, pp 0, dp 0)
         trainer_state.json          step, KL controller, score normaliser, data position, LR
@@ -84,7 +86,7 @@ from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
 from aligner.models.lora import LoraConfig, lora_config_of
 from aligner.models.lora_io import load_lora_adapter, save_lora_adapter
-from aligner.precision import MixedPrecisionAdamW
+from aligner.precision import Optimizer
 from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.tokenizers import Tokenizer
 from aligner.wire.handle import CriticHandle, CriticRestartedError
@@ -116,7 +118,7 @@ class ActorState:
     """PPO steps completed."""
     policy: torch.nn.Module
     """The policy (this rank's tensor-parallel shard), loaded into in place."""
-    optimizer: MixedPrecisionAdamW
+    optimizer: Optimizer
     """Its optimizer: fp32 masters and AdamW moments (this rank's shard), loaded into in place."""
     precision: str
     """What the policy computes in ('bf16' or 'fp32')."""
@@ -293,10 +295,12 @@ class ActorCheckpointer:
         else:
             save_model_checkpoint(state.policy, self.cfg.model, tmp / "policy", role="policy")
         faults.ACTOR.hit("mid_actor_write", step)
-        if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts
+        if st.dp_rank == 0:  # fp32 master weights (bf16), Adam moments and step counts, whole
             tensors, meta = state.optimizer.state_tensors()
             save_tensors(tmp / self._optim_file(), tensors)
             write_json(tmp / self._optim_file(".json"), meta)
+        elif state.optimizer.sharded:  # its part of gathering them from every replica's slice
+            state.optimizer.state_tensors(keep=False)
         save_tensors(tmp / self._rng_file(), rng_state_tensors())
         barrier()
         faults.ACTOR.hit("before_commit", step)

@@ -1,6 +1,6 @@
-"""The policy's optimizer: which weights train, AdamW with fp32 masters under bf16, and the
-learning-rate schedule (linear warmup, then cosine decay), including where a resumed run puts
-the schedule."""
+"""The policy's optimizer: which weights train, AdamW with fp32 masters under bf16 (sharded over
+the data-parallel ranks with ``optim.use_distributed_optimizer``), and the learning-rate schedule
+(linear warmup, then cosine decay), including where a resumed run puts the schedule."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 
 from aligner.actor.config import ActorConfig
+from aligner.distributed import ParallelState
 from aligner.models import gpt
 from aligner.models.lora import is_lora_name, lora_config_of
-from aligner.precision import MixedPrecisionAdamW, make_optimizer
+from aligner.precision import Optimizer, make_optimizer
 
 __all__ = ["freeze_all_but_last_layers", "lr_lambda", "make_policy_optimizer", "set_schedule_position"]
 
@@ -32,15 +33,26 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
 
 
 def make_policy_optimizer(
-    model: torch.nn.Module, cfg: ActorConfig, precision: str = "fp32"
-) -> tuple[MixedPrecisionAdamW, Schedule]:
+    model: torch.nn.Module, cfg: ActorConfig, precision: str = "fp32", state: ParallelState | None = None
+) -> tuple[Optimizer, Schedule]:
     """AdamW (fp32 master weights when ``precision`` is bf16: the model is cast to bf16 in
     place and its fp32 values become the masters) and the warmup + cosine LR schedule. Only
-    trainable parameters (``requires_grad``) are in it and get masters: with LoRA, the adapters."""
+    trainable parameters (``requires_grad``) are in it and get masters: with LoRA, the adapters.
+
+    With ``optim.use_distributed_optimizer`` and more than one data-parallel rank the masters
+    and moments are sharded over ``state.dp_group`` (:class:`aligner.precision.ShardedAdamW`;
+    the same updates, bit for bit). ``state``: this rank's place; None: Megatron's, as
+    :func:`aligner.distributed.initialize` set it up (read only for that option)."""
     o, p = cfg.optim, cfg.ppo
+    dp_group = None
+    if o.use_distributed_optimizer:
+        device = next(model.parameters()).device
+        state = state or ParallelState.from_megatron(device)
+        if state is not None and state.dp_size > 1:
+            dp_group = state.dp_group
     # Given the module, an fp32 model is cast to bf16 in place (frozen weights too) and the
     # trained weights' fp32 values become the masters, unrounded.
-    opt = make_optimizer(model, **o.adamw(), precision=precision)
+    opt = make_optimizer(model, **o.adamw(), precision=precision, dp_group=dp_group)
     # The policy's optimizer steps: none in the critic warm-up's steps.
     total = (
         max(p.num_steps - p.critic_warmup_steps, 1)

@@ -8,8 +8,10 @@ together), cut into minibatches of ``ppo.mini_batch_size / DP`` rows. Each minib
 optimizer step: the loss (:func:`aligner.rl.policy_loss`, minus the entropy bonus) accumulated
 over micro-batches of ``ppo.micro_batch_size`` rows (under PP > 1 through Megatron's pipeline
 schedule, :mod:`aligner.actor.pipeline`), the fp32 master gradients summed over the data-parallel
-ranks, their norm clipped to ``optim.grad_clip`` (a non-finite norm skips the step), then one
-step of the learning-rate schedule. The first pass may be the rollout's log-prob forward
+ranks, their norm clipped to ``optim.grad_clip`` (a non-finite norm skips the step, on every rank
+alike), then one step of the learning-rate schedule. With ``optim.use_distributed_optimizer``
+each data-parallel rank steps its slice of the masters and the ranks all-gather the weights
+(:class:`aligner.precision.ShardedAdamW`): the same calls here, the same numbers. The first pass may be the rollout's log-prob forward
 (:meth:`PolicyUpdate.first_forward`, ``ppo.reuse_rollout_forward``), which changes no number.
 
 Shapes: ``b`` this data-parallel rank's rows, ``s`` padded length, ``v`` vocabulary shard.
@@ -51,7 +53,8 @@ class PolicyUpdate:
 
     Args:
         policy: the policy (this rank's tensor- and pipeline-parallel shard).
-        optimizer: its mixed-precision AdamW (:func:`aligner.actor.optimizer.make_policy_optimizer`).
+        optimizer: its mixed-precision AdamW, whole or sharded over the data-parallel ranks
+            (:func:`aligner.actor.optimizer.make_policy_optimizer`).
         scheduler: the learning-rate schedule, stepped once per optimizer step.
         logprobs: log-probs and entropies over this rank's vocabulary shard.
         pipeline: Megatron's pipeline schedule under PP > 1, else None.
@@ -96,7 +99,8 @@ class PolicyUpdate:
         """Each PPO epoch's row order: the same on every rank of a TP group (seeded by step and
         DP rank); whole groups of ``ppo.samples_per_prompt`` rows stay together."""
         gen = torch.Generator().manual_seed(self.seed * 7919 + step_id * 31 + self.state.dp_rank)
-        return [group_order(b, self.ppo.samples_per_prompt, gen) for _ in range(self.ppo.ppo_epochs)]
+        orders = [group_order(b, self.ppo.samples_per_prompt, gen) for _ in range(self.ppo.ppo_epochs)]
+        return [x.to(self.state.device) for x in orders]  # drawn on the CPU (one stream anywhere)
 
     def first_forward(
         self, tokens: torch.Tensor, order: torch.Tensor, start: int = 0
@@ -167,7 +171,9 @@ class PolicyUpdate:
             self.state.tp_rank,
             pp_group=self.state.pp_group if self.state.pp_size > 1 else None,
         )
-        self.optimizer.step()  # skipped (and counted in grad_norm as inf/nan) on a non-finite norm
+        # Skipped (and counted in grad_norm as inf/nan) on a non-finite norm; sharded, it
+        # all-gathers the weights (every DP rank steps here: the norm is the same on all).
+        self.optimizer.step()
         self.scheduler.step()
         return acc
 

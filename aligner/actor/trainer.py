@@ -132,7 +132,7 @@ class PPOTrainer:
             policy, cfg.optim.trainable_last_n_layers, cfg.model.num_layers, state.pp_rank
         )
         self.precision = resolve_precision(cfg.precision, state.device)
-        self.optimizer, self.scheduler = make_policy_optimizer(policy, cfg, self.precision)
+        self.optimizer, self.scheduler = make_policy_optimizer(policy, cfg, self.precision, state)
         # After the optimizer: it casts the policy to its compute dtype, the dtype the engine
         # serves it in (the first step refits the engine).
         self.model_forward = forward.set_forwards(

@@ -151,6 +151,9 @@ def build_parts(cfg: CriticServerConfig, state: ParallelState, lock: threading.L
     optimizer = None
     if critic is not None:
         optimizer = make_optimizer(
+        # optim.use_distributed_optimizer: the masters and moments sharded over the replicas
+        # (every replica takes the same step, so each keeps a slice and they gather the weights).
+        shard = o.use_distributed_optimizer and state.dp_size > 1
             critic,
             lr=o.lr,
             betas=(o.adam_beta1, o.adam_beta2),

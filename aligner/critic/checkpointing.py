@@ -18,7 +18,10 @@ nothing on any rank.
 Data-parallel replicas hold the same weights and optimizer state (every replica takes the same
 step, :mod:`aligner.critic.replicas`), so a checkpoint is replica 0's TP shards, written once,
 and loads at any ``parallel.data_parallel_size``: rank 0 sends TP shard ``t`` to TP rank ``t``
-of every replica. Random states are replica 0's too, and every replica takes them on load (they
+of every replica. With ``optim.use_distributed_optimizer`` each replica holds a slice of the
+masters and moments: a save first gathers them over the replicas (every rank takes part), so
+the files are the same as without it, and a load hands every replica the whole state, of which
+it keeps its slice. Random states are replica 0's too, and every replica takes them on load (they
 feed only dropout, which the fused forward does not have). ``meta.json`` records the DP size it
 was saved at, for the record; loading does not require it.
 """
@@ -133,17 +136,20 @@ class CriticCheckpoints:
     # -- save -----------------------------------------------------------------------------------
 
     def _local_shards(self) -> Shards:
+        """This rank's shards of a save: collective over the replicas when the optimizer is
+        sharded (replica 0 gathers its state, the others' :meth:`send_shards` take part)."""
         optim_tensors, _ = self.optimizer.state_tensors()
+        masters = [optim_tensors[f"master.{i}"] for i in range(len(self.optimizer.model_params))]
         return {
             # The fp32 master weights under bf16: the checkpoint holds the truth, not its rounding.
-            "model": master_state_dict(self.critic, self.optimizer),
+            "model": master_state_dict(self.critic, self.optimizer, masters),
             "optim": optim_tensors,
             # Every RNG state of this rank (dropout draws from torch's and Megatron's tracker).
             "rng": rng_state_tensors(),
         }
 
     def _meta(self, step: int) -> dict[str, Any]:
-        _, optim_meta = self.optimizer.state_tensors()
+        optim_meta = self.optimizer.state_meta()
         return {
             "role": ROLE,
             "step": step,
@@ -185,8 +191,11 @@ class CriticCheckpoints:
 
     def send_shards(self) -> None:
         """A peer's part of a save: its shards to rank 0, each kind after its fingerprint; a rank
-        of another replica than rank 0's sends nothing (its shards are the same)."""
+        of another replica than rank 0's sends nothing (its shards are the same), but takes part
+        in gathering a sharded optimizer's state."""
         if self.state.dp_rank != 0:
+            if self.optimizer.sharded:  # its part of gathering the state to replica 0
+                self.optimizer.state_tensors(keep=False)
             return
         shards = self._local_shards()
         for kind in sorted(shards):
@@ -240,10 +249,10 @@ class CriticCheckpoints:
                 raise CheckpointError(
                     f"checkpoint {d} holds a different critic architecture: {'; '.join(diff)}"
                 )
-            own = self._local_shards()
+            own_rng = rng_state_tensors()  # what this process's random states look like
             shards = []
             for r in range(tp):
-                sh = {kind: load_tensors(d / shard_file(kind, tp=r)) for kind in own}
+                sh = {kind: load_tensors(d / shard_file(kind, tp=r)) for kind in SHARD_KINDS}
                 want, got = tensor_state_dict(self.critic), sh["model"]
                 bad = sorted(set(want) ^ set(got)) + [
                     k for k in want if k in got and want[k].shape != got[k].shape
@@ -258,7 +267,7 @@ class CriticCheckpoints:
                         f"checkpoint {d} rank {r}: optimizer state does not match the critic's "
                         f"parameters: {'; '.join(problems)}"
                     )
-                sh["rng"], note = rng_to_restore(sh["rng"], own["rng"], f"checkpoint {d} rank {r}")
+                sh["rng"], note = rng_to_restore(sh["rng"], own_rng, f"checkpoint {d} rank {r}")
                 if note:
                     log.warning("%s", note)
                 shards.append(sh)

@@ -39,8 +39,9 @@ class ValueUpdate:
         critic: the value model (this rank's TP shard), in eval mode between updates; None for a
             server in reward-only mode (:meth:`forward` then answers values of zeros, and
             :meth:`train_step` is never called).
-        optimizer: the mixed-precision optimizer of :func:`aligner.precision.make_optimizer`
-            (None without a critic).
+        optimizer: the mixed-precision optimizer of :func:`aligner.precision.make_optimizer`,
+            whole or sharded over the replicas (``optim.use_distributed_optimizer``; its step
+            then all-gathers the weights); None without a critic.
         reward_model: the frozen reward model, or None.
         cfg: the server's configuration: ``optim`` (epochs, minibatches, value clipping, loss
             aggregation, gradient clipping) and ``seed`` (with the step id, it seeds each step's
@@ -140,16 +141,17 @@ class ValueUpdate:
         return mine.numel() / idx.numel(), token_share
 
     def _sum_over_replicas(self, stats: torch.Tensor) -> torch.Tensor:
-        """Sum the master gradients and ``stats`` (a 1-D float64 tensor) over the data-parallel
-        group, in one collective; every replica gets the same bits. A replica without rows in
+        """Sum the fp32 (master) gradients and ``stats`` (a 1-D float64 tensor) over the
+        data-parallel group, in one collective; every replica gets the same bits, the whole
+        gradient (a sharded optimizer then steps its slice of it). A replica without rows in
         this minibatch adds zeros."""
         st = self.state
         opt = self.optimizer
         opt.copy_grads_to_master()
         grads = []
-        for m in opt.master_params:
+        for m in opt.grad_params:
             if m.grad is None:
-                m.grad = torch.zeros_like(m)
+                m.grad = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
             grads.append(m.grad)
         flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads] + [stats.to(torch.float64)])
         flat = flat.to(comm_device())

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from aligner.critic.checkpointing import CriticCheckpoints
-from aligner.critic.config import CriticServerConfig
+from aligner.critic.config import CriticServerConfig, LimitsConfig
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.peers import PeerLink
 from aligner.critic.replicas import Layout, Replicas
@@ -59,8 +59,9 @@ __all__ = [
 
 log = logging.getLogger("aligner.critic")
 
-REWARD_ONLY_MAX_SEQ_LEN = 1 << 20
-"""The longest sample a reward-only server without a reward model on the policy's ids accepts."""
+REWARD_ONLY_MAX_SEQ_LEN = LimitsConfig.reward_only_max_seq_len
+"""The longest sample a reward-only server without a reward model on the policy's ids accepts by
+default (``limits.reward_only_max_seq_len``)."""
 
 HEAD_TENSORS = frozenset({"output_layer.weight", "output_layer.bias"})
 """The scalar head's tensors (what a policy's trunk does not provide)."""
@@ -150,16 +151,14 @@ def build_parts(cfg: CriticServerConfig, state: ParallelState, lock: threading.L
     o = cfg.optim
     optimizer = None
     if critic is not None:
-        optimizer = make_optimizer(
         # optim.use_distributed_optimizer: the masters and moments sharded over the replicas
         # (every replica takes the same step, so each keeps a slice and they gather the weights).
         shard = o.use_distributed_optimizer and state.dp_size > 1
+        optimizer = make_optimizer(
             critic,
-            lr=o.lr,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-            weight_decay=o.weight_decay,
+            **o.adamw(),
             precision=precision,
+            dp_group=state.dp_group if shard else None,
         )
     # After the optimizer, which casts the critic to its compute dtype.
     model_forward = set_forwards(
@@ -257,7 +256,7 @@ def _limits(
     reads text cuts its own sequences to its length). Without a critic only such a reward model
     bounds the length (a reward function takes any)."""
     if cfg.mode == "reward_only":
-        max_len = rm_cfg.max_seq_len if reads_ids else REWARD_ONLY_MAX_SEQ_LEN
+        max_len = rm_cfg.max_seq_len if reads_ids else cfg.limits.reward_only_max_seq_len
     else:
         max_len = min(model_cfg.max_seq_len, rm_cfg.max_seq_len) if reads_ids else model_cfg.max_seq_len
     return Limits(

@@ -17,7 +17,7 @@ from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_fol
 from aligner.models.config import FORWARD_MODES, ModelConfig
 from aligner.optim import OptimConfig
 from aligner.tokenizers import build_tokenizer
-from aligner.wire.protocol import resolve_run_token
+from aligner.wire.protocol import InputLimits, resolve_run_token
 
 __all__ = [
     "ServerConfig",
@@ -27,6 +27,7 @@ __all__ = [
     "InitConfig",
     "CriticCheckpointConfig",
     "LogConfig",
+    "LimitsConfig",
     "CriticServerConfig",
     "build_config",
     "LOSS_AGGREGATIONS",
@@ -255,6 +256,46 @@ class LogConfig:
 
 
 @dataclass
+class LimitsConfig:
+    """How large a critic_infer request may be beyond its shapes, checked per request before
+    anything is decoded or parsed; a request over one is refused naming the key. Rows per
+    request: ``server.max_batch_size``."""
+
+    max_extras_bytes: int = InputLimits.max_extras_bytes
+    """Most bytes of one sample's ``extras`` (its extra data-set columns as one JSON object)."""
+    max_text_bytes: int = InputLimits.max_text_bytes
+    """Most bytes of one sample's ``prompt_text`` or ``response_text``."""
+    max_input_bytes: int = InputLimits.max_input_bytes
+    """Most bytes of one text input of a request, all its rows together."""
+    max_json_depth: int = InputLimits.max_json_depth
+    """Deepest nesting of arrays and objects in one sample's ``extras`` (its object is depth 1)."""
+    max_extras_keys: int = InputLimits.max_extras_keys
+    """Most keys of one sample's ``extras``, and most columns over a request's samples (each is a
+    keyword argument of the reward function)."""
+    reward_only_max_seq_len: int = 32768
+    """Longest padded sample (tokens) of a ``mode=reward_only`` server whose length nothing else
+    bounds (no reward model on the policy's ids); with a critic, the model's ``max_seq_len``."""
+
+    def input_limits(self) -> InputLimits:
+        """The text-input limits, as the wire protocol's checks take them."""
+        return InputLimits(
+            max_extras_bytes=self.max_extras_bytes,
+            max_text_bytes=self.max_text_bytes,
+            max_input_bytes=self.max_input_bytes,
+            max_json_depth=self.max_json_depth,
+            max_extras_keys=self.max_extras_keys,
+        )
+
+    def problems(self, prefix: str) -> list[str]:
+        """Every value below 1, named."""
+        return [
+            f"{prefix}.{f.name}={getattr(self, f.name)!r}: expected an integer >= 1"
+            for f in dataclasses.fields(self)
+            if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1
+        ]
+
+
+@dataclass
 class CriticServerConfig:
     """Everything the critic/reward server needs (``aligner/configs/critic.yaml``)."""
 
@@ -272,6 +313,7 @@ class CriticServerConfig:
     init: InitConfig = field(default_factory=InitConfig)
     checkpoint: CriticCheckpointConfig = field(default_factory=CriticCheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     tokenizer: str = "char"
     """'char', 'char:<alphabet>' or a HF tokenizer folder."""
     seed: int = 1234
@@ -406,6 +448,7 @@ class CriticServerConfig:
         if c.resume not in RESUME_MODES:
             e.append(f"checkpoint.resume={c.resume!r}: expected one of {list(RESUME_MODES)} (or true/false)")
 
+        e += self.limits.problems("limits")
         if self.log.stats_interval_s <= 0:
             e.append(f"log.stats_interval_s={self.log.stats_interval_s}: expected > 0")
         if self.log.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -520,6 +563,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "init": InitConfig,
             "checkpoint": CriticCheckpointConfig,
             "log": LogConfig,
+            "limits": LimitsConfig,
         }
         scalars = ("mode", "tokenizer", "seed", "precision", "model_forward")
         known_top = set(sections) | set(scalars)

@@ -9,9 +9,9 @@ contract's error). Both reach the client as Triton errors; the marks in their me
 
 from __future__ import annotations
 
-from aligner.wire.protocol import UNAVAILABLE_MARK
+from aligner.wire.protocol import UNAVAILABLE_MARK, ProtocolError, mark_of, neutralize, wire_text
 
-__all__ = ["CriticServiceError", "ServiceClosedError", "RequestRewardError"]
+__all__ = ["CriticServiceError", "ServiceClosedError", "RequestRewardError", "for_the_wire"]
 
 
 class CriticServiceError(RuntimeError):
@@ -30,3 +30,18 @@ class RequestRewardError(CriticServiceError):
     :mod:`aligner.critic.reward_fn`, or by the reward model's tokenizer,
     :mod:`aligner.critic.reward_model`): that request fails alone, the requests merged with it get
     what they would get alone (docs/design.md, "Wire protocol")."""
+
+
+def for_the_wire(error: BaseException, model: str) -> BaseException:
+    """``error`` as it may leave the server's callable for ``model`` (Triton shows its message to
+    the client): the contract's errors and the service's own with their message rebuilt by
+    :func:`~aligner.wire.protocol.wire_text` (the mark their type chooses, the rest neutralized:
+    no line break, no other mark), anything else wrapped in a :class:`CriticServiceError` naming
+    its type (a failure of the server's, which carries no mark)."""
+    if isinstance(error, (ProtocolError, CriticServiceError)):
+        mark = UNAVAILABLE_MARK if isinstance(error, ServiceClosedError) else mark_of(error)
+        error.args = (wire_text(str(error), mark),)
+        return error
+    return CriticServiceError(
+        f"{model} failed on the critic server: {type(error).__name__}: {neutralize(str(error), 1000)}"
+    )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from aligner.critic.errors import RequestRewardError
+from aligner.wire.protocol import neutralize
 
 __all__ = [
     "RewardFn",
@@ -286,6 +287,8 @@ class RewardFunctionError(RequestRewardError):
     when one sample is to blame, its index in the request (``sample``)."""
 
     def __init__(self, fn_name: str, detail: str, sample: int | None = None) -> None:
+        # The function's own words may echo the samples (a request's text): neutralized and cut.
+        detail = neutralize(detail, 1000)
         self.fn_name, self.detail, self.sample = fn_name, detail, sample
         where = "on the request's samples" if sample is None else f"on sample {sample} of the request"
         super().__init__(f"reward function {fn_name!r} failed {where}: {detail}")

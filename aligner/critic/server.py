@@ -17,17 +17,25 @@ Errors. PyTriton 0.7 turns an exception raised by an inference callable into a T
 for *every* request of that execution, and the server stays up (checked in
 ``tests/critic/test_critic_server.py``). Triton itself rejects a wrong dtype, rank, fixed
 dimension or an over-long critic_infer batch per request, before the dynamic batcher merges
-anything. What is left, value checks, is done per request inside the callables, which take
-PyTriton's raw request list (no ``@batch``) for exactly this reason: a lone bad request gets
-its own :class:`~aligner.wire.protocol.ProtocolError`. When the batcher has merged a bad
-critic_infer request with good ones, PyTriton cannot fail just one of them; nothing is run,
-and every request of that execution gets one error that names the bad request's field and
-carries :data:`~aligner.wire.protocol.BATCH_PEER_MARK`, which tells
-:class:`~aligner.wire.client.RemoteCriticClient` (whose requests were validated before
-sending) to retry. A request the reward function fails on is no such case: the others run as
-they would alone, and the failing one gets its message in its ``error`` output (alone in its
-execution, as its error). Training, save and load are never batched, so their errors are their
-own; their run token and fencing are the service's checks.
+anything. What is left, value checks and the sizes of ``limits`` (checked before anything is
+decoded or parsed), is done per request inside the callables, which take PyTriton's raw request
+list (no ``@batch``) for exactly this reason: a lone bad request gets its own
+:class:`~aligner.wire.protocol.ProtocolError`. When the batcher has merged a bad critic_infer
+request with good ones, PyTriton cannot fail just one of them; nothing is run, and every request
+of that execution gets one :class:`~aligner.wire.protocol.BatchPeerError`, marked
+:data:`~aligner.wire.protocol.BATCH_PEER_MARK`, which says how many requests broke the contract
+and which fields, and nothing any of them sent; it tells
+:class:`~aligner.wire.client.RemoteCriticClient` (whose requests were validated before sending)
+to retry. A request the reward function fails on is no such case: the others run as they would
+alone, and the failing one gets its message in its ``error`` output (alone in its execution, as
+its error). Training, save and load are never batched, so their errors are their own; their run
+token and fencing are the service's checks.
+
+Every error leaves a callable as the server composed it (:func:`~aligner.critic.errors.for_the_wire`):
+its mark chosen by its type, the rest neutralized (no line breaks, no other mark), no chained
+exception (whose text Triton would show), and an exception the server did not mean to raise
+wrapped in a CriticServiceError naming its type. So the only mark in the text a client reads is
+the one the server chose, at the start of its message.
 
 Optional inputs. critic_infer's ``prompt_text``, ``response_text`` and ``extras`` are bound
 with ``optional=True``: a request may leave them out, and ``server_info``'s ``infer_inputs``
@@ -86,7 +94,7 @@ from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
 from aligner.cpu_memory import tune_allocator
 from aligner.critic.config import CriticServerConfig, build_config
-from aligner.critic.errors import CriticServiceError, RequestRewardError
+from aligner.critic.errors import CriticServiceError, RequestRewardError, for_the_wire
 from aligner.critic.host import (
     PortInUseError,
     check_ports_free,
@@ -98,8 +106,6 @@ from aligner.critic.metrics import MetricsWriter
 from aligner.critic.service import CriticService
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
-    BATCH_PEER_MARK,
-    ERROR_MARK,
     INFER,
     INFO,
     LOAD,
@@ -109,10 +115,13 @@ from aligner.wire.protocol import (
     RUN_TOKEN_ENV,
     SAVE,
     TRAIN,
+    BatchPeerError,
     InferRequest,
     ProtocolError,
     infer_error_wire,
+    neutralize,
     validate_infer,
+    wire_text,
 )
 from aligner.wire.readiness import wait_ready
 
@@ -147,6 +156,8 @@ class CriticTritonServer:
             while self.metrics_port in (self.http_port, self.grpc_port):
                 self.metrics_port = free_port()
         self.host = s.host
+        self.input_limits = cfg.limits.input_limits()
+        """How large critic_infer's text inputs may be (``limits``), checked per request."""
         self.workspace_root = workspace_root
         self.triton = None
 
@@ -173,9 +184,13 @@ class CriticTritonServer:
             ok = True
             rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == INFER else len(out)
             return out
-        except (ProtocolError, CriticServiceError) as e:
-            log.warning("%s rejected: %s", model, e)
-            raise
+        except Exception as e:
+            if isinstance(e, (ProtocolError, CriticServiceError)):
+                log.warning("%s rejected: %s", model, neutralize(str(e), 2000))
+            else:
+                log.exception("%s failed", model)
+            # No chained exception: Triton would show its text, which the server did not compose.
+            raise for_the_wire(e, model) from None
         finally:
             self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows, len(requests))
 
@@ -198,30 +213,31 @@ class CriticTritonServer:
                         # different sets of them (an absent one is not in that request's dict).
                         **{name: _optional(r, name) for name in OPTIONAL_INFER_INPUTS},
                         require=require,
+                        input_limits=self.input_limits,
                     )
                 )
             except ProtocolError as e:
                 errors.append((i, e))
+            except Exception as e:  # a request the checks could not read fails alone, as a bad one
+                log.warning("critic_infer: request %d of %d unreadable: %r", i, len(requests), e)
+                got = f"a request the checks could not read ({type(e).__name__})"
+                errors.append((i, ProtocolError(INFER, "tokens", "a well-formed request", got)))
         if errors:
             if len(requests) == 1:
                 raise errors[0][1]
-            detail = " | ".join(f"request {i}: {str(e)[len(ERROR_MARK) :]}" for i, e in errors)
-            # One message for the whole execution (PyTriton cannot fail one request of a batch):
-            # the bad request reads its field, the valid ones read that they may retry.
-            raise ProtocolError(
-                INFER,
-                errors[0][1].field,
-                errors[0][1].expected,
-                f"{errors[0][1].got}; {BATCH_PEER_MARK}{len(errors)} of {len(requests)} requests merged into "
-                f"this dynamic batch were invalid ({detail}); nothing was run and the valid ones may be retried",
-            )
+            # One error for the whole execution (PyTriton cannot fail one request of a batch),
+            # holding only what the server chose: counts and field names. The valid requests
+            # retry; a bad one gets its own error when it runs alone.
+            raise BatchPeerError(INFER, [(i, e.field) for i, e in errors], len(requests))
         results = self.service.infer_many(parsed)
         if len(results) == 1 and isinstance(results[0], RequestRewardError):
             raise results[0]  # alone in its execution: its own Triton error
         # Merged: a request the reward function failed on gets its message in its `error` output
         # (PyTriton can fail only a whole execution), the others their values and rewards.
         return [
-            infer_error_wire(str(r), p.tokens.shape[0]) if isinstance(r, RequestRewardError) else r.to_wire()
+            infer_error_wire(wire_text(str(r), ""), p.tokens.shape[0])
+            if isinstance(r, RequestRewardError)
+            else r.to_wire()
             for r, p in zip(results, parsed)
         ]
 

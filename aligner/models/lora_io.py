@@ -80,12 +80,13 @@ def _require_lora(model: nn.Module) -> tuple[nn.Module, ModelConfig, LoraConfig]
 
 def lora_master_values(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
     """Each adapter's value by local name, its fp32 master where ``optimizer`` (a
-    :class:`aligner.precision.MixedPrecisionAdamW`, or None) keeps one: what a checkpoint of a
-    bf16 policy should hold."""
+    :class:`aligner.precision.MixedPrecisionAdamW` or :class:`aligner.sharded_optim.ShardedAdamW`,
+    or None) keeps one: what a checkpoint of a bf16 policy should hold. With a sharded optimizer
+    the masters are gathered: collective over its data-parallel group."""
     params = lora_parameters(model)
-    if optimizer is None or not hasattr(optimizer, "master_params"):
+    if optimizer is None or not hasattr(optimizer, "full_masters"):
         return dict(params)
-    by_id = {id(p): mp for p, mp in zip(optimizer.model_params, optimizer.master_params)}
+    by_id = {id(p): mp for p, mp in zip(optimizer.model_params, optimizer.full_masters())}
     return {n: by_id.get(id(p), p) for n, p in params.items()}
 
 

@@ -15,7 +15,9 @@
   that are (re)loading (which failure is which: :func:`aligner.wire.transport.classify`);
   before retrying after a connection error the client waits (up to ``ready_timeout_s``) for the
   server to be ready again. Retrying ``train`` is safe because the server applies each step id
-  exactly once.
+  exactly once. A batch-peer refusal (another client's bad request merged with ours) is resent
+  until ``wait_timeout_s`` ends, without using up ``retries``. Which kind a failure is comes only
+  from the mark at the start of the server's own message, never from text a request supplied.
 - Bounded waits: every wait on the server ends within ``wait_timeout_s`` (a future's
   ``result()``, ``save``, ``load``, one request's retries all together) or raises
   :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step and the address.
@@ -261,6 +263,7 @@ class RemoteCriticClient:
         :class:`~aligner.wire.errors.CriticError` subclass (or ``UnauthorizedError``)."""
         deadline = time.monotonic() + self.wait_timeout_s
         attempt = 0
+        peers = 0  # batch-peer refusals: someone else's bad request, no sign of trouble here
         while True:
             if self._closed:
                 raise CriticError(f"client for {self.url} is closed")
@@ -285,6 +288,15 @@ class RemoteCriticClient:
                         f"{model} failed on the critic server at {self.url}: {detail}"
                     ) from e
                 ran_out = time.monotonic() >= deadline
+                if kind == "peer" and not ran_out:
+                    # Resent at once, then after a short pause, until the deadline, and not counted
+                    # against `retries`: another client's bad requests, merged with ours by Triton,
+                    # must not use up our retries and stop the run.
+                    peers += 1
+                    if peers % 10 == 0:
+                        log.warning("%s to %s: %d batch-peer refusals; resending", model, self.url, peers)
+                    time.sleep(min(0.01 * (peers - 1), 0.5, max(deadline - time.monotonic(), 0.0)))
+                    continue
                 if ran_out or (attempt >= self.retries and timed_out(e)):  # a hung server, not a lost one
                     limit = self.wait_timeout_s if ran_out else self.timeout_s
                     what = f"{attempt + 1} attempt(s), the last: {detail}"
@@ -294,8 +306,7 @@ class RemoteCriticClient:
                         f"{model} to the critic server at {self.url} failed after "
                         f"{attempt + 1} attempt(s): {detail}"
                     ) from e
-                # A batch-peer error is no sign of trouble: resend at once.
-                delay = 0.0 if kind == "peer" else min(self.backoff_s * 2**attempt, 8.0)
+                delay = min(self.backoff_s * 2**attempt, 8.0)
                 attempt += 1
                 last = str(e).strip().splitlines()[-1][:200] if str(e) else ""
                 log.warning(

@@ -15,14 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from aligner.wire.errors import CriticTimeoutError
-from aligner.wire.protocol import (
-    BATCH_PEER_MARK,
-    ERROR_MARK,
-    FENCED_MARK,
-    UNAUTHORIZED_MARK,
-    UNAVAILABLE_MARK,
-    extract_error,
-)
+from aligner.wire.protocol import error_kind, server_message
 
 __all__ = ["Connection", "CriticFuture", "run_into", "WIRE_DTYPES", "classify", "timed_out", "error_detail"]
 
@@ -115,18 +108,15 @@ def run_into(future: CriticFuture[T], fn: Callable[..., T], *args: Any) -> None:
 def classify(exc: BaseException) -> str:
     """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
     token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
-    after readiness), or 'server' (a real server-side failure)."""
+    after readiness), or 'server' (a real server-side failure).
+
+    A mark counts only where the server's own message starts
+    (:func:`~aligner.wire.protocol.server_message`), never anywhere in the text: what another
+    request sent (merged into the same execution by Triton) cannot pass for one."""
     text = str(exc)
-    if FENCED_MARK.strip() in text:
-        return "fenced"
-    if UNAUTHORIZED_MARK.strip() in text:
-        return "unauthorized"
-    if BATCH_PEER_MARK.strip() in text:
-        return "peer"
-    if ERROR_MARK.strip() in text:
-        return "request"
-    if UNAVAILABLE_MARK.strip() in text:
-        return "unavailable"
+    kind = error_kind(text)
+    if kind is not None:
+        return kind
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return "unavailable"
     if "Traceback (most recent call last)" in text:
@@ -181,7 +171,7 @@ _EXC_LINE = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.+?)(?:\\n|\n|$)")
 def error_detail(exc: BaseException) -> str:
     """The informative line of a (traceback-laden) Triton error."""
     text = str(exc)
-    found = extract_error(text)
+    found = server_message(text)
     if found:
         return found
     lines = [

@@ -55,9 +55,11 @@ refused request changes nothing.
 
 Errors. A request that breaks the contract raises :class:`ProtocolError`, whose message starts
 with :data:`ERROR_MARK` and names the model, the field, what was expected and what came, so a
-client can pick it out of Triton's error text; :class:`FencedError` and
-:class:`UnauthorizedError` carry marks of their own (:func:`extract_fenced`,
-:func:`extract_unauthorized`). Triton itself rejects a wrong dtype, rank, fixed dimension, a
+client can pick it out of Triton's error text; :class:`FencedError`, :class:`UnauthorizedError`
+and :class:`BatchPeerError` carry marks of their own (:func:`extract_fenced`,
+:func:`extract_unauthorized`). A client reads a mark only where the server's message starts
+(:func:`server_message`), and the server echoes what a request sent only neutralized
+(:func:`neutralize`), so no request can pass its text off as a mark (:mod:`.errors`). Triton itself rejects a wrong dtype, rank, fixed dimension, a
 missing input or an over-long infer batch per request, before batching; everything value-level
 is checked here, on the client before sending and again on the server before anything runs.
 """
@@ -68,15 +70,23 @@ from aligner.wire.protocol.errors import (
     BATCH_PEER_MARK,
     ERROR_MARK,
     FENCED_MARK,
+    MARK_KINDS,
     RUN_TOKEN_ENV,
     UNAUTHORIZED_MARK,
     UNAVAILABLE_MARK,
+    BatchPeerError,
     FencedError,
     ProtocolError,
     UnauthorizedError,
+    error_kind,
     extract_error,
     extract_fenced,
     extract_unauthorized,
+    mark_of,
+    neutralize,
+    quote,
+    server_message,
+    wire_text,
 )
 from aligner.wire.protocol.messages import (
     InferRequest,
@@ -113,7 +123,9 @@ from aligner.wire.protocol.spec import (
     TensorSpec,
 )
 from aligner.wire.protocol.validation import (
+    InputLimits,
     as_numpy,
+    json_depth,
     validate_expected_step,
     validate_infer,
     validate_step,
@@ -137,14 +149,17 @@ __all__ = [
     "UNAVAILABLE_MARK",
     "FENCED_MARK",
     "UNAUTHORIZED_MARK",
+    "MARK_KINDS",
     "RUN_TOKEN_ENV",
     "TensorSpec",
     "ModelSpec",
     "MODELS",
     "Limits",
+    "InputLimits",
     "ProtocolError",
     "FencedError",
     "UnauthorizedError",
+    "BatchPeerError",
     "InferRequest",
     "InferResponse",
     "text_array",
@@ -165,6 +180,13 @@ __all__ = [
     "resolve_run_token",
     "run_token_array",
     "as_numpy",
+    "json_depth",
+    "neutralize",
+    "quote",
+    "mark_of",
+    "wire_text",
+    "server_message",
+    "error_kind",
     "extract_error",
     "extract_fenced",
     "extract_unauthorized",

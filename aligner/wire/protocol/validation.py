@@ -1,21 +1,31 @@
 """The checks every request passes, on the client before sending and on the server before
 anything runs: each names the model, the field, what was expected and what came
 (:class:`~aligner.wire.protocol.errors.ProtocolError`). Shapes: ``b`` batch, ``s`` padded length.
+
+What a request may not be however well formed: larger than :class:`InputLimits` allow (the
+server's ``limits`` section). Those checks run on sizes alone, before anything is decoded or
+parsed: the bytes of each row and of each input, then the JSON nesting depth of an ``extras``
+row (by counting brackets outside strings, no recursion), then, parsed, its keys. A refusal
+echoes what came only cut and neutralized (:func:`~aligner.wire.protocol.errors.quote`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from aligner.wire.protocol.errors import ProtocolError
+from aligner.wire.protocol.errors import ProtocolError, neutralize, quote
 from aligner.wire.protocol.messages import InferRequest, TrainRequest
 from aligner.wire.protocol.spec import INFER, TRAIN, Limits
 
 __all__ = [
+    "InputLimits",
+    "json_depth",
     "as_numpy",
     "validate_infer",
     "validate_texts",
@@ -23,6 +33,46 @@ __all__ = [
     "validate_step",
     "validate_expected_step",
 ]
+
+
+@dataclass
+class InputLimits:
+    """How large critic_infer's text inputs may be (``prompt_text``, ``response_text``,
+    ``extras``), checked by the server before it decodes or parses anything. Rows per request are
+    bounded by ``server.max_batch_size`` and tokens per row by ``max_seq_len``
+    (:class:`~aligner.wire.protocol.spec.Limits`)."""
+
+    max_extras_bytes: int = 64 * 1024
+    """Most bytes of one row of ``extras`` (one sample's JSON object)."""
+    max_text_bytes: int = 256 * 1024
+    """Most bytes of one row of ``prompt_text`` or ``response_text``."""
+    max_input_bytes: int = 16 * 1024 * 1024
+    """Most bytes of one text input, all its rows together."""
+    max_json_depth: int = 32
+    """Deepest nesting of arrays and objects in an ``extras`` row (the row's object is depth 1)."""
+    max_extras_keys: int = 256
+    """Most keys of one ``extras`` object, and most columns (distinct keys) over a request's rows:
+    each column becomes a keyword argument of the reward function."""
+
+    def per_row(self, name: str) -> tuple[int, str]:
+        """The most bytes of one row of input ``name``, and the key that sets it."""
+        if name == "extras":
+            return self.max_extras_bytes, "max_extras_bytes"
+        return self.max_text_bytes, "max_text_bytes"
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_OPEN, _CLOSE = (ord("["), ord("{")), (ord("]"), ord("}"))
+
+
+def json_depth(text: str) -> int:
+    """How deeply ``text`` (JSON) nests arrays and objects (``{}`` is 1, ``{"a": [1]}`` 2),
+    counted over the brackets outside strings, without recursion and without parsing it."""
+    if text.count("[") + text.count("{") <= 1:
+        return min(1, text.count("[") + text.count("{"))
+    bare = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8"), dtype=np.uint8)
+    step = np.isin(bare, _OPEN).astype(np.int32) - np.isin(bare, _CLOSE).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
 
 
 def as_numpy(x: Any) -> np.ndarray:
@@ -92,18 +142,8 @@ def _check_lengths(model: str, lengths: Any, b: int, s: int) -> np.ndarray:
     return lengths
 
 
-def _short(text: str, most: int = 60) -> str:
-    return repr(text if len(text) <= most else text[:most] + "...")
-
-
-def validate_texts(name: str, texts: Any, b: int) -> list[str]:
-    """One of critic_infer's optional inputs (``prompt_text``, ``response_text``, ``extras``) as
-    ``b`` strings: a list of str, or (on the wire) a BYTES array ``[b, 1]`` or ``[b]`` of UTF-8;
-    ``extras`` rows must each be a JSON object.
-
-    Raises:
-        ProtocolError: naming the input, the row and what was expected.
-    """
+def _rows(name: str, texts: Any, b: int) -> list[Any]:
+    """The ``b`` rows of a text input as they came (a list of str, or BYTES ``[b, 1]``/``[b]``)."""
     if isinstance(texts, (list, tuple)):
         items, got = list(texts), f"{len(texts)} rows"
     else:
@@ -114,12 +154,104 @@ def validate_texts(name: str, texts: Any, b: int) -> list[str]:
             raise ProtocolError(
                 INFER, name, f"shape [{b}, 1] (one string per sample)", f"shape {list(as_numpy(texts).shape)}"
             )
-        items, got = a.tolist(), f"{a.shape[0]} rows"
+        items, got = list(a), f"{a.shape[0]} rows"  # the row objects themselves, nothing copied
     if len(items) != b:
         raise ProtocolError(
             INFER, name, f"{b} rows (one string per sample, shape [{b}, 1]) to match tokens' batch", got
         )
+    return items
+
+
+def _check_sizes(name: str, items: list[Any], limits: InputLimits) -> None:
+    """Each row's bytes and the input's, before anything is decoded (a str counts its UTF-8)."""
+    most, key = limits.per_row(name)
+    total = 0
+    for i, v in enumerate(items):
+        if isinstance(v, (bytes, np.bytes_)):
+            n = len(v)
+        elif isinstance(v, str):
+            n = len(v) if v.isascii() else len(v.encode("utf-8"))
+        else:
+            raise ProtocolError(
+                INFER, name, "a string (UTF-8 bytes) in every row", f"row {i}: {type(v).__name__}"
+            )
+        if n > most:
+            raise ProtocolError(
+                INFER,
+                name,
+                f"at most {most} bytes per row (the server's limits.{key})",
+                f"row {i}: {n} bytes",
+            )
+        total += n
+    if total > limits.max_input_bytes:
+        raise ProtocolError(
+            INFER,
+            name,
+            f"at most {limits.max_input_bytes} bytes in all rows together (the server's limits.max_input_bytes)",
+            f"{total} bytes in {len(items)} rows",
+        )
+
+
+def _parse_extras(i: int, v: str, limits: InputLimits | None) -> dict[str, Any]:
+    """Row ``i`` of ``extras`` as a dict: depth bounded before parsing, keys after."""
+    name = "extras"
+    # Fewer brackets than the limit cannot nest deeper: most rows are never scanned.
+    if limits is not None and v.count("[") + v.count("{") > limits.max_json_depth:
+        depth = json_depth(v)
+        if depth > limits.max_json_depth:
+            raise ProtocolError(
+                INFER,
+                name,
+                f"JSON nested at most {limits.max_json_depth} deep (the server's limits.max_json_depth)",
+                f"row {i}: nested {depth} deep",
+            )
+    try:
+        parsed = json.loads(v)
+    except RecursionError:  # deeper than the parser goes (a caller without limits)
+        raise ProtocolError(
+            INFER, name, "JSON nested no deeper than the parser takes", f"row {i}: nested deeper"
+        ) from None
+    except ValueError as e:
+        raise ProtocolError(
+            INFER,
+            name,
+            "a JSON object in every row ('{}' for none)",
+            f"row {i}: invalid JSON ({neutralize(str(e), 120)}): {quote(v)}",
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ProtocolError(
+            INFER,
+            name,
+            "a JSON object in every row (the sample's extra data-set columns; '{}' for none)",
+            f"row {i}: a JSON {type(parsed).__name__}: {quote(v)}",
+        )
+    if limits is not None and len(parsed) > limits.max_extras_keys:
+        raise ProtocolError(
+            INFER,
+            name,
+            f"at most {limits.max_extras_keys} keys per object (the server's limits.max_extras_keys)",
+            f"row {i}: {len(parsed)} keys",
+        )
+    return parsed
+
+
+def validate_texts(name: str, texts: Any, b: int, limits: InputLimits | None = None) -> list[str]:
+    """One of critic_infer's optional inputs (``prompt_text``, ``response_text``, ``extras``) as
+    ``b`` strings: a list of str, or (on the wire) a BYTES array ``[b, 1]`` or ``[b]`` of UTF-8;
+    ``extras`` rows must each be a JSON object.
+
+    Args:
+        limits: the sizes allowed (:class:`InputLimits`), checked before anything is decoded;
+            None checks none (a caller that trusts its input).
+
+    Raises:
+        ProtocolError: naming the input, the row and what was expected.
+    """
+    items = _rows(name, texts, b)
+    if limits is not None:
+        _check_sizes(name, items, limits)
     out: list[str] = []
+    columns: set[str] = set()
     for i, v in enumerate(items):
         if isinstance(v, (bytes, np.bytes_)):
             try:
@@ -130,26 +262,19 @@ def validate_texts(name: str, texts: Any, b: int) -> list[str]:
                 ) from None
         elif not isinstance(v, str):
             raise ProtocolError(
-                INFER, name, "a string (UTF-8 bytes) in every row", f"row {i}: {type(v).__name__} {v!r:.60}"
+                INFER, name, "a string (UTF-8 bytes) in every row", f"row {i}: {type(v).__name__} {quote(v)}"
             )
         if name == "extras":
-            try:
-                parsed = json.loads(v)
-            except ValueError as e:
-                raise ProtocolError(
-                    INFER,
-                    name,
-                    "a JSON object in every row ('{}' for none)",
-                    f"row {i}: invalid JSON ({e}): {_short(v)}",
-                ) from None
-            if not isinstance(parsed, dict):
-                raise ProtocolError(
-                    INFER,
-                    name,
-                    "a JSON object in every row (the sample's extra data-set columns; '{}' for none)",
-                    f"row {i}: a JSON {type(parsed).__name__}: {_short(v)}",
-                )
+            columns.update(_parse_extras(i, v, limits))
         out.append(str(v))
+    if limits is not None and len(columns) > limits.max_extras_keys:
+        raise ProtocolError(
+            INFER,
+            name,
+            f"at most {limits.max_extras_keys} columns (distinct keys) over the request's rows, each a "
+            "keyword argument of the reward function (the server's limits.max_extras_keys)",
+            f"{len(columns)} columns",
+        )
     return out
 
 
@@ -163,6 +288,7 @@ def validate_infer(
     response_text: Any = None,
     extras: Any = None,
     require: Mapping[str, str] | None = None,
+    input_limits: InputLimits | None = None,
 ) -> InferRequest:
     """Check a critic_infer request and return it typed (lengths as ``[b]``).
 
@@ -172,6 +298,8 @@ def validate_infer(
         prompt_lengths: ``[b]`` or ``[b, 1]`` int64.
         prompt_text, response_text, extras: the optional inputs (:func:`validate_texts`), or None.
         require: optional inputs the server needs -> why (a request without one is refused).
+        input_limits: how large the text inputs may be (:class:`InputLimits`; the server passes
+            its own); None checks no sizes.
 
     Raises:
         ProtocolError: naming the first field that breaks the contract.
@@ -199,7 +327,7 @@ def validate_infer(
                 f"the input {name!r} (BYTES [{b}, 1], one string per sample): {why}",
                 "a request without it",
             )
-    texts = {k: None if v is None else validate_texts(k, v, b) for k, v in given.items()}
+    texts = {k: None if v is None else validate_texts(k, v, b, input_limits) for k, v in given.items()}
     return InferRequest(
         tokens, lengths, prompt_lengths, texts["prompt_text"], texts["response_text"], texts["extras"]
     )

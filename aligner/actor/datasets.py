@@ -528,14 +528,17 @@ def _extras_json(row: dict[str, Any], columns: list[str], where: str, errors: li
     obj = {c: row[c] for c in columns}
     try:
         return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         pass
     for c in columns:
         try:
             json.dumps(row[c], allow_nan=False)
-        except (TypeError, ValueError) as ex:
+        except (TypeError, ValueError, RecursionError) as ex:
             value = row[c]
-            reason = "JSON has no NaN or infinity" if _non_finite(value) else str(ex)
+            if isinstance(ex, RecursionError):
+                reason = "nested deeper than JSON can be written here"
+            else:
+                reason = "JSON has no NaN or infinity" if _non_finite(value) else str(ex)
             errors.append(
                 f"{where}: extra column {c!r} holds {_short(value)} ({type(value).__name__}), which is not "
                 f"JSON-serialisable ({reason}): leave it out of data.extra_columns"
@@ -549,5 +552,8 @@ def _non_finite(value: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deep to show"
     return text if len(text) <= 80 else text[:77] + "..."

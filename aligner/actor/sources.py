@@ -83,6 +83,9 @@ class JsonlRows:
                 except json.JSONDecodeError as ex:
                     self.errors.append(f"{name}:{i}: not valid JSON ({ex.msg})")
                     obj = None
+                except RecursionError:
+                    self.errors.append(f"{name}:{i}: JSON nested deeper than this reader can follow")
+                    obj = None
                 else:
                     if not isinstance(obj, dict):
                         self.errors.append(

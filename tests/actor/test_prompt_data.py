@@ -362,6 +362,10 @@ def test_bad_jsonl_lines_keep_their_line_numbers(tmp_path, plain_tok):
     msg = str(e.value)
     assert "data.prompt_file=" in msg and "p.jsonl:2: not valid JSON" in msg
     assert "p.jsonl:4: expected a JSON object (one row per line), got [1, 2]" in msg
+    deep = '{"prompt": "say hi", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    path.write_text('{"prompt": "say hi"}\n' + deep + "\n")
+    with pytest.raises(ConfigError, match="p.jsonl:2: JSON nested deeper than this reader can follow"):
+        training_prompt_set(DataConfig(prompt_file=str(path)), plain_tok, 10)
     path.write_text('{"prompt": "say hi"}\n{"prompt": "say zz x"}\n')
     with pytest.raises(ConfigError, match="p.jsonl:2: character 'z'"):
         load_prompt_set(str(path), CharTokenizer("sayhi "), 10)

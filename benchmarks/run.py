@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-.venv/bin/python benchmarks/run.py [actor|critic|generation|balance|estimators|vs_trl ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation|attention|balance|estimators|vs_trl ...]
 
 ``vs_trl`` (benchmarks/bench_vs_trl.py) runs TRL's PPOTrainer beside our system when trl is
 installed (``pip install -e '.[bench]'``; ``make bench`` does it), else our side alone.
@@ -18,6 +18,7 @@ BENCHES = {
     "actor": ["bench_actor.py"],
     "critic": ["bench_critic.py"],
     "generation": ["bench_generation.py"],
+    "attention": ["bench_attention.py"],
     "balance": ["bench_balance.py"],
     "estimators": ["bench_estimators.py"],
     "vs_trl": ["bench_vs_trl.py"],

@@ -6,7 +6,7 @@ checkpoint folder through its ``meta.json``. The ``model.*`` keys are then overr
 against the folder:
 
 - the keys that do not change the weights (dropouts, the init std, Megatron's vocabulary padding
-  multiple) are applied;
+  multiple, activation recompute) are applied;
 - ``model.max_seq_len`` may shorten a rope model's context (never lengthen it), and must equal a
   learned position table's size;
 - every other key must equal the folder's value: a different one is refused, naming the key, both
@@ -29,7 +29,7 @@ from typing import Any
 from aligner.actor.config import ActorConfig
 from aligner.config_checks import ConfigError
 from aligner.models.checkpoint_io import read_checkpoint_meta
-from aligner.models.config import ModelConfig
+from aligner.models.config import RUNTIME_KEYS, ModelConfig
 from aligner.models.hf_config import model_config_from_hf
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 TUNABLE_KEYS = frozenset(
-    {"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"}
+    {"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by", *RUNTIME_KEYS}
 )
 """``model.*`` keys applied on top of a folder's architecture: they do not change the weights."""
 

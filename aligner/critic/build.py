@@ -294,7 +294,8 @@ def _init_source(
 
 
 def _critic_config(cfg: CriticServerConfig, init_source: str, rm_cfg: ModelConfig | None) -> ModelConfig:
-    """The critic's architecture: the reward model's or the policy's when it starts from one.
+    """The critic's architecture: the reward model's or the policy's when it starts from one,
+    with the ``model`` section's settings that are no part of an architecture (``recompute``).
     In reward-only mode no critic is built; this is then the shape the limits come from (the
     reward model's, else the ``model`` section's ``max_seq_len``)."""
     if init_source == "none":
@@ -307,9 +308,9 @@ def _critic_config(cfg: CriticServerConfig, init_source: str, rm_cfg: ModelConfi
                 "architecture; model.* settings that differ are ignored: %s",
                 "; ".join(diff),
             )
-        return rm_cfg
+        return rm_cfg.with_runtime_of(cfg.model)
     if init_source == "policy":
-        return policy_init_config(cfg.init.policy_path)
+        return policy_init_config(cfg.init.policy_path).with_runtime_of(cfg.model)
     return cfg.model
 
 

@@ -13,25 +13,29 @@ speed of HF ``generate``. This module runs the same arithmetic in the fewest ops
   about 2x MKL there; norms are called as the functions the torch norm modules wrap (no
   module-call machinery per step);
 - RoPE on the new positions only (the cache holds rotated keys);
-- a cache laid out for the attention matmuls: keys and values ``[b, groups, capacity, d]``,
-  contiguous (a strided slice of a longer buffer costs a batched matmul a copy or a slow path
-  on a CPU), the capacity growing in chunks as the sequence does with the unfilled tail
-  masked out; in a decode step the ``r`` query heads of a group share one matmul;
+- attention by ``scaled_dot_product_attention`` (:mod:`aligner.models.attention`: flash or
+  memory-efficient kernels, no ``[b, heads, s, s]`` scores kept): the prefill causal with
+  grouped-query attention read group by group, a decode step with the ``r`` query heads of a
+  group as the rows of one query against that group's cached keys (no keys or values repeated);
+- a cache of keys and values ``[b, groups, capacity, d]``, contiguous, the capacity growing in
+  chunks as the sequence does; a decode step attends over the filled part (a slice; with
+  fixed shapes, the whole capacity under a length mask);
 - the cache storage is allocated once and kept across calls on a CPU (a fresh multi-megabyte
   buffer per call costs page faults there); on a GPU it is freed after each call (the
   caching allocator makes reallocation cheap, and the memory is the training step's);
-- Megatron's rounding order (scaled ``baddbmm``, fp32 softmax, ``t*cos + rot(t)*sin``), so
-  bf16 log-probs equal those of the training forward;
+- Megatron's order of rounding outside attention (``t*cos + rot(t)*sin``), and the same
+  attention kernels as the fused training forward (:mod:`aligner.models.fused`), so log-probs
+  equal the training forward's to the kernels' round-off;
 - the TP collectives Megatron issues, over the group of the weights' layout: the
   vocabulary-parallel embedding's all-reduce, an all-reduce after each row-parallel
   projection, an all-gather of the logits.
 
-Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the capacity
-reached so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static` keeps
-every shape fixed (the position is a tensor, attention runs over the whole cache under a
-mask), which is what a CUDA graph can capture and replay (:class:`CudaGraphDecodeStep`) and
-what ``torch.compile`` turns into one set of fused kernels for every position
-(:class:`CompiledDecodeStep`).
+Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the
+positions filled so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static`
+keeps every shape fixed (the position is a tensor, attention runs over the whole capacity under
+a mask built on the device), which is what a CUDA graph can capture and replay
+(:class:`CudaGraphDecodeStep`) and what ``torch.compile`` turns into one set of fused kernels
+for every position (:class:`CompiledDecodeStep`, with attention as products and sums).
 
 Only architectures that :func:`aligner.models.local_spec.unsupported_reason` accepts take
 this path (the local layer spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm,
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aligner.generation.weights import ModuleWeights, OwnedWeights
+from aligner.models.attention import causal_attention, grouped_attention, heads_last
 from aligner.models.rope import apply_rope, rotary_tables
 
 __all__ = [
@@ -116,13 +121,12 @@ class LeanDecoder:
     :meth:`decode_static`) one position at a time, :meth:`end` (unbinds; frees the cache
     unless it is kept).
 
-    The cache of a layer holds keys and values as ``[b, groups, capacity, d]``, contiguous, so
-    that a decode step's attention matmuls read it as plain batched matrices (a strided slice
-    of a longer buffer costs batched matmuls a copy, or a slow path, on a CPU). ``capacity``
-    grows in steps of ``chunk`` positions as the sequence does (re-laid out into the other half
-    of a double buffer, a fraction of a step's reading every ``chunk`` steps); the unfilled
-    tail is masked out. :meth:`decode_static` attends over the whole capacity reserved so far
-    (all of ``max_len`` unless told otherwise).
+    The cache of a layer holds keys and values as ``[b, groups, capacity, d]``, contiguous.
+    ``capacity`` grows in steps of ``chunk`` positions as the sequence does (re-laid out into
+    the other half of a double buffer, a fraction of a step's reading every ``chunk`` steps).
+    :meth:`decode` attends over the filled positions; :meth:`decode_static` over the whole
+    capacity reserved so far (all of ``max_len`` unless told otherwise), the unfilled tail
+    masked out.
 
     Args:
         source: where the weights come from: a whole ``GPTModel`` (its own parameters, see
@@ -192,7 +196,6 @@ class LeanDecoder:
         self.linear = _onednn_linear if use_onednn else F.linear
         self.groups, self.heads, self.d = w.groups, w.heads, w.d
         self.r = self.heads // self.groups
-        self._zero = torch.zeros((), dtype=dtype, device=dev)  # baddbmm input (beta=0)
         self.layers = []
         for lw in w.layers:
             L = _Layer()
@@ -207,9 +210,10 @@ class LeanDecoder:
         self.batch, self.max_len, self.capacity = batch, max_len, 0
         self._allocate(batch * self.groups * max_len * self.d)
         T = max_len
-        self._t_index = torch.arange(T, device=dev)  # decode_static's mask
-        # _neg[T - end : T - end + c] is 0 at positions < end and -inf at positions >= end.
-        self._neg = torch.cat([torch.zeros(T, device=dev), torch.full((T,), float("-inf"), device=dev)])
+        # decode_static's mask: 0 at the positions up to the current one, -inf after.
+        self._t_index = torch.arange(T, device=dev)
+        self._open = torch.zeros((), dtype=dtype, device=dev)
+        self._shut = torch.full((), float("-inf"), dtype=dtype, device=dev)
         if self.rope:
             self.cos, self.sin = rotary_tables(w.rotary, T, self.d, dtype, dev)
         else:
@@ -228,8 +232,8 @@ class LeanDecoder:
     def _buffer(self, layer: int, kv: int, half: int) -> torch.Tensor:
         buf = self._store[layer][kv][half]
         if buf is None:
-            # Zeros, not empty: masked positions are multiplied by probability 0, which must not
-            # meet a NaN bit pattern.
+            # Zeros, not empty: masked positions are multiplied by probability 0 (decode_static),
+            # which must not meet a NaN bit pattern.
             buf = torch.zeros(self._store_key[1], dtype=self.dtype, device=self.device)
             self._store[layer][kv][half] = buf
         return buf
@@ -289,37 +293,18 @@ class LeanDecoder:
             return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         return F.embedding(tokens, self.w_emb)
 
-    def _attention(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``q`` [B, m, d], ``keys`` [B, t, d], ``values`` [B, t, d] -> [B, m, d], as Megatron's
-        DotProductAttention computes it: ``baddbmm(alpha=scale)`` in the model dtype, an fp32
-        softmax, ``bmm``. ``mask`` (added to the fp32 scores; 0 or -inf) is broadcastable to
-        [B, m, t], or None."""
-        scores = torch.baddbmm(self._zero, q, keys.transpose(1, 2), beta=0.0, alpha=scale)
-        if mask is not None:
-            scores = scores.float() + mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        return torch.bmm(probs, values)
-
     @staticmethod
     def _attention_reduced(
         q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor
     ) -> torch.Tensor:
-        """:meth:`_attention` written as products and sums (fp32 accumulation, rounded where
-        the matmuls round: scores and output to the model dtype, probabilities too). Eagerly it
-        materialises ``[B, m, t, d]`` products; compiled, each sum is one fused loop reading
-        the cache once, which for a decode step's few query rows beats many tiny batched
-        matmuls."""
-        dt = values.dtype
-        scores = (q.float().unsqueeze(2) * keys.float().unsqueeze(1)).sum(-1) * scale  # [B, m, t]
-        probs = torch.softmax(scores.to(dt).float() + mask, dim=-1).to(dt)
-        return (probs.float().unsqueeze(-1) * values.float().unsqueeze(1)).sum(2).to(dt)
+        """:func:`~aligner.models.attention.grouped_attention` (``q`` ``[b, g, m, d]``, ``keys``,
+        ``values`` ``[b, g, t, d]``, ``mask`` ``[t]`` added to the scores) written as products
+        and sums, accumulated in fp32 as the attention kernels do. Eagerly it materialises
+        ``[b, g, m, t, d]`` products; compiled, each sum is one fused loop reading the cache
+        once, which for a decode step's few query rows beats many tiny batched matmuls."""
+        scores = (q.float().unsqueeze(3) * keys.float().unsqueeze(2)).sum(-1) * scale  # [b, g, m, t]
+        probs = torch.softmax(scores + mask.float(), dim=-1)
+        return (probs.unsqueeze(-1) * values.float().unsqueeze(2)).sum(3).to(values.dtype)
 
     def _queries_keys(self, qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
         """``qkv`` [b, n, g, r+2, d] -> the queries and key of each group [b, n, g, r+1, d],
@@ -373,7 +358,6 @@ class LeanDecoder:
             x = x + self.pos_weight[:n]
         cos = self.cos[:, :n] if self.rope else None
         sin = self.sin[:, :n] if self.rope else None
-        causal = torch.full((n, n), float("-inf"), device=tokens.device).triu_(1)
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = self._queries_keys(qkv, L)  # queries and key of each group
@@ -383,12 +367,8 @@ class LeanDecoder:
             L.k[:, :, :n].copy_(k)
             L.v[:, :, :n].copy_(v)
             # Causal attention over [0, n) from the fresh keys/values, heads ordered (group, r).
-            h = g * r
-            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, n, d)
-            keys = k.unsqueeze(2).expand(b, g, r, n, d).reshape(b * h, n, d)
-            values = v.unsqueeze(2).expand(b, g, r, n, d).reshape(b * h, n, d)
-            ctx = self._attention(q, keys, values, L.scale, causal)
-            return ctx.view(b, h, n, d).permute(0, 2, 1, 3).reshape(b, n, h * d)
+            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b, g * r, n, d)
+            return heads_last(causal_attention(q, k, v, L.scale), g * r)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
 
@@ -399,8 +379,6 @@ class LeanDecoder:
         g, r, d = self.groups, self.r, self.d
         end = start + 1
         self.reserve(end)
-        c, T = self.capacity, self.max_len
-        mask = self._neg[T - end : T - end + c] if end < c else None
         x = self._embed(tokens)
         if not self.rope:
             x = x + self.pos_weight[start:end]
@@ -414,10 +392,11 @@ class LeanDecoder:
             L.k[:, :, start].copy_(qk[:, 0, :, r])
             L.v[:, :, start].copy_(qkv[:, 0, :, r + 1])
             # One query position: the r query heads of a group attend to the same cached keys,
-            # so they ride in the matmul's row dimension (grouped-query for free).
-            q = qk[:, 0, :, :r].reshape(b * g, r, d)
-            ctx = self._attention(q, L.k.view(b * g, c, d), L.v.view(b * g, c, d), L.scale, mask)
-            return ctx.view(b, 1, g * r * d)
+            # so they are the rows of one query per group (grouped-query for free), over the
+            # filled positions [0, end).
+            q = qk[:, 0, :, :r]  # [b, g, r, d]
+            ctx = grouped_attention(q, L.k[:, :, :end], L.v[:, :, :end], L.scale)
+            return ctx.reshape(b, 1, g * r * d)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
 
@@ -441,7 +420,7 @@ class LeanDecoder:
             x = x + self.pos_weight.index_select(0, pos)
         cos = self.cos.index_select(1, pos) if self.rope else None
         sin = self.sin.index_select(1, pos) if self.rope else None
-        mask = torch.where(self._t_index[:T] <= pos, self._neg[0], self._neg[-1])  # [T]: 0 / -inf
+        mask = torch.where(self._t_index[:T] <= pos, self._open, self._shut)  # [T]: 0 / -inf
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = self._queries_keys(qkv, L)
@@ -449,10 +428,12 @@ class LeanDecoder:
                 qk = apply_rope(qk, cos, sin)
             L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
             L.v.index_copy_(2, pos, qkv[:, :, :, r + 1].transpose(1, 2))
-            q = qk[:, 0, :, :r].reshape(b * g, r, d)
-            attention = self._attention_reduced if reduced else self._attention
-            ctx = attention(q, L.k.view(b * g, T, d), L.v.view(b * g, T, d), L.scale, mask)
-            return ctx.view(b, 1, g * r * d)
+            q = qk[:, 0, :, :r]  # [b, g, r, d]
+            if reduced:
+                ctx = self._attention_reduced(q, L.k, L.v, L.scale, mask)
+            else:
+                ctx = grouped_attention(q, L.k, L.v, L.scale, mask.view(1, 1, 1, T))
+            return ctx.reshape(b, 1, g * r * d)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
 

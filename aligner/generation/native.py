@@ -22,12 +22,11 @@ for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
 *Two forward backends* (the steppers of :mod:`aligner.generation.steppers`):
 
 - ``lean`` (default when the architecture allows): :class:`aligner.generation.decoder.LeanDecoder`,
-  the same arithmetic as Megatron's forward in the fewest ops (plain linears on the module's
-  weight tensors or the engine's own, RoPE on the new token only, a private cache laid out
-  for the attention matmuls and kept across calls on a CPU), with Megatron's rounding order
-  (bf16 log-probs equal the training forward's). On a GPU (TP=1) its decode step is captured
-  once per call in a CUDA graph and replayed for every position; on a CPU it can run compiled
-  (``decode_step``).
+  the same function as Megatron's forward in the fewest ops (plain linears on the module's
+  weight tensors or the engine's own, RoPE on the new token only, attention by SDPA over a
+  private cache kept across calls on a CPU), so log-probs equal the training forward's to
+  round-off. On a GPU (TP=1) its decode step is captured once per call in a CUDA graph and
+  replayed for every position; on a CPU it can run compiled (``decode_step``).
 - ``megatron``: ``GPTModel.forward`` with a ``StaticInferenceContext`` (sized exactly
   ``[T, b]``, one per call) and ``runtime_gather_output=True``; only the last position goes
   through the LM head (``materialize_only_last_token_logits``). It re-applies RoPE to the whole

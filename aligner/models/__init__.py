@@ -5,12 +5,14 @@ Modules, each importing only those listed before it:
 - :mod:`~aligner.models.config`: :class:`ModelConfig` and the package's errors;
 - :mod:`~aligner.models.rope`: RoPE (its frequencies, llama3-scaled or not, and its tables in
   Megatron's rounding);
+- :mod:`~aligner.models.attention`: attention by SDPA (causal, grouped-query, masked rows), for
+  the fused forward and the lean decoder;
 - :mod:`~aligner.models.gpt`: the builders of the three roles' models, their heads and configs;
 - :mod:`~aligner.models.lora`: LoRA adapters on a built model, their arithmetic and the merged
   weights;
 - :mod:`~aligner.models.local_spec`, :mod:`~aligner.models.fused`: which models a forward over
-  a model's own parameters (the fused one, and :mod:`aligner.generation.decoder`'s) reproduces
-  exactly, and the fused forward itself;
+  a model's own parameters (the fused one, and :mod:`aligner.generation.decoder`'s) reproduces,
+  and the fused forward itself;
 - :mod:`~aligner.models.forward`: the forwards (logits, values, scores), Megatron's or fused;
 - :mod:`~aligner.models.model_files`: safetensors written as a stream, the atomic output folder;
 - :mod:`~aligner.models.layout`: the canonical tensors, their TP/PP layout and the weight stream;

@@ -11,7 +11,7 @@ from typing import Any
 
 from aligner.config_checks import ConfigError
 
-__all__ = ["ModelConfig", "ConversionError", "FORWARD_MODES"]
+__all__ = ["ModelConfig", "ConversionError", "FORWARD_MODES", "RECOMPUTE", "RUNTIME_KEYS"]
 
 NORMS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh", "relu", "silu")
@@ -20,6 +20,10 @@ POSITIONS = ("rope", "learned_absolute")
 ROPE_SCALINGS = ("llama3",)
 #: How a model's full-sequence forwards run (``model_forward``; see ``aligner.models.fused``).
 FORWARD_MODES = ("auto", "fused", "compiled", "megatron")
+#: Activation recompute while training (``recompute``): none, or every transformer layer.
+RECOMPUTE = ("none", "full")
+#: Fields that say how the model computes, not what: never part of its architecture.
+RUNTIME_KEYS = ("recompute",)
 
 
 class ConversionError(ValueError):
@@ -82,6 +86,10 @@ class ModelConfig:
     """Dropout on attention probabilities; 0 for RL for the same reason."""
     make_vocab_size_divisible_by: int = 1
     """Pad the embedding rows to a multiple of this x TP size (Megatron's padded vocab)."""
+    recompute: str = "none"
+    """Activation recompute while training: 'none', or 'full' (each transformer layer keeps only
+    its input and runs again in the backward: the activations of one layer at a time instead of
+    all of them, for about one more forward of compute). The same gradients either way."""
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -139,6 +147,11 @@ class ModelConfig:
         if self.position_embedding == "rope" and self.head_dim % 2:
             what = "kv_channels" if self.kv_channels is not None else "hidden_size/num_attention_heads"
             e.append(f"head dim {self.head_dim} ({what}) must be even for rope")
+        if self.recompute not in RECOMPUTE:
+            e.append(
+                f"recompute={self.recompute!r}: expected one of {RECOMPUTE} "
+                "('full': every layer's activations recomputed in the backward)"
+            )
         if not isinstance(self.qk_layernorm, bool):
             e.append(f"qk_layernorm={self.qk_layernorm!r}: expected true or false")
         e.extend(self._rope_scaling_problems())
@@ -234,9 +247,15 @@ class ModelConfig:
             raise ConfigError(f"unknown model config keys {unknown}; expected a subset of {sorted(known)}")
         return cls(**d)
 
+    def with_runtime_of(self, other: ModelConfig) -> ModelConfig:
+        """This architecture with ``other``'s :data:`RUNTIME_KEYS` (how it computes): a model
+        that takes its architecture from a folder keeps the run's settings."""
+        return dataclasses.replace(self, **{k: getattr(other, k) for k in RUNTIME_KEYS})
+
     def architecture_diff(self, other: ModelConfig) -> list[str]:
         """Fields that differ in a way that changes the weights' shapes or meaning."""
         ignore = {"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"}
+        ignore.update(RUNTIME_KEYS)
         if self.rope_scaling is None and other.rope_scaling is None:
             # The scaling's parameters mean nothing without it.
             ignore |= {

@@ -4,28 +4,38 @@ Why: the training forward and backward, and the no-grad log-prob, value and scor
 are most of a PPO step. On a CPU, Megatron's local-spec modules spend a large share of that in
 small element-wise kernels and copies: the ``[s, b, h]`` layout and its transposes, separate
 RoPE passes for queries and keys with ``cat``-based half rotation, module-call and autograd
-``Function`` overhead per linear. With the matrix products already at the machine's peak
-(oneDNN, bf16), that overhead is what is left to remove. This module computes the same
-arithmetic, on the same parameter tensors (gradients land in ``param.grad`` as usual), in a
-batch-first layout with the fewest ops:
+``Function`` overhead per linear; on any device their attention keeps the ``[b, heads, s, s]``
+probabilities for the backward. This module computes the same function, on the same parameter
+tensors (gradients land in ``param.grad`` as usual), in a batch-first layout with the fewest
+ops:
 
-- ``eager``: plain torch ops; bit-identical logits to Megatron's forward (Megatron's rounding
-  order: scaled ``baddbmm``, fp32 softmax, ``t*cos + rotate_half(t)*sin`` in the model dtype),
-  and under tensor parallelism the same collectives, through Megatron's own autograd mappings
-  (``copy_to``/``reduce_from_tensor_model_parallel_region``, the vocabulary-parallel
-  embedding's masked lookup and all-reduce);
+- ``eager``: plain torch ops, attention by ``scaled_dot_product_attention``
+  (:mod:`aligner.models.attention`: flash or memory-efficient kernels, grouped-query attention
+  without repeated keys and values); Megatron's order of rounding everywhere else (RoPE as
+  ``t*cos + rotate_half(t)*sin`` in the model dtype), and under tensor parallelism the same
+  collectives, through Megatron's own autograd mappings (``copy_to``/
+  ``reduce_from_tensor_model_parallel_region``, the vocabulary-parallel embedding's masked
+  lookup and all-reduce);
 - ``compiled``: the same function under ``torch.compile(fullgraph=True)`` (TP=1): inductor
-  fuses the norms, RoPE, softmax, SwiGLU and residual adds, forward and backward. Compiling
-  takes seconds to tens of seconds per shape on a CPU (cached on disk between processes), so
-  it pays off in long runs, not in tests.
+  fuses the norms, RoPE, SwiGLU and residual adds, forward and backward. Compiling takes
+  seconds to tens of seconds per shape on a CPU (cached on disk between processes), so it pays
+  off in long runs, not in tests.
 
-Only models whose forward this reproduces exactly take this path (:func:`unsupported_reason`:
-the local layer spec ``aligner.models.gpt`` builds, no dropout, no activation recompute, no
-pipeline stages); anything else runs Megatron's forward. A model with LoRA adapters
-(:mod:`aligner.models.lora`) runs each adapter's low-rank path unmerged, with the arithmetic and
-the collectives of the module forward's hooks (no LoRA dropout: with it, Megatron's forward);
-``tests/models/test_lora.py`` checks it. ``tests/models/test_fused_forward.py`` compares logits, values,
-scores and every parameter's gradient with Megatron's, at TP=1 and TP=2.
+Outputs equal Megatron's to the attention kernels' round-off, not bit for bit (their scores
+are accumulated in another order, and kept in fp32 in a bf16 model); the tests state the gaps.
+
+Activation recompute (``model.recompute: full``, Megatron's ``recompute_granularity="full"``):
+each transformer layer runs under ``torch.utils.checkpoint`` (non-reentrant) when gradients are
+being recorded, keeping only its input; the backward runs the layer again. Gradients are the
+same as without, bit for bit (the same kernels on the same inputs).
+
+Only models whose forward this reproduces take this path (:func:`unsupported_reason`: the
+local layer spec ``aligner.models.gpt`` builds, no dropout, no pipeline stages); anything else
+runs Megatron's forward. A model with LoRA adapters (:mod:`aligner.models.lora`) runs each
+adapter's low-rank path unmerged, with the arithmetic and the collectives of the module
+forward's hooks (no LoRA dropout: with it, Megatron's forward); ``tests/models/test_lora.py``
+checks it. ``tests/models/test_fused_forward.py`` compares logits, values, scores and every
+parameter's gradient with Megatron's, at TP=1 and TP=2, with and without recompute.
 """
 
 from __future__ import annotations
@@ -37,8 +47,10 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from aligner.models import local_spec
+from aligner.models.attention import causal_attention, grouped_attention, heads_last, queries_by_group
 from aligner.models.config import FORWARD_MODES
 from aligner.models.lora import TARGETS as LORA_TARGETS
 from aligner.models.lora import column_delta, lora_config_of, row_delta
@@ -48,8 +60,8 @@ __all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forwa
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
-    """None when :class:`FusedForward` computes exactly what ``model``'s forward does (its
-    output and every gradient), else why not."""
+    """None when :class:`FusedForward` computes what ``model``'s forward does (its output and
+    every gradient, to the attention kernels' round-off), else why not."""
     reason = local_spec.unsupported_reason(model, heads=("lm", "value", "reward"))
     if reason is not None:
         return reason
@@ -59,8 +71,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
     cfg = model.config
     if cfg.hidden_dropout or cfg.attention_dropout:
         return f"dropout (hidden {cfg.hidden_dropout}, attention {cfg.attention_dropout})"
-    if getattr(cfg, "recompute_granularity", None):
-        return f"activation recompute ({cfg.recompute_granularity})"
+    if getattr(cfg, "recompute_granularity", None) not in (None, "full"):
+        return (
+            f"activation recompute {cfg.recompute_granularity!r} (the fused forward recomputes "
+            "whole layers: recompute_granularity 'full')"
+        )
     if getattr(model, "aligner_head", "lm") != "lm":
         head = model.output_layer
         if type(head).__name__ != "ScalarHead":
@@ -131,6 +146,9 @@ class _Spec:
         self.rope = model.position_embedding_type == "rope"
         self.head = getattr(model, "aligner_head", "lm")
         self.tp_size = tp_size
+        # Megatron's full recompute: every layer checkpointed (its method and layer count
+        # only trade memory for time the same way; per layer here).
+        self.recompute = getattr(cfg, "recompute_granularity", None) == "full"
         # LoRA (aligner.models.lora): None, or (the adapted targets in TARGETS order, alpha / r).
         lcfg = lora_config_of(model)
         self.lora = (
@@ -152,6 +170,7 @@ class _Spec:
             self.head,
             tp_size,
             self.lora,
+            self.recompute,
         )
 
 
@@ -187,138 +206,12 @@ def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
     return out
 
 
-# Bytes of one chunk's [rows, n, n] scores on a CPU: small enough to stay in a core's cache.
-_CHUNK_BYTES = 1 << 20
-
-
-def attention_rows_per_chunk(q: torch.Tensor) -> int:
-    """How many of ``q``'s ``B`` (batch x head) rows attention computes at once.
-
-    On a CPU the ``[B, n, n]`` scores of a long sequence are far larger than the cache (at 64
-    sequences x 8 heads x 208 positions, 44 MB in bf16) and every pass over them (the product,
-    the softmax, the product with the values; the same again backward) goes to memory:
-    computed ``_CHUNK_BYTES`` at a time, each chunk is made, used and dropped in cache.
-    Measured on one core at that size, a layer's attention took 30 ms instead of 32-48 ms
-    forward without gradients, and 62 ms instead of 69-73 ms forward and backward; at 64
-    positions it made no difference. Every row is computed by the same kernels on the same
-    operands either way, so the results are bit-identical to one chunk. At least one row per
-    thread; on other devices one chunk.
-    """
-    b, n = q.shape[0], q.shape[1]
-    if q.device.type != "cpu":
-        return max(b, 1)
-    rows = max(torch.get_num_threads(), _CHUNK_BYTES // max(1, n * n * q.element_size()))
-    return max(1, min(b, rows))
-
-
-@torch.library.custom_op("aligner::causal_attention", mutates_args=())
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, keep_probs: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention core: ``k``, ``v`` ``[B, n, d]`` (one row per batch x head), ``q``
-    ``[B, m, d]`` for the last ``m <= n`` positions, ``mask`` ``[m, n]`` (those rows of the
-    causal mask: 0 on and below the diagonal, -inf above, in the model dtype) -> (context
-    ``[B, m, d]``, probabilities ``[B, m, n]`` for the backward when ``keep_probs``, else an
-    empty tensor). A ``[B, m, n]`` mask gives each row its own (queries at other positions).
-
-    ``baddbmm(mask, q, k^T, alpha=scale)`` rounds ``scale * q k^T`` once, as Megatron's
-    ``baddbmm(beta=0)`` does, and adding 0 or -inf is exact; torch's softmax reads the scores
-    in the model dtype and accumulates in fp32, which is Megatron's fp32 softmax without the
-    fp32 copies. Rows are computed in chunks (:func:`attention_rows_per_chunk`). A custom op so
-    that ``torch.compile`` leaves these batched products and the softmax to their native
-    kernels (measured faster here than inductor's).
-
-    Measured slower on a CPU at 64-208 positions, head dim 32 (one thread, forward and
-    backward): skipping the masked upper half by query blocks of 16-64 (1.1-1.6x the time:
-    the blocks' products are too small), SDPA's flash kernel (2.4x forward, 8x with the
-    backward), and a plain C kernel that visits only the keys each row sees (2-3x: per-row
-    overheads; it would need tiles of several query rows to win).
-    """
-    b, n, _ = q.shape
-    out = q.new_empty(b, n, v.shape[-1])
-    probs = q.new_empty(b, n, k.shape[1]) if keep_probs else q.new_empty(0)
-    rows = attention_rows_per_chunk(q)
-    for i in range(0, b, rows):
-        sl = slice(i, i + rows)
-        m = mask[sl] if mask.dim() == 3 else mask
-        scores = torch.baddbmm(m, q[sl], k[sl].transpose(1, 2), beta=1.0, alpha=scale)
-        if keep_probs:
-            p = torch.ops.aten._softmax.out(scores, -1, False, out=probs[sl])
-        else:
-            p = torch.softmax(scores, dim=-1)
-        torch.bmm(p, v[sl], out=out[sl])
-    return out, probs
-
-
-@causal_attention.register_fake
-def _(q, k, v, mask, scale, keep_probs):
-    b, n, _ = q.shape
-    probs = q.new_empty(b, n, k.shape[1]) if keep_probs else q.new_empty(0)
-    return q.new_empty(b, n, v.shape[-1]), probs
-
-
-def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, _mask, scale, keep_probs = inputs
-    ctx.save_for_backward(q, k, v, output[1])
-    ctx.scale = scale
-    ctx.keep_probs = keep_probs
-    # The probabilities are an output only for the backward; no zero gradient is made for them.
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)
-
-
-@torch.library.custom_op("aligner::causal_attention_backward", mutates_args=())
-def causal_attention_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    probs: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`causal_attention`'s context for ``q``, ``k``, ``v`` (contiguous
-    ``[B, n, d]``), chunk by chunk as the forward. A custom op of its own, so that a compiled
-    backward calls it by name rather than tracing its loop into per-chunk copies.
-
-    Both ops' bodies run as they are at every call. What :func:`_attention_backward` does
-    around them is traced into a compiled backward and cached on disk under a key made from
-    the forward graph, which names the forward op but holds none of this code: a change there
-    needs a new op name, or a cached backward outlives it."""
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    rows = attention_rows_per_chunk(q)
-    for i in range(0, q.shape[0], rows):
-        sl = slice(i, i + rows)
-        p, g = probs[sl], grad_out[sl]
-        torch.bmm(p.transpose(1, 2), g, out=grad_v[sl])
-        grad_probs = torch.bmm(g, v[sl].transpose(1, 2))
-        grad_scores = torch._softmax_backward_data(grad_probs, p, -1, p.dtype)
-        torch.bmm(grad_scores, k[sl], out=grad_q[sl]).mul_(scale)
-        torch.bmm(grad_scores.transpose(1, 2), q[sl], out=grad_k[sl]).mul_(scale)
-    return grad_q, grad_k, grad_v
-
-
-@causal_attention_backward.register_fake
-def _(grad_out, q, k, v, probs, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _attention_backward(ctx, grad_out, _grad_probs):
-    q, k, v, probs = ctx.saved_tensors
-    if grad_out is None:
-        return None, None, None, None, None, None
-    if not ctx.keep_probs:
-        raise RuntimeError("causal_attention ran with keep_probs=False: it has no backward")
-    grad_q, grad_k, grad_v = causal_attention_backward(grad_out.contiguous(), q, k, v, probs, ctx.scale)
-    return grad_q, grad_k, grad_v, None, None, None
-
-
-causal_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
-
-
 def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
-    """The pure forward for one architecture: ``(tokens, cos, sin, mask, *params) -> output``
-    at positions ``start..n-1``; with ``rows``, ``(tokens, cos, sin, mask, idx, *params) ->
-    [b, 1, ...]``, the output at position ``idx[i]`` of each sequence ``i``."""
+    """The pure forward for one architecture: ``(tokens, cos, sin, allowed, *params) -> output``
+    at positions ``start..n-1``; with ``rows``, ``(tokens, cos, sin, allowed, idx, *params) ->
+    [b, 1, ...]``, the output at position ``idx[i]`` of each sequence ``i``. ``allowed``: the
+    causal mask ``[n, n]``, True on and below the diagonal (read only where queries start
+    past position 0)."""
     g, h, d = spec.groups, spec.heads, spec.d
     r = h // g
     tp = spec.tp_size
@@ -376,64 +269,70 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
         x = F.embedding((tokens - start).masked_fill(outside, 0), we)
         return reduce_from(x.masked_fill(outside.unsqueeze(-1), 0.0))
 
-    def forward(tokens, cos, sin, mask, *p):
-        b, n = tokens.shape
+    n_lora = 2 * len(lora_targets)
+
+    def layer(x, cos, sin, allowed, idx, lp, last):
+        """One transformer layer on ``x`` ``[b, n, hidden]``; ``lp``: its 16 tensors, then each
+        adapted linear's (A, B). The last layer's keys and values are needed at every position,
+        everything else (queries, attention output, MLP, head) only from ``start`` on, or (with
+        ``rows``) at position ``idx[i]`` of each sequence."""
+        n1w, n1b, wqkv, bqkv, wproj, bproj, qw, qb, kw, kb, n2w, n2b, w1, b1, w2, b2 = lp[:16]
+        ab = dict(zip(lora_targets, zip(lp[16::2], lp[17::2])))  # LoRA: target -> (A, B)
+        b, n = x.shape[:2]
+        qkv = col(norm(x, n1w, n1b), wqkv, bqkv, ab.get("linear_qkv")).view(b, n, g, r + 2, d)
+        if spec.qk_norm is None:
+            qk = qkv[:, :, :, : r + 1]
+        else:  # each query and key head normalised on its own, before RoPE
+            qn = head_norm(qkv[:, :, :, :r], qw, qb, spec.qk_norm[0])
+            kn = head_norm(qkv[:, :, :, r : r + 1], kw, kb, spec.qk_norm[1])
+            qk = torch.cat([qn, kn], dim=3)
+        if spec.rope:
+            qk = apply_rope(qk, cos, sin)
+        k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
+        v = qkv[:, :, :, r + 1].transpose(1, 2)
+        if rows and last:  # one query per sequence, under its own row of the causal mask
+            at = torch.arange(b, device=x.device)
+            q = queries_by_group(qk[at, idx, :, :r].unsqueeze(1))  # [b, g, r, d]
+            ctx = grouped_attention(q, k, v, spec.scale, allowed[idx].view(b, 1, 1, n))
+            x = x[at, idx].unsqueeze(1)
+        elif last and start:  # queries at start..n-1: those rows of the mask, for each head
+            q = queries_by_group(qk[:, start:, :, :r])  # [b, g, r * (n - start), d]
+            ctx = grouped_attention(q, k, v, spec.scale, allowed[start:].repeat(r, 1))
+            x = x[:, start:]
+        else:
+            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b, h, n, d)
+            ctx = causal_attention(q, k, v, spec.scale)
+        x = x + row(heads_last(ctx, h), wproj, bproj, ab.get("linear_proj"))
+        f = col(norm(x, n2w, n2b), w1, b1, ab.get("linear_fc1"), late_bias=True)
+        if spec.gated:
+            a, u = f.chunk(2, dim=-1)
+            f = spec.act(a) * u
+        else:
+            f = spec.act(f)
+        return x + row(f, w2, b2, ab.get("linear_fc2"))
+
+    def forward(tokens, cos, sin, allowed, *p):
+        n = tokens.shape[1]
+        idx = None
         if rows:
             idx, p = p[0], p[1:]
-            at = torch.arange(b, device=tokens.device)
         x = embed(tokens, p[0])
         if not spec.rope:
             x = x + p[1][:n]
+        # Recompute: only the layers' inputs are kept, each layer runs again in the backward.
+        # No RNG state to restore: nothing on this path draws random numbers (no dropout).
+        recompute = spec.recompute and torch.is_grad_enabled()
         i = 2
-        for layer in range(spec.layers):
-            n1w, n1b, wqkv, bqkv, wproj, bproj, qw, qb, kw, kb, n2w, n2b, w1, b1, w2, b2 = p[i : i + 16]
-            i += 16
-            ab = {}  # LoRA: target -> (A, B)
-            for target in lora_targets:
-                ab[target] = (p[i], p[i + 1])
-                i += 2
-            # The last layer's keys and values are needed at every position, everything else
-            # (queries, attention output, MLP, head) only from ``start`` on.
-            last = layer == spec.layers - 1
-            s0 = start if last else 0
-            m = n - s0
-            qkv = col(norm(x, n1w, n1b), wqkv, bqkv, ab.get("linear_qkv")).view(b, n, g, r + 2, d)
-            if spec.qk_norm is None:
-                qk = qkv[:, :, :, : r + 1]
-            else:  # each query and key head normalised on its own, before RoPE
-                qn = head_norm(qkv[:, :, :, :r], qw, qb, spec.qk_norm[0])
-                kn = head_norm(qkv[:, :, :, r : r + 1], kw, kb, spec.qk_norm[1])
-                qk = torch.cat([qn, kn], dim=3)
-            if spec.rope:
-                qk = apply_rope(qk, cos, sin)
-            if rows and last:  # one query per sequence, each under its own row of the mask
-                q = qk[at, idx, :, :r].reshape(b * h, 1, d)
-                qmask = mask[idx].unsqueeze(1).expand(b, h, n).reshape(b * h, 1, n)
+        for index in range(spec.layers):
+            lp = p[i : i + 16 + n_lora]
+            i += 16 + n_lora
+            last = index == spec.layers - 1
+            if recompute:
+                x = checkpoint(
+                    layer, x, cos, sin, allowed, idx, lp, last, use_reentrant=False, preserve_rng_state=False
+                )
             else:
-                q = qk[:, s0:, :, :r].permute(0, 2, 3, 1, 4).reshape(b * h, m, d)
-                qmask = mask[s0:]
-            k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
-            v = qkv[:, :, :, r + 1].transpose(1, 2)
-            if r > 1:
-                k = k.unsqueeze(2).expand(b, g, r, n, d)
-                v = v.unsqueeze(2).expand(b, g, r, n, d)
-            k = k.reshape(b * h, n, d)
-            v = v.reshape(b * h, n, d)
-            keep = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            ctx = causal_attention(q, k, v, qmask, spec.scale, keep)[0]
-            ctx = ctx.view(b, h, q.shape[1], d).transpose(1, 2).reshape(b, q.shape[1], h * d)
-            if rows and last:
-                x = x[at, idx].unsqueeze(1)
-            elif s0:
-                x = x[:, s0:]
-            x = x + row(ctx, wproj, bproj, ab.get("linear_proj"))
-            f = col(norm(x, n2w, n2b), w1, b1, ab.get("linear_fc1"), late_bias=True)
-            if spec.gated:
-                a, u = f.chunk(2, dim=-1)
-                f = spec.act(a) * u
-            else:
-                f = spec.act(f)
-            x = x + row(f, w2, b2, ab.get("linear_fc2"))
+                x = layer(x, cos, sin, allowed, idx, lp, last)
         x = norm(x, p[i], p[i + 1])
         w, bias = p[i + 2], p[i + 3]
         if spec.head == "lm":
@@ -518,16 +417,17 @@ class FusedForward:
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _tables_for(self, n: int, dtype: torch.dtype, device: torch.device):
-        """(cos, sin with its first half negated, causal mask) for ``n`` positions, cached."""
+        """(cos, sin with its first half negated, the causal mask ``allowed``) for ``n``
+        positions, cached."""
         key = (n, dtype, device)
         t = self._tables.get(key)
         if t is None:
-            mask = torch.full((n, n), float("-inf"), dtype=dtype, device=device).triu_(1)
+            allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
             if self.spec.rope:
                 cos, sin = rope_tables(self.model, n, self.spec.d, dtype, device)
             else:
-                cos = sin = mask.new_zeros(())
-            t = (cos, sin, mask)
+                cos = sin = torch.zeros((), dtype=dtype, device=device)
+            t = (cos, sin, allowed)
             self._tables = {key: t}  # one length at a time is the common case
         return t
 
@@ -544,13 +444,13 @@ class FusedForward:
         n = tokens.shape[1]
         if not 0 <= start < n:
             raise ValueError(f"start={start}: expected 0 <= start < {n} (the sequence length)")
-        params, cos, sin, mask = self._inputs(n)
+        params, cos, sin, allowed = self._inputs(n)
         fn = self._fns.get(start)
         if fn is None:
             fn = _compiled_fn(self.spec, start) if self.compiled else (start, _forward_fn(self.spec, start))
             self._fns[start] = fn
         taken, fn = fn
-        out = fn(tokens, cos, sin, mask, *params)
+        out = fn(tokens, cos, sin, allowed, *params)
         return out[:, start - taken :] if start != taken else out
 
     def at(self, tokens: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -562,9 +462,9 @@ class FusedForward:
             raise ValueError(f"idx has shape {tuple(idx.shape)}: expected ({b},), one position per sequence")
         if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < n):
             raise ValueError(f"idx must lie in [0, {n}) (the sequence length), got {idx.tolist()}")
-        params, cos, sin, mask = self._inputs(n)
+        params, cos, sin, allowed = self._inputs(n)
         if self._rows_fn is None:
             self._rows_fn = (
                 _compiled_rows_fn(self.spec) if self.compiled else _forward_fn(self.spec, rows=True)
             )
-        return self._rows_fn(tokens, cos, sin, mask, idx.to(tokens.device, torch.int64), *params)
+        return self._rows_fn(tokens, cos, sin, allowed, idx.to(tokens.device, torch.int64), *params)

@@ -98,10 +98,18 @@ def transformer_config(
     pipeline_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
 ):
-    """The Megatron ``TransformerConfig`` for ``cfg`` on a given TP x PP layout."""
+    """The Megatron ``TransformerConfig`` for ``cfg`` on a given TP x PP layout.
+
+    ``cfg.recompute == 'full'``: Megatron's full activation recompute, one layer per checkpoint
+    (``recompute_method='uniform'``, ``recompute_num_layers=1``); the fused forward
+    (:mod:`aligner.models.fused`) reads ``recompute_granularity`` and checkpoints every layer
+    likewise."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg.check_parallel(tensor_parallel_size, pipeline_parallel_size)
+    recompute = {}
+    if cfg.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -135,6 +143,7 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
+        **recompute,
     )
 
 
@@ -176,6 +185,8 @@ def _build(
     )
     if cfg.position_embedding == "rope":
         install_rope_frequencies(model, cfg)
+    if cfg.recompute != "none" and pre_process:
+        model.embedding.register_forward_hook(_output_requires_grad)
     if head != "lm" and post_process:
         model.output_layer = ScalarHead(cfg.hidden_size, dtype=params_dtype)
     if params_dtype != torch.float32:
@@ -188,6 +199,16 @@ def _build(
     model.aligner_head = head  # "lm", "value" or "reward"
     model.aligner_config = cfg
     return model
+
+
+def _output_requires_grad(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output marked as requiring grad while gradients are recorded. Megatron's
+    recompute checkpoints layers with a reentrant autograd ``Function``, whose outputs require
+    grad only when its tensor inputs do: with frozen embeddings (LoRA) the adapters in the
+    layers would get no gradient (HF's ``enable_input_require_grads`` does the same)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_()
+    return output
 
 
 def install_rope_frequencies(model: nn.Module, cfg: ModelConfig) -> None:

@@ -1,13 +1,14 @@
 """Which Megatron ``GPTModel`` instances a forward over the model's own parameters reproduces.
 
-Two forwards bypass Megatron's module forward and compute the same arithmetic directly on
-the model's parameter tensors: the lean KV-cache decoder (:mod:`aligner.generation.decoder`) and
-the fused full-sequence forward (:mod:`aligner.models.fused`). Both are exact only for the
-architecture :mod:`aligner.models.gpt` builds with Megatron's local layer spec (pre-norm,
-RMSNorm/LayerNorm, RoPE (plain or with scaled frequencies: the tables come from the model's
-own rotary embedding) or learned absolute positions, MHA/GQA/MQA, any head width, optional
-q/k norms per head, optional biases, gated or plain MLP, tied or untied head, TP without
-sequence parallelism); :func:`unsupported_reason` says whether a model is one, and if not,
+Two forwards bypass Megatron's module forward and compute the same function directly on the
+model's parameter tensors: the lean KV-cache decoder (:mod:`aligner.generation.decoder`) and
+the fused full-sequence forward (:mod:`aligner.models.fused`), with attention by SDPA
+(:mod:`aligner.models.attention`: Megatron's results to the kernels' round-off). Both apply
+only to the architecture :mod:`aligner.models.gpt` builds with Megatron's local layer spec
+(pre-norm, RMSNorm/LayerNorm, RoPE (plain or with scaled frequencies: the tables come from the
+model's own rotary embedding) or learned absolute positions, MHA/GQA/MQA, any head width,
+optional q/k norms per head, optional biases, gated or plain MLP, tied or untied head, TP
+without sequence parallelism); :func:`unsupported_reason` says whether a model is one, and if not,
 why. Anything else runs Megatron's own forward.
 """
 
@@ -48,7 +49,8 @@ def unsupported_reason(
     model: nn.Module, heads: tuple[str, ...] = ("lm",), *, stage: bool = False
 ) -> str | None:
     """None when a forward over ``model``'s own parameters (the lean decoder, the fused
-    forward) computes exactly what ``model``'s forward does, else why not. ``heads``: the heads
+    forward) computes what ``model``'s forward does (to the attention kernels' round-off),
+    else why not. ``heads``: the heads
     (``model.aligner_head``) accepted; the lean decoder needs an LM head, the trunk is the same
     for all (:mod:`aligner.models.fused` accepts value and reward heads). ``stage``: ``model``
     may be one pipeline stage, and what it holds is checked as a part of a whole model of the

@@ -200,7 +200,8 @@ def test_zero_b_gives_the_base_logits_exactly(arch):
 def test_forward_and_gradients_equal_the_merged_model(arch):
     """The adapted model's logits are the merged model's (W + s B A, merged by hand), and its
     adapters' gradients are the chain rule through the merge: dA = s B^T dW, dB = s dW A^T.
-    The fused forward's logits are Megatron's bit for bit, its gradients to round-off."""
+    The fused forward's logits and gradients are Megatron's to round-off (its attention is
+    SDPA: tests/models/test_fused_forward.py)."""
     model = _lora_model(arch)
     merged = _merged_model(model, arch)
     got = {}
@@ -213,7 +214,7 @@ def test_forward_and_gradients_equal_the_merged_model(arch):
             out.detach(),
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         )
-    assert torch.equal(got["fused"][0], got["megatron"][0])
+    torch.testing.assert_close(got["fused"][0], got["megatron"][0], atol=1e-5, rtol=0)
     out = forward.policy_logits(merged, TOKENS)
     _loss(out).backward()
     torch.testing.assert_close(got["megatron"][0], out.detach(), atol=1e-5, rtol=0)

@@ -42,6 +42,7 @@ def world():
         (dict(kv_channels=0), "kv_channels=0: expected a positive integer"),
         (dict(kv_channels=7), "head dim 7 (kv_channels) must be even for rope"),
         (dict(qk_layernorm="yes"), "qk_layernorm='yes': expected true or false"),
+        (dict(recompute="True"), "recompute='True': expected one of ('none', 'full')"),
         (dict(rope_scaling="yarn"), "rope_scaling='yarn': expected null or one of ('llama3',)"),
         (
             dict(rope_scaling="llama3", position_embedding="learned_absolute"),
@@ -99,6 +100,8 @@ def test_architecture_diff():
     assert a.architecture_diff(ModelConfig(**TINY, kv_channels=8)) == []
     assert a.architecture_diff(ModelConfig(**TINY, kv_channels=16)) == ["kv_channels: 8 != 16"]
     assert a.architecture_diff(ModelConfig(**TINY, qk_layernorm=True)) == ["qk_layernorm: False != True"]
+    # How the model computes is no part of its architecture.
+    assert a.architecture_diff(ModelConfig(**TINY, recompute="full")) == []
     # The llama3 scaling's parameters count only where a scaling is on.
     assert a.architecture_diff(ModelConfig(**TINY, rope_scaling_factor=4.0)) == []
     scaled = ModelConfig(**TINY, rope_scaling="llama3")
@@ -127,6 +130,29 @@ def test_new_fields_keep_old_configs_and_build_their_shapes():
     assert shapes[p + "q_layernorm.weight"] == shapes[p + "k_layernorm.weight"] == (16,)
 
 
+def test_recompute_reaches_megatron_and_both_configs():
+    """``recompute: full`` is Megatron's full recompute of one layer per checkpoint; both roles'
+    packaged YAMLs name the key (off); a model that takes its architecture from a folder keeps
+    the run's setting."""
+    on = gpt.transformer_config(ModelConfig(**TINY, recompute="full"))
+    assert (on.recompute_granularity, on.recompute_method, on.recompute_num_layers) == ("full", "uniform", 1)
+    off = gpt.transformer_config(ModelConfig(**TINY))
+    assert off.recompute_granularity is None and off.recompute_method is None
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    for role in ("actor", "critic"):
+        section = OmegaConf.to_container(
+            OmegaConf.load(str(files("aligner.configs").joinpath(f"{role}.yaml"))).model
+        )
+        assert section["recompute"] == "none", role
+        assert ModelConfig(**section).recompute == "none"
+    folder = ModelConfig(**{**TINY, "hidden_size": 64})
+    run = ModelConfig(**TINY, recompute="full")
+    assert folder.with_runtime_of(run) == ModelConfig(**{**TINY, "hidden_size": 64}, recompute="full")
+
+
 def test_padded_vocab():
     cfg = ModelConfig(**{**TINY, "vocab_size": 14, "make_vocab_size_divisible_by": 4})
     assert (
@@ -139,18 +165,20 @@ def test_swiglu_ffn_default():
     assert ModelConfig(**{**TINY, "activation": "gelu"}).ffn_size == 128
 
 
-def test_policy_shapes_and_dropout_off():
-    model = gpt.build_policy(ModelConfig(**TINY))
+def test_policy_shapes_and_dropout_off(device):
+    model = gpt.build_policy(ModelConfig(**TINY)).to(device)
     model.train()  # dropout is 0 by default: training-mode forwards are deterministic
-    tokens = torch.randint(0, 16, (3, 10))
+    tokens = torch.randint(0, 16, (3, 10), device=device)
     a, b = forward.policy_logits(model, tokens), forward.policy_logits(model, tokens)
     assert a.shape == (3, 10, 16)
     assert torch.equal(a, b)
 
 
-def test_policy_is_causal():
-    model = gpt.build_policy(ModelConfig(**TINY)).eval()
-    tokens = torch.randint(0, 16, (2, 10))
+@pytest.mark.parametrize("mode", ["megatron", "fused"])
+def test_policy_is_causal(mode, device):
+    model = gpt.build_policy(ModelConfig(**TINY)).eval().to(device)
+    forward.set_forward(model, mode)
+    tokens = torch.randint(0, 16, (2, 10), device=device)
     changed = tokens.clone()
     changed[:, 7:] = (changed[:, 7:] + 1) % 16
     with torch.no_grad():

@@ -67,9 +67,9 @@ def test_config_key_and_its_check():
 # -- shared by the runs --------------------------------------------------------------------------
 
 
-def _model_and_optimizer(precision: str, dp_group=None, sharded: bool = False):
+def _model_and_optimizer(precision: str, dp_group=None, sharded: bool = False, device: str = "cpu"):
     torch.manual_seed(0)
-    model = build_policy(TINY)  # fp32: make_optimizer keeps these values as the masters
+    model = build_policy(TINY).to(device)  # fp32: make_optimizer keeps these values as the masters
     opt = make_optimizer(
         model, lr=1e-2, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, precision=precision,
         dp_group=dp_group if sharded else None,
@@ -84,6 +84,7 @@ def _backward(model, step: int, rank: int) -> None:
     """One rank's micro-batch of ``step``: its gradient accumulates (fp32) in the optimizer."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, TINY.vocab_size, (2, 9), generator=gen)  # [b, s]
+    tokens = tokens.to(next(model.parameters()).device)
     logits = policy_logits(model, tokens)  # [b, s, v] fp32
     logits.logsumexp(-1).mean().backward()
 
@@ -146,13 +147,13 @@ def world1():
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_one_rank_equals_the_unsharded_optimizer(world1, precision, tmp_path):
+def test_one_rank_equals_the_unsharded_optimizer(world1, precision, tmp_path, device):
     runs = {}
     for sharded in (False, True):
-        model, opt = _model_and_optimizer(precision)
+        model, opt = _model_and_optimizer(precision, device=device)
         if sharded:
             torch.manual_seed(0)
-            model = build_policy(TINY)
+            model = build_policy(TINY).to(device)
             masters = [p.detach().clone() for p in model.parameters()]
             if precision == "bf16":
                 model.to(torch.bfloat16)

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,22 @@ __all__ = [
     "optimizer_to_safe",
     "optimizer_from_safe",
     "step_dir_name",
+    "parse_step_dir_name",
     "shard_file",
     "complete_steps",
     "prune_checkpoints",
+    "clean_leftovers",
     "CheckpointError",
     "COMPLETE_MARKER",
 ]
 
 COMPLETE_MARKER = "complete.json"
-_STEP_RE = re.compile(r"^step_(\d{8})$")
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp."
+"""Directories being written: ``.tmp.<name>.<random>`` (:func:`atomic_directory`), or a writer's
+own fixed ``.tmp.<name>`` (the actor's)."""
+OLD_PREFIX = ".old."
+"""The previous copy :func:`commit_directory` moves aside while it renames the new one in."""
 
 
 class CheckpointError(RuntimeError):
@@ -70,7 +77,7 @@ def atomic_directory(
     another tool's layout, such as a HF model folder)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp.{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent))
     try:
         yield tmp
         commit_directory(tmp, final, marker if mark_complete else None, mark_complete=mark_complete)
@@ -95,9 +102,15 @@ def commit_directory(
     _fsync_dir(tmp)
     if final.exists():
         # Move the old one aside first: os.replace cannot replace a non-empty directory.
-        old = final.parent / f".old.{final.name}.{os.getpid()}"
+        # A kill between the two renames leaves this as the only complete copy under the step:
+        # clean_leftovers renames it back at the next start.
+        old = final.parent / f"{OLD_PREFIX}{final.name}.{os.getpid()}"
         os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)  # the previous copy back under its name
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
@@ -308,7 +321,19 @@ def optimizer_from_safe(
 
 
 def step_dir_name(step: int) -> str:
+    """The folder of ``step``: ``step_`` and the step, zero-padded to 8 digits (longer steps
+    take as many as they need: ``step_123456789``)."""
     return f"step_{step:08d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a folder named by :func:`step_dir_name`, of any size; None for any other
+    name (another spelling of a step, such as ``step_000000001``, is not that step's folder)."""
+    m = _STEP_RE.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 def shard_file(
@@ -331,21 +356,24 @@ def shard_file(
     return f"{kind}{rank}{suffix}"
 
 
+def _step_dirs(root: Path) -> Iterator[tuple[int, Path]]:
+    """``(step, folder)`` of every folder under ``root`` named by :func:`step_dir_name`."""
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        step = parse_step_dir_name(child.name)
+        if step is not None and child.is_dir():
+            yield step, child
+
+
 def complete_steps(root: str | os.PathLike, role: str | None = None) -> list[int]:
     """Steps under ``root`` with a complete checkpoint (and, if ``role`` is given, whose
     ``role`` sub-directory is complete too), ascending."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        m = _STEP_RE.match(child.name)
-        if not m:
-            continue
-        d = child / role if role else child
-        if (d / COMPLETE_MARKER).is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(
+        step
+        for step, child in _step_dirs(Path(root))
+        if ((child / role if role else child) / COMPLETE_MARKER).is_file()
+    )
 
 
 def prune_checkpoints(
@@ -354,16 +382,18 @@ def prune_checkpoints(
     saved: int,
     keep_last: int,
     protect: set[int] | None = None,
+    *,
+    abandoned: Collection[int] = (),
 ) -> list[int]:
     """Remove ``role``'s sub-directories (``<root>/step_X/<role>``) right after step ``saved``
-    was completed: those beyond the newest ``keep_last`` up to ``saved`` (0 keeps all), and every
-    one *after* ``saved``, which belongs to a continuation the run abandoned when it resumed from
-    an earlier step (else a later resume would jump back to it). Never a protected step, never
-    an incomplete one, never another role's files; a step folder left empty goes too. Returns
-    the removed steps."""
+    was completed: those older than the newest ``keep_last`` up to ``saved`` (0 keeps all), and
+    those after ``saved`` that are ``abandoned``: the continuation a run gave up when it loaded
+    an earlier step (else a later resume would jump back to it). A step after ``saved`` that is
+    not ``abandoned`` is never removed, nor a protected step, an incomplete one or another
+    role's files; a step folder left empty goes too. Returns the removed steps."""
     protect = protect or set()
     steps = [s for s in complete_steps(root, role=role) if s not in protect]
-    doomed = [s for s in steps if s > saved]
+    doomed = [s for s in steps if s > saved and s in abandoned]
     current = [s for s in steps if s <= saved]
     if keep_last > 0:
         # keep_last counts the newest steps including protected ones
@@ -375,3 +405,49 @@ def prune_checkpoints(
         with contextlib.suppress(OSError):
             step_dir.rmdir()  # only when no other role's files are left
     return sorted(doomed)
+
+
+def clean_leftovers(root: str | os.PathLike, role: str) -> dict[str, list[str]]:
+    """Tidy ``role``'s leftovers of interrupted saves under every step folder of ``root`` (call at
+    start-up, before this role saves or loads; another role's files are never touched, as it may
+    be saving right now).
+
+    - ``.tmp.<role>`` and ``.tmp.<role>.*``, folders being written when the writer was killed: removed
+      (:func:`commit_directory` renames one into place only with its marker, after the previous
+      copy was moved aside, so one is never the step's only complete copy).
+    - ``.old.<role>.*``, the previous copy :func:`commit_directory` moves aside before it renames the
+      new one in: when ``<role>`` is missing (killed between the two renames) and it is complete,
+      it is that step's only committed copy and is renamed back (the new copy beside it, complete
+      as it may be, was never committed: its save never finished nor was answered, so it goes);
+      otherwise removed.
+
+    A step folder this leaves empty is removed. Returns the paths (relative to ``root``) ``"removed"``
+    and ``"recovered"``."""
+    root = Path(root)
+    out: dict[str, list[str]] = {"removed": [], "recovered": []}
+    tmp_name, tmp_prefix, old_prefix = f"{TMP_PREFIX}{role}", f"{TMP_PREFIX}{role}.", f"{OLD_PREFIX}{role}."
+    for _, step_dir in sorted(_step_dirs(root)):
+        final = step_dir / role
+        olds = sorted(
+            (p for p in step_dir.iterdir() if p.name.startswith(old_prefix) and p.is_dir()),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if not final.exists():
+            whole = [p for p in olds if (p / COMPLETE_MARKER).is_file()]
+            if whole:
+                os.replace(whole[-1], final)  # the newest complete copy
+                _fsync_dir(step_dir)
+                out["recovered"].append(str(final.relative_to(root)))
+                olds.remove(whole[-1])
+        tmps = [p for p in step_dir.iterdir() if p.name == tmp_name or p.name.startswith(tmp_prefix)]
+        for p in [*olds, *tmps]:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            out["removed"].append(str(p.relative_to(root)))
+        if olds or tmps:  # a folder this cleaning emptied (another one may be about to be filled)
+            with contextlib.suppress(OSError):
+                step_dir.rmdir()  # only when nothing is left in it
+    return out

@@ -3,26 +3,35 @@ configured), and a console line; and the step's timers (``timers/<part>``).
 
 Only the logging rank constructs an enabled logger; every other rank gets a disabled one, so
 who logs is decided in one place (the entry point).
+
+Writing metrics never fails the step they describe: a write that fails (a full disk, a
+permission, a dead TensorBoard writer) is dropped and counted (:class:`WriteFailures`), the first
+failure logged at once and later ones at most once a minute; the next rows are tried again, and
+a row cut short by a full disk costs that row alone (:class:`JsonlFile`, :func:`read_metrics`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
 import string
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 from aligner.config_checks import Problems
 
 __all__ = [
+    "JsonlFile",
     "MetricsLogger",
+    "WriteFailures",
     "Timers",
     "WandbConfig",
     "WandbMissingError",
@@ -41,6 +50,80 @@ SAMPLE_COLUMNS = ("prompt", "response", "score", "step")
 
 # The metrics shown on the console line and progress bar, in this order.
 CONSOLE_KEYS = ("objective/scores", "objective/kl", "policy/clipfrac", "loss/value", "timers/step")
+
+log = logging.getLogger("aligner.metrics")
+
+
+class WriteFailures:
+    """Metric writes that failed and were dropped (a full disk, a permission): counted, the first
+    logged at once, later ones at most once per ``every_s`` seconds with how many were dropped."""
+
+    def __init__(self, where: str, logger: logging.Logger | None = None, every_s: float = 60.0) -> None:
+        self.where = where
+        """What is written (a folder), for the log line."""
+        self.log = logger or log
+        self.every_s = every_s
+        self.count = 0
+        """Writes dropped since start-up."""
+        self._next_log = 0.0
+        self._unlogged = 0
+        self._lock = threading.Lock()  # a server's train and stats threads may both fail
+
+    def __call__(self, sink: str, err: BaseException) -> None:
+        """One write to ``sink`` failed with ``err``: count it, and log when it is time."""
+        with self._lock:
+            self.count += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now < self._next_log:
+                return
+            unlogged, self._unlogged, self._next_log = self._unlogged, 0, now + self.every_s
+        self.log.warning(
+            "cannot write metrics to %s in %s: %s: %s; the row is dropped and the run goes on "
+            "(%d write(s) dropped since the last such line, %d since start-up; said at most every %.0f s)",
+            sink,
+            self.where,
+            type(err).__name__,
+            err,
+            unlogged,
+            self.count,
+            self.every_s,
+        )
+
+    def guard(self, sink: str, fn: Any, *args: Any) -> bool:
+        """``fn(*args)``; False (counted and logged) when it raised."""
+        try:
+            fn(*args)
+        except Exception as e:
+            self(sink, e)
+            return False
+        return True
+
+
+class JsonlFile:
+    """An append-only JSONL file written a whole row per call with ``os.write``: no buffer keeps a
+    failed row to write later, and a row after one that failed (perhaps half written, on a full
+    disk) starts on a new line, so the cut row alone is lost (:func:`read_metrics` skips it)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._torn = False
+
+    def write(self, text: str) -> None:
+        """Append ``text`` (whole lines). Raises OSError when it could not all be written."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        view = memoryview((("\n" if self._torn else "") + text).encode())
+        self._torn = True  # until every byte is written
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._torn = False
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 class Timers:
@@ -174,9 +257,13 @@ class MetricsLogger:
         self.enabled = enabled and run_dir is not None
         self.run_dir = run_dir
         self.print_fn = print_fn
-        self._jsonl = None
-        self._samples = None
+        self.failures = WriteFailures(str(run_dir))
+        """Writes that failed and were dropped (``failures.count``)."""
+        self._jsonl: JsonlFile | None = None
+        self._samples: JsonlFile | None = None
         self._tb = None
+        self._tb_dir: str | None = None
+        self._tb_broken = False
         self._wandb: _WandbSink | None = None
         if not self.enabled:
             return
@@ -194,58 +281,83 @@ class MetricsLogger:
         if resume_step is not None:
             for path in (jsonl, samples):
                 _truncate_after(path, resume_step)
-        self._jsonl = open(jsonl, "a", buffering=1)
-        self._samples = open(samples, "a", buffering=1)
+        self._jsonl = JsonlFile(jsonl)
+        self._samples = JsonlFile(samples)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=purge)
+            self._tb_dir = os.path.join(run_dir, "tensorboard")
+            self._tb = SummaryWriter(log_dir=self._tb_dir, purge_step=purge)
+
+    @property
+    def dropped(self) -> int:
+        """Metric writes that failed and were dropped since start-up."""
+        return self.failures.count
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of ``metrics`` at ``step`` to every sink. Never raises for a sink that cannot
+        be written (:class:`WriteFailures`)."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items()}
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}, allow_nan=True) + "\n")
-        if self._tb is not None:
+        row = json.dumps({"step": step, "time": time.time(), **clean}, allow_nan=True) + "\n"
+        self.failures.guard("metrics.jsonl", self._jsonl.write, row)
+
+        def scalars(tb: Any) -> None:
             for k, v in clean.items():
                 if math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
+
+        self._to_tensorboard(scalars)
         if self._wandb is not None:
-            self._wandb.log(step, clean)
+            self.failures.guard("W&B", self._wandb.log, step, clean)
+
+    def _to_tensorboard(self, write: Any) -> None:
+        """``write(summary_writer)``; after a failure (its writer thread dies with the error) the
+        next call opens a new event file first, so TensorBoard resumes when the disk has room."""
+        if self._tb_broken and self._tb_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            old, self._tb = self._tb, None
+            with suppress(Exception):
+                old.close()
+            try:
+                self._tb = SummaryWriter(log_dir=self._tb_dir)
+                self._tb_broken = False
+            except Exception as e:
+                self.failures("tensorboard", e)
+                return
+        if self._tb is not None and not self.failures.guard("tensorboard", write, self._tb):
+            self._tb_broken = True
 
     def text(self, step: int, tag: str, text: str) -> None:
-        if self.enabled and self._tb is not None:
-            self._tb.add_text(tag, text, step)
+        if self.enabled:
+            self._to_tensorboard(lambda tb: tb.add_text(tag, text, step))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A small table of prompts, responses and scores: console, ``val_samples.jsonl`` and
         TensorBoard text (``val/samples``)."""
         if not self.enabled or not rows:
             return
-        for r in rows:
-            self._samples.write(json.dumps({"step": step, **r}) + "\n")
+        text = "".join(json.dumps({"step": step, **r}) + "\n" for r in rows)
+        self.failures.guard("val_samples.jsonl", self._samples.write, text)
         table = format_samples(rows)
         self.text(step, "val/samples", table)
         if self._wandb is not None:
-            self._wandb.samples(step, rows)
+            self.failures.guard("W&B", self._wandb.samples, step, rows)
         if self.print_fn is not None:
             self.print_fn(f"validation samples at step {step}:\n{table}")
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._samples is not None:
-            self._samples.close()
-            self._samples = None
-        if self._tb is not None:
-            self._tb.flush()
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.close()
-            self._wandb = None
+        """Close every sink (a sink that fails to flush is counted and logged, never raised)."""
+        for name in ("_jsonl", "_samples", "_tb", "_wandb"):
+            sink = getattr(self, name)
+            if sink is not None:
+                setattr(self, name, None)
+                if name == "_tb":
+                    self.failures.guard("tensorboard", sink.flush)
+                self.failures.guard(name.lstrip("_"), sink.close)
 
 
 class _WandbSink:
@@ -381,8 +493,11 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path) as f:
         for line in f:
             if line.strip():
-                row = json.loads(line)
-                rows[int(row["step"])] = row
+                try:
+                    row = json.loads(line)
+                    rows[int(row["step"])] = row
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue  # a row cut short by a full disk or a crash
     return [rows[k] for k in sorted(rows)]
 
 

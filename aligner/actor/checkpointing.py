@@ -31,7 +31,13 @@ One step is saved in this order: the critic's pending training has finished,
 ``<step>/.tmp.actor`` from every rank, then rank 0 writes ``trainer_state.json`` and the marker
 and renames the folder. A kill
 at any point leaves the previous complete step as the newest step both roles completed, which
-is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete.
+is what ``resume=auto`` picks. Old checkpoints are pruned only after a newer one is complete,
+and a step after the one saved only when this run loaded an earlier step since (the continuation
+it gave up, :attr:`ActorCheckpointer.abandoned`); re-saving such a step first removes its given-up
+actor half, before the critic's save, so a kill between the two roles' commits never pairs it
+with a new critic half. At start-up rank 0 removes the leftovers of killed saves
+(``.tmp.actor``, ``.old.actor.*``), renaming back a step's only complete copy that a commit had
+moved aside (:func:`aligner.checkpoint.clean_leftovers`).
 
 ``ALIGNER_FAULT_AT=<point>[@<step>]`` makes the process kill itself (SIGKILL) at a named point of
 the save, or in the middle of a step (:data:`aligner.faults.ACTOR`): how the tests show a crash never
@@ -67,6 +73,7 @@ from aligner import faults
 from aligner.actor.config import ActorConfig, PolicyOptimConfig
 from aligner.checkpoint import (
     CheckpointError,
+    clean_leftovers,
     commit_directory,
     complete_steps,
     load_tensors,
@@ -232,6 +239,11 @@ class ActorCheckpointer:
         self.reference_fingerprint = reference_fingerprint
         self.print_fn = print_fn if state.rank == 0 else None
         self.last_saved = -1
+        self.abandoned: set[int] = set()
+        """Actor steps after the one last loaded (rank 0): the continuation given up, removed at
+        the next save."""
+        if state.rank == 0:
+            self._clean_leftovers()
         self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
         best_file = self.root / "best.json"
         if best_file.is_file():
@@ -239,6 +251,20 @@ class ActorCheckpointer:
                 self.best = read_json(best_file)
             except CheckpointError:
                 self.best = None
+
+    def _clean_leftovers(self) -> None:
+        """The leftovers of this role's saves that were killed (rank 0, at start-up)."""
+        try:
+            done = clean_leftovers(self.root, ROLE)
+        except OSError as e:
+            log.warning("cleaning the leftovers of killed saves under %s failed: %s", self.root, e)
+            return
+        if done["recovered"]:
+            log.warning(
+                "recovered %s: a save was killed mid-commit; its previous copy is back", done["recovered"]
+            )
+        if done["removed"]:
+            log.info("removed the leftovers of killed saves under %s: %s", self.root, done["removed"])
 
     def say(self, msg: str) -> None:
         """``msg`` to the log, and to the console on rank 0."""
@@ -278,6 +304,10 @@ class ActorCheckpointer:
         # A timeout or a restarted server raises here, on every rank, before anything of this
         # step is written: the previous checkpoints stay as they were.
         if not self.critic_free:  # a critic-free run has nothing on the server to save
+            if st.rank == 0 and step in self.abandoned:
+                # The given-up continuation's actor half of this step goes before the server
+                # writes the new critic half: a kill between the two commits leaves no pair.
+                shutil.rmtree(self.root / step_dir_name(step) / ROLE, ignore_errors=True)
             self._on_rank0(f"critic_save of step {step}", lambda: self.critic.save(step))
         faults.ACTOR.hit("after_critic_save", step)
         step_dir = self.root / step_dir_name(step)
@@ -362,10 +392,13 @@ class ActorCheckpointer:
         os.replace(tmp_link, link)
 
     def _prune(self) -> None:
-        """Keep the newest ``keep_last`` steps up to the one just saved, and the best; steps after
-        it belong to a continuation this run abandoned (see :func:`prune_checkpoints`)."""
+        """Keep the newest ``keep_last`` steps up to the one just saved, and the best; remove the
+        :attr:`abandoned` steps after it, and no other (see :func:`prune_checkpoints`)."""
         protect = {int(self.best["step"])} if self.best else set()
-        prune_checkpoints(self.root, ROLE, self.last_saved, self.cfg.checkpoint.keep_last, protect)
+        removed = prune_checkpoints(
+            self.root, ROLE, self.last_saved, self.cfg.checkpoint.keep_last, protect, abandoned=self.abandoned
+        )
+        self.abandoned = {s for s in self.abandoned if s > self.last_saved} - set(removed)
 
     # -- load --------------------------------------------------------------------------------------
 
@@ -436,6 +469,7 @@ class ActorCheckpointer:
         self.best = saved.get("best")
         if st.rank == 0:
             later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
+            self.abandoned = set(later)
             if later:
                 self.say(
                     f"actor checkpoints after step {step} ({later}) belong to the abandoned continuation of "

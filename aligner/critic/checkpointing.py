@@ -1,5 +1,17 @@
 """The critic's checkpoints: save, prune, read and apply, and the shard exchange with TP peers.
 
+The rules that keep every step a request did not name (docs/design.md, "Checkpoints"):
+
+- A save writes the weights the server holds, so it is labelled with their step: ``critic_save(N)``
+  is refused unless the server holds critic step N (:meth:`CriticCheckpoints.check_save`; the
+  initial critic, held as -1 before any train or load, saves as step 0). It replaces only its own
+  step's older copy.
+- Pruning after a save of N removes this role's steps older than the newest ``keep_last`` up to
+  N (never step 0), and the steps after N only when the server loaded an earlier step since they
+  were written (they are the continuation the run gave up: :attr:`CriticCheckpoints.abandoned`).
+- At start-up, the leftovers of saves that were killed are cleaned, and a step whose only
+  complete copy was moved aside mid-commit is renamed back (:meth:`CriticCheckpoints.clean_leftovers`).
+
 One step's folder, ``<checkpoint.dir>/step_XXXXXXXX/critic/`` (docs/design.md, "Checkpoints"),
 with one file of each kind per TP rank ``r``, named by :func:`aligner.checkpoint.shard_file`::
 
@@ -41,6 +53,7 @@ from aligner import faults
 from aligner.checkpoint import (
     CheckpointError,
     atomic_directory,
+    clean_leftovers,
     complete_steps,
     load_tensors,
     prune_checkpoints,
@@ -60,7 +73,7 @@ from aligner.distributed import ParallelState, recv_json, send_json
 from aligner.models.config import ModelConfig
 from aligner.models.gpt import tensor_state_dict
 from aligner.precision import load_master_state_dict, master_state_dict
-from aligner.wire.protocol import LOAD, ProtocolError
+from aligner.wire.protocol import LOAD, SAVE, ProtocolError
 
 __all__ = ["CriticCheckpoints", "LoadedCheckpoint", "ROLE", "SHARD_KINDS"]
 
@@ -124,6 +137,9 @@ class CriticCheckpoints:
         self.layout = layout or Layout((0,), (0,))
         self.last_saved = -1
         """The step last saved or loaded; -1 before either."""
+        self.abandoned: set[int] = set()
+        """Steps after the one last loaded that were on disk when it was loaded (rank 0): the
+        continuation the run gave up, removed by the next save (the rule above)."""
 
     def steps(self) -> list[int]:
         """Steps with a complete critic checkpoint, ascending."""
@@ -133,7 +149,46 @@ class CriticCheckpoints:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def clean_leftovers(self) -> None:
+        """Remove the leftovers of critic saves that were killed, and rename back a step's only
+        complete copy that a commit had moved aside (rank 0, at start-up: see
+        :func:`aligner.checkpoint.clean_leftovers`). A failure is logged: the checkpoints are what
+        they were."""
+        try:
+            done = clean_leftovers(self.root, ROLE)
+        except OSError as e:
+            log.warning("cleaning the leftovers of killed saves under %s failed: %s", self.root, e)
+            return
+        if done["recovered"]:
+            log.warning(
+                "recovered %s: a save was killed mid-commit; its previous complete copy is back",
+                done["recovered"],
+            )
+        if done["removed"]:
+            log.info("removed the leftovers of killed saves under %s: %s", self.root, done["removed"])
+
     # -- save -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_save(step: int, held: int) -> None:
+        """A save of ``step`` by a server that holds critic step ``held`` writes ``held``'s weights,
+        so ``step`` must be ``held`` (0 for the initial critic, held as -1 before any train or
+        load); anything else would put another step's weights under ``step`` and prune the steps
+        after it.
+
+        Raises:
+            ProtocolError: on the field ``step``, with nothing written.
+        """
+        if step == held or (held == -1 and step == 0):
+            return
+        initial = " (or 0: the initial critic, before any train or load)" if held == -1 else ""
+        raise ProtocolError(
+            SAVE,
+            "step",
+            f"step={held}{initial}, the critic step this server holds: a save writes the weights it "
+            f"holds, under their own step (to go back to step {step}, critic_load it)",
+            f"step={step}",
+        )
 
     def _local_shards(self) -> Shards:
         """This rank's shards of a save: collective over the replicas when the optimizer is
@@ -182,12 +237,22 @@ class CriticCheckpoints:
         return final
 
     def _prune(self, saved: int) -> None:
-        """This role's sub-directories beyond the newest keep_last up to ``saved``, and any after
-        it (see :func:`aligner.checkpoint.prune_checkpoints`). Step 0, the initial critic
-        (checkpoint.save_initial), is the reset point of fresh runs: never pruned, and saving it
-        prunes nothing."""
-        if saved > 0:
-            prune_checkpoints(self.root, ROLE, saved, self.keep_last, protect={0})
+        """This role's sub-directories beyond the newest keep_last up to ``saved``, and the
+        :attr:`abandoned` ones after it (see :func:`aligner.checkpoint.prune_checkpoints`); never
+        another step after it. Step 0, the initial critic (checkpoint.save_initial), is the reset
+        point of fresh runs: never pruned, and saving it prunes nothing."""
+        if saved <= 0:
+            return
+        removed = prune_checkpoints(
+            self.root, ROLE, saved, self.keep_last, protect={0}, abandoned=self.abandoned
+        )
+        later = [s for s in removed if s > saved]
+        if later:
+            log.info(
+                "removed critic steps %s: the continuation given up when an earlier step was loaded", later
+            )
+        # Those up to `saved` are old steps now (keep_last's); those after it are gone.
+        self.abandoned = {s for s in self.abandoned if s > saved} - set(removed)
 
     def send_shards(self) -> None:
         """A peer's part of a save: its shards to rank 0, each kind after its fingerprint; a rank
@@ -289,6 +354,15 @@ class CriticCheckpoints:
         load_master_state_dict(self.critic, self.optimizer, mine["model"], what="critic checkpoint")
         restore_rng_state(mine["rng"])  # what read()'s rng_to_restore kept
         self.last_saved = int(meta["step"])
+        if self.state.rank == 0:  # steps after it on disk: the continuation given up (a rollback)
+            self.abandoned = {s for s in self.steps() if s > self.last_saved}
+            if self.abandoned:
+                log.info(
+                    "loaded critic step %d: steps %s belong to the continuation given up; they are "
+                    "removed at the next save",
+                    self.last_saved,
+                    sorted(self.abandoned),
+                )
         return meta
 
     def _send_loaded(self, peer: int, meta: dict[str, Any], shard: Shards) -> None:

@@ -64,8 +64,10 @@ class AppliedSteps:
         return {str(k): v.to_dict() for k, v in self.results.items()}
 
     def restore(self, last: int, results: dict[str, dict[str, Any]]) -> None:
-        """Take back the state a checkpoint saved (``last`` and :meth:`to_json`'s ``results``)."""
+        """Take back the state a checkpoint saved (``last``, the loaded step, and :meth:`to_json`'s
+        ``results``). Results of steps after ``last`` are dropped: the weights loaded have not
+        applied them, so those steps must be applied again, not answered from here (a checkpoint
+        written before saves had to be labelled with the step held may carry some)."""
         self.last = int(last)
-        self.results = OrderedDict(
-            (int(k), TrainResult(**v)) for k, v in sorted(results.items(), key=lambda kv: int(kv[0]))
-        )
+        kept = sorted(((int(k), v) for k, v in results.items() if int(k) <= self.last), key=lambda kv: kv[0])
+        self.results = OrderedDict((k, TrainResult(**v)) for k, v in kept)

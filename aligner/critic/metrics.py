@@ -11,6 +11,11 @@ callable: Triton's dynamic batcher may merge several requests into one), ``.../e
 (failed executions), ``.../rows``, ``.../requests_per_execution_mean`` and ``..._max``,
 ``.../latency_ms_mean`` and ``.../latency_ms_max`` (per execution).
 
+Writing metrics never fails a request nor stops the server: a row that cannot be written (a full
+disk, a permission) is dropped and counted (:attr:`MetricsWriter.dropped`, ``server_info``'s
+``extra.metrics_dropped``), the first failure logged at once and later ones at most once a
+minute (:class:`aligner.metrics.WriteFailures`); the next rows are tried again.
+
 Merging is shown, not assumed: :meth:`RequestStats.batching` keeps, since start-up, how many
 executions merged how many requests (``server_info``'s ``batching``).
 """
@@ -23,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from aligner.metrics import MetricsLogger
+from aligner.metrics import JsonlFile, MetricsLogger, WriteFailures
 
 __all__ = ["MetricsWriter", "RequestStats"]
 
@@ -31,7 +36,8 @@ log = logging.getLogger("aligner.critic")
 
 
 class MetricsWriter:
-    """Thread-safe writer of the critic's metrics (rank 0 only)."""
+    """Thread-safe writer of the critic's metrics (rank 0 only). No method raises for a file that
+    cannot be written: the row is dropped and counted (:attr:`dropped`)."""
 
     def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
         self.dir = Path(log_dir)
@@ -42,14 +48,22 @@ class MetricsWriter:
         except Exception as e:  # tensorboard missing or broken: JSONL still works
             log.warning("TensorBoard disabled (%s: %s)", type(e).__name__, e)
             self._logger = MetricsLogger(str(self.dir), tensorboard=False)
-        self._requests = open(self.dir / "requests.jsonl", "a", buffering=1)
+        # One count and one rate limit for every file of the folder.
+        self.failures: WriteFailures = self._logger.failures
+        self.failures.log = log
+        self._requests = JsonlFile(self.dir / "requests.jsonl")
         self._closed = False
+
+    @property
+    def dropped(self) -> int:
+        """Metric writes that failed and were dropped since start-up."""
+        return self.failures.count
 
     def train_step(self, step: int, scalars: dict[str, float | int]) -> None:
         """One row of metrics.jsonl for an applied train step."""
         with self._lock:
             if not self._closed:
-                self._logger.log(int(step), scalars)
+                self.failures.guard("metrics.jsonl", self._logger.log, int(step), scalars)
 
     def requests(self, critic_step: int, scalars: dict[str, float | int]) -> None:
         """One row of requests.jsonl (request statistics of an interval)."""
@@ -58,14 +72,16 @@ class MetricsWriter:
         with self._lock:
             if not self._closed:
                 row = {"time": round(time.time(), 3), "critic_step": int(critic_step), **scalars}
-                self._requests.write(json.dumps(row, sort_keys=True) + "\n")
+                self.failures.guard(
+                    "requests.jsonl", self._requests.write, json.dumps(row, sort_keys=True) + "\n"
+                )
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._logger.close()
-                self._requests.close()
+                self.failures.guard("requests.jsonl", self._requests.close)
 
 
 class RequestStats:

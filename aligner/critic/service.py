@@ -18,7 +18,13 @@ reward sources by :func:`aligner.critic.build.build_parts`:
 - :class:`~aligner.critic.replicas.Replicas`: under data parallelism, each replica's rows of an
   infer and the values gathered back on rank 0 (a train splits its rows in the update itself);
 - :class:`~aligner.critic.checkpointing.CriticCheckpoints`: save, prune, read and apply, with the
-  shard exchange between ranks.
+  shard exchange between ranks, and the rules that keep every step a request did not name (a
+  save is labelled with the critic step held; pruning never removes a later step the server did
+  not roll back from; leftovers of killed saves are cleaned at start-up).
+
+Metrics and logs describe what happened; they never change it: a metrics writer that fails (a
+full disk) after a train is counted and logged (rate-limited), and the applied step's result is
+returned all the same.
 
 Reward-only mode (``mode: reward_only``, for critic-free actors): no critic, no optimizer and no
 checkpoints are built; ``critic_infer`` answers the rewards with values of zeros ``[b, s-1]`` (the
@@ -56,6 +62,7 @@ from aligner.critic.peers import Op
 from aligner.critic.reward_fn import parse_extras, score_requests
 from aligner.critic.reward_model import RewardTextError
 from aligner.distributed import ParallelState
+from aligner.metrics import WriteFailures
 from aligner.wire.protocol import (
     INFER,
     LOAD,
@@ -102,6 +109,8 @@ class CriticService:
         self.is_rank0 = state.rank == 0
         self.device = state.device
         self.metrics = metrics
+        self.metric_failures = WriteFailures(f"log.dir={cfg.log.dir}", log)
+        """Calls of ``metrics`` that raised (counted and logged, never passed on)."""
         self.request_stats = RequestStats()
         self._lock = threading.Lock()
         self._closed = False
@@ -129,6 +138,8 @@ class CriticService:
         self.peers, self.replicas = parts.peers, parts.replicas
         self.checkpoints = parts.checkpoints
         """The critic's checkpoints (None in reward-only mode: there is nothing to save)."""
+        if self.is_rank0 and self.checkpoints is not None:
+            self.checkpoints.clean_leftovers()  # of saves killed before this start
 
     @property
     def required_inputs(self) -> dict[str, str]:
@@ -242,6 +253,7 @@ class CriticService:
                 "reuse_infer_forward": self.reuse_infer_forward,
                 "reused_infer_forwards": self.reused_forwards,
                 "requests": self.request_stats.lifetime(),
+                "metrics_dropped": self.metric_failures.count + getattr(self.metrics, "dropped", 0),
             },
         )
 
@@ -415,24 +427,21 @@ class CriticService:
             1000 * elapsed,
             b,
         )
-        if self.metrics is not None:
-            self.metrics.train_step(
-                req.step,
-                {
-                    "loss/value": result.loss,
-                    "critic/grad_norm": result.grad_norm,
-                    "critic/explained_variance": result.explained_variance,
-                    "critic/value_clipfrac": result.value_clipfrac,
-                    "timers/critic_train_ms": round(1000 * elapsed, 3),
-                    **self.request_stats.snapshot(),
-                },
-            )
+        scalars = {
+            "loss/value": result.loss,
+            "critic/grad_norm": result.grad_norm,
+            "critic/explained_variance": result.explained_variance,
+            "critic/value_clipfrac": result.value_clipfrac,
+            "timers/critic_train_ms": round(1000 * elapsed, 3),
+        }
+        self._write_metrics("train_step", req.step, lambda: {**scalars, **self.request_stats.snapshot()})
         return result
 
     def save(self, step: Any, expected_step: Any = None, *, run_token: Any = None) -> Path:
         """Write critic weights, optimiser, RNG and bookkeeping to ``<dir>/step_XXXXXXXX/critic/``,
         if the server holds critic step ``expected_step`` (None: an in-process caller, not
-        fenced).
+        fenced) and ``step`` is the critic step it holds (the weights written are that step's:
+        :meth:`~aligner.critic.checkpointing.CriticCheckpoints.check_save`).
 
         Raises:
             ProtocolError, UnauthorizedError, FencedError: with nothing written.
@@ -444,6 +453,7 @@ class CriticService:
         with self._lock:
             self._check_open()
             self._check_fence(SAVE, step, expected)
+            self.checkpoints.check_save(step, self.critic_step)
             return self._save_locked(step)
 
     def load(self, step: Any, *, run_token: Any = None) -> None:
@@ -505,14 +515,18 @@ class CriticService:
                     log.exception("saving the critic at shutdown failed")
             self._closed = True
             self.peers.stop()
-        if self.metrics is not None:
-            self.metrics.requests(self.critic_step, self.request_stats.snapshot())
+        self.flush_stats()
         return saved
 
     def flush_stats(self) -> None:
         """Write the request statistics of the last interval (called periodically by the server)."""
+        self._write_metrics("requests", self.critic_step, self.request_stats.snapshot)
+
+    def _write_metrics(self, method: str, step: int, scalars: Any) -> None:
+        """``metrics.<method>(step, scalars())``. A failure (a full disk, a permission) is counted
+        and logged, at most once a minute, and never raised: what the metrics describe happened."""
         if self.metrics is not None:
-            self.metrics.requests(self.critic_step, self.request_stats.snapshot())
+            self.metric_failures.guard(method, lambda: getattr(self.metrics, method)(step, scalars()))
 
     def _save_locked(self, step: int) -> Path:
         self.peers.broadcast(Op.SAVE, step=step)

@@ -89,13 +89,14 @@ def client(env):
         yield c
 
 
-def _in_process_values(env, tokens, step_label):
-    """Save the server's critic (as ``step_label``), load it here, and run the same forward."""
+def _in_process_values(env, tokens):
+    """Save the server's critic (at the step it holds: a save is labelled with it, the initial
+    critic as step 0), load it here, and run the same forward."""
     url = env["server"].url
-    raw_save(url, step_label, raw_info(url).critic_step, TOKEN)
-    state = load_tensors(
-        env["root"] / "ckpt" / f"step_{step_label:08d}" / "critic" / "model_tp00_pp00.safetensors"
-    )
+    held = raw_info(url).critic_step
+    step = max(held, 0)
+    raw_save(url, step, held, TOKEN)
+    state = load_tensors(env["root"] / "ckpt" / f"step_{step:08d}" / "critic" / "model_tp00_pp00.safetensors")
     critic = build_critic(env["cfg"], init_from=state)
     with torch.no_grad():
         return token_values(critic, torch.from_numpy(tokens)).numpy()
@@ -142,7 +143,7 @@ def test_values_and_rewards_equal_an_in_process_forward(env, client, scheme):
     with RemoteCriticClient(url, timeout_s=30) as c:
         values, rewards = c.infer(torch.from_numpy(tokens), torch.from_numpy(lengths), pl).result()
     assert values.shape == (6, tokens.shape[1] - 1) and values.dtype == np.float32 and rewards.shape == (6,)
-    np.testing.assert_allclose(values, _in_process_values(env, tokens, 900), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(values, _in_process_values(env, tokens), rtol=0, atol=1e-5)
     with torch.no_grad():
         scores = sequence_scores(env["rm"], torch.from_numpy(tokens), torch.from_numpy(lengths)).numpy()
     np.testing.assert_allclose(

@@ -79,11 +79,13 @@ def test_save_load_restores_weights_optimizer_and_bookkeeping(pstate, tmp_path):
     assert svc.critic_step == 1 and svc.train(tokens, lengths, returns, old_values, mask, 1) == r1
     # Resume equals continuous: the optimiser state came back too.
     svc.train(tokens, lengths, returns, old_values, mask, 2)
+    svc.save(2)
     assert svc.train(tokens, lengths, returns, old_values, mask, 3) == r3
     # keep_last prunes only the critic's own sub-directories.
     (tmp_path / "ckpt" / "step_00000002" / "actor").mkdir(parents=True)
-    for step in (2, 3, 4):
-        svc.save(step)
+    svc.save(3)
+    svc.train(tokens, lengths, returns, old_values, mask, 4)
+    svc.save(4)
     assert complete_steps(tmp_path / "ckpt", role="critic") == [3, 4]
     assert (tmp_path / "ckpt" / "step_00000002" / "actor").is_dir()
     assert not (tmp_path / "ckpt" / "step_00000001").exists()

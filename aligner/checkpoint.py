@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ __all__ = [
     "complete_steps",
     "prune_checkpoints",
     "clean_leftovers",
+    "clean_leftovers_at_start",
     "CheckpointError",
     "COMPLETE_MARKER",
 ]
@@ -451,3 +453,21 @@ def clean_leftovers(root: str | os.PathLike, role: str) -> dict[str, list[str]]:
             with contextlib.suppress(OSError):
                 step_dir.rmdir()  # only when nothing is left in it
     return out
+
+
+def clean_leftovers_at_start(root: str | os.PathLike, role: str, log: logging.Logger) -> None:
+    """:func:`clean_leftovers` at a role's start-up, its outcome on ``log``: a recovered copy as a
+    warning, the removed leftovers as info, and a failure as a warning (the checkpoints are then
+    what they were; nothing is raised)."""
+    try:
+        done = clean_leftovers(root, role)
+    except OSError as e:
+        log.warning("cleaning the leftovers of killed saves under %s failed: %s", root, e)
+        return
+    if done["recovered"]:
+        log.warning(
+            "recovered %s: a save was killed mid-commit; its previous complete copy is back",
+            done["recovered"],
+        )
+    if done["removed"]:
+        log.info("removed the leftovers of killed saves under %s: %s", root, done["removed"])

@@ -73,7 +73,7 @@ from aligner import faults
 from aligner.actor.config import ActorConfig, PolicyOptimConfig
 from aligner.checkpoint import (
     CheckpointError,
-    clean_leftovers,
+    clean_leftovers_at_start,
     commit_directory,
     complete_steps,
     load_tensors,
@@ -243,7 +243,7 @@ class ActorCheckpointer:
         """Actor steps after the one last loaded (rank 0): the continuation given up, removed at
         the next save."""
         if state.rank == 0:
-            self._clean_leftovers()
+            clean_leftovers_at_start(self.root, ROLE, log)  # of saves killed before this start
         self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
         best_file = self.root / "best.json"
         if best_file.is_file():
@@ -251,20 +251,6 @@ class ActorCheckpointer:
                 self.best = read_json(best_file)
             except CheckpointError:
                 self.best = None
-
-    def _clean_leftovers(self) -> None:
-        """The leftovers of this role's saves that were killed (rank 0, at start-up)."""
-        try:
-            done = clean_leftovers(self.root, ROLE)
-        except OSError as e:
-            log.warning("cleaning the leftovers of killed saves under %s failed: %s", self.root, e)
-            return
-        if done["recovered"]:
-            log.warning(
-                "recovered %s: a save was killed mid-commit; its previous copy is back", done["recovered"]
-            )
-        if done["removed"]:
-            log.info("removed the leftovers of killed saves under %s: %s", self.root, done["removed"])
 
     def say(self, msg: str) -> None:
         """``msg`` to the log, and to the console on rank 0."""

@@ -53,7 +53,7 @@ from aligner import faults
 from aligner.checkpoint import (
     CheckpointError,
     atomic_directory,
-    clean_leftovers,
+    clean_leftovers_at_start,
     complete_steps,
     load_tensors,
     prune_checkpoints,
@@ -154,18 +154,7 @@ class CriticCheckpoints:
         complete copy that a commit had moved aside (rank 0, at start-up: see
         :func:`aligner.checkpoint.clean_leftovers`). A failure is logged: the checkpoints are what
         they were."""
-        try:
-            done = clean_leftovers(self.root, ROLE)
-        except OSError as e:
-            log.warning("cleaning the leftovers of killed saves under %s failed: %s", self.root, e)
-            return
-        if done["recovered"]:
-            log.warning(
-                "recovered %s: a save was killed mid-commit; its previous complete copy is back",
-                done["recovered"],
-            )
-        if done["removed"]:
-            log.info("removed the leftovers of killed saves under %s: %s", self.root, done["removed"])
+        clean_leftovers_at_start(self.root, ROLE, log)
 
     # -- save -----------------------------------------------------------------------------------
 

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from aligner.config_checks import Problems
 
 __all__ = [
+    "FP32Gradients",
     "OptimConfig",
     "PARALLEL_ATTRS",
     "STATE_FORMAT",
+    "adamw_arithmetic",
     "allreduce_gradients",
     "clip_grad_norm",
     "move_grad",
@@ -112,6 +114,50 @@ def move_grad(p: torch.Tensor, holder: torch.Tensor) -> None:
     else:
         holder.grad.add_(p.grad)
     p.grad = None
+
+
+def adamw_arithmetic() -> Any:
+    """torch's ``AdamW.step`` itself: torch wraps a class's step with its hook runner when the
+    class is first instantiated, and our optimizers run the hooks themselves."""
+    base = torch.optim.AdamW.step
+    while getattr(base, "hooked", False):
+        base = base.__wrapped__
+    return base
+
+
+class FP32Gradients:
+    """What both optimizers (:class:`aligner.precision.MixedPrecisionAdamW`,
+    :class:`aligner.sharded_optim.ShardedAdamW`) do with gradients: each trained parameter's
+    gradient accumulates in fp32 on its holder in ``grad_params``; ``_pairs`` are the
+    ``(low-precision parameter, holder)`` pairs whose gradients move over."""
+
+    grad_params: list[torch.Tensor]
+    _pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    last_grad_norm: float | None
+
+    @property
+    def precision(self) -> str:
+        """'bf16' when the model's weights are bf16 (separate fp32 masters), else 'fp32'."""
+        return "bf16" if any(p.dtype == torch.bfloat16 for p, _ in self._pairs) else "fp32"
+
+    @torch.no_grad()
+    def copy_grads_to_master(self) -> None:
+        """Move gradients still on the model's low-precision weights (set by hand, or produced
+        with the hooks removed) into their fp32 holders. Called by every method below."""
+        for p, holder in self._pairs:
+            move_grad(p, holder)
+
+    def clip_grad_norm(
+        self, max_norm: float | None, tp_group=None, tp_size: int = 1, tp_rank: int = 0, *, pp_group=None
+    ) -> float:
+        """Global L2 norm of the whole fp32 gradients over the TP group (and the pipeline stages,
+        given ``pp_group``); clip to ``max_norm`` (None or 0: measure only). A non-finite norm
+        makes the next ``step`` a no-op."""
+        self.copy_grads_to_master()
+        self.last_grad_norm = clip_grad_norm(
+            self.grad_params, max_norm, tp_group, tp_size, tp_rank, pp_group=pp_group
+        )
+        return self.last_grad_norm
 
 
 def route_grads(p: torch.Tensor, holder: torch.Tensor) -> None:

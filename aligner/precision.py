@@ -89,9 +89,9 @@ from aligner.models.gpt import load_state_dict_strict, tensor_state_dict
 from aligner.optim import (
     PARALLEL_ATTRS,
     STATE_FORMAT,
+    FP32Gradients,
+    adamw_arithmetic,
     allreduce_gradients,
-    clip_grad_norm,
-    move_grad,
     optimizer_meta,
     route_grads,
     state_problems,
@@ -170,7 +170,7 @@ def resolve_precision(name: str, device: torch.device | str | None = None) -> st
     return name
 
 
-class MixedPrecisionAdamW(torch.optim.AdamW):
+class MixedPrecisionAdamW(FP32Gradients, torch.optim.AdamW):
     """AdamW over fp32 master copies of a model's weights (the weights themselves when fp32).
 
     Args:
@@ -224,11 +224,6 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         """What holds each model parameter's fp32 gradient (``.grad``): its master."""
         return self.master_params
 
-    @property
-    def precision(self) -> str:
-        """'bf16' when the model's weights are bf16 (separate fp32 masters), else 'fp32'."""
-        return "bf16" if any(p.dtype == torch.bfloat16 for p, _ in self._pairs) else "fp32"
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any the model still holds."""
         super().zero_grad(set_to_none=set_to_none)
@@ -236,29 +231,10 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
             p.grad = None
         self.last_grad_norm = None
 
-    @torch.no_grad()
-    def copy_grads_to_master(self) -> None:
-        """Move gradients still on the model's low-precision weights (set by hand, or produced
-        with the hooks removed) into the fp32 masters. Called by every method below."""
-        for p, m in self._pairs:
-            move_grad(p, m)
-
     def allreduce_grads(self, group, world: int) -> None:
         """Average the fp32 master gradients over the data-parallel ``group`` of size ``world``."""
         self.copy_grads_to_master()
         allreduce_gradients(self.master_params, group, world)
-
-    def clip_grad_norm(
-        self, max_norm: float | None, tp_group=None, tp_size: int = 1, tp_rank: int = 0, *, pp_group=None
-    ) -> float:
-        """Global L2 norm of the fp32 master gradients over the TP group (and the pipeline
-        stages, given ``pp_group``); clip to ``max_norm`` (None or 0: measure only). A non-finite
-        norm makes the next :meth:`step` a no-op."""
-        self.copy_grads_to_master()
-        self.last_grad_norm = clip_grad_norm(
-            self.master_params, max_norm, tp_group, tp_size, tp_rank, pp_group=pp_group
-        )
-        return self.last_grad_norm
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:  # type: ignore[override]
@@ -273,12 +249,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         norm, self.last_grad_norm = self.last_grad_norm, None
         if norm is not None and not math.isfinite(norm):
             return False
-        base = torch.optim.AdamW.step
-        # torch wraps a class's step with its hook runner when the class is first instantiated;
-        # ours already ran the hooks, so call AdamW's arithmetic itself.
-        while getattr(base, "hooked", False):
-            base = base.__wrapped__
-        base(self)
+        adamw_arithmetic()(self)  # the hooks ran already
         self.copy_master_to_model()
         return True
 

@@ -51,9 +51,9 @@ from aligner.checkpoint import CheckpointError
 from aligner.distributed import comm_device
 from aligner.optim import (
     PARALLEL_ATTRS,
+    FP32Gradients,
+    adamw_arithmetic,
     allreduce_gradients,
-    clip_grad_norm,
-    move_grad,
     optimizer_meta,
     route_grads,
     state_problems,
@@ -133,7 +133,7 @@ def _gradient_holder(p: nn.Parameter) -> torch.Tensor:
     return h
 
 
-class ShardedAdamW(torch.optim.AdamW):
+class ShardedAdamW(FP32Gradients, torch.optim.AdamW):
     """AdamW whose fp32 masters and moments are sharded over a data-parallel group (ZeRO-1).
 
     The same interface as :class:`aligner.precision.MixedPrecisionAdamW` (gradients moved to
@@ -224,11 +224,6 @@ class ShardedAdamW(torch.optim.AdamW):
             route_grads(p, h)
         self.load_masters([None] * len(model_params), to_model=False)
 
-    @property
-    def precision(self) -> str:
-        """'bf16' when the model's weights are bf16, else 'fp32'."""
-        return "bf16" if any(p.dtype == torch.bfloat16 for p in self.model_params) else "fp32"
-
     def memory_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (masters and moments of its slice)."""
         return self._state.numel() * self._state.element_size()
@@ -247,12 +242,6 @@ class ShardedAdamW(torch.optim.AdamW):
             p.grad = None
         self.last_grad_norm = None
 
-    @torch.no_grad()
-    def copy_grads_to_master(self) -> None:
-        """Move gradients still on the model's low-precision weights into their fp32 holders."""
-        for p, h in self._pairs:
-            move_grad(p, h)
-
     def allreduce_grads(self, group, world: int) -> None:
         """Average the whole fp32 gradients over the data-parallel ``group`` of size ``world``
         (this optimizer's own group): each rank then steps its slice of the mean."""
@@ -262,17 +251,6 @@ class ShardedAdamW(torch.optim.AdamW):
             )
         self.copy_grads_to_master()
         allreduce_gradients(self.grad_params, group, world)
-
-    def clip_grad_norm(
-        self, max_norm: float | None, tp_group=None, tp_size: int = 1, tp_rank: int = 0, *, pp_group=None
-    ) -> float:
-        """As :meth:`aligner.precision.MixedPrecisionAdamW.clip_grad_norm`, on the same whole
-        gradients: the same norm, bit for bit."""
-        self.copy_grads_to_master()
-        self.last_grad_norm = clip_grad_norm(
-            self.grad_params, max_norm, tp_group, tp_size, tp_rank, pp_group=pp_group
-        )
-        return self.last_grad_norm
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:  # type: ignore[override]
@@ -287,11 +265,7 @@ class ShardedAdamW(torch.optim.AdamW):
         for i, lo, hi, view in self._pieces:
             g = self.grad_params[i].grad
             view.grad = None if g is None else g.reshape(-1)[lo:hi]
-        base = torch.optim.AdamW.step
-        # torch wraps a class's step with its hook runner; ours ran them, so call the arithmetic.
-        while getattr(base, "hooked", False):
-            base = base.__wrapped__
-        base(self)
+        adamw_arithmetic()(self)  # the hooks ran already
         for i, g in enumerate(self.grad_params):
             if g.grad is not None:  # torch's AdamW steps (and counts) what has a gradient
                 self._steps[i] += 1

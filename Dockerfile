@@ -54,6 +54,12 @@ RUN pip install --no-deps . && rm -rf build
 COPY servers ./servers
 COPY examples ./examples
 
+# An unprivileged user to run as (the Kubernetes recipe requires it: runAsNonRoot, runAsUser 10001).
+# HOME is /tmp, which the recipe mounts writable over a read-only root filesystem.
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp aligner
+ENV HOME=/tmp
+USER 10001
+
 # HTTP, gRPC and metrics ports of the critic server (aligner/configs/critic.yaml: server.*_port).
 EXPOSE 8000 8001 8002
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -19,7 +20,6 @@ from _examples import load
 
 from aligner.critic import wait as wait_cli
 from aligner.wire import client as critic_client
-from aligner.wire import protocol as P
 from aligner.wire import readiness
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,45 @@ def secret_env_of(c: dict) -> dict[str, tuple[str, str]]:
         for e in c.get("env", [])
         if "secretKeyRef" in e.get("valueFrom", {})
     }
+
+
+def secret_files_of(docs: list[dict], pod_spec: dict, c: dict) -> dict[str, tuple[str, str]]:
+    """The files a container reads from Secrets: path -> (Secret, key), every key of each mounted
+    Secret volume (no ``items``) under its mount path."""
+    vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        src = vols[m["name"]].get("secret")
+        if src is None:
+            continue
+        assert m.get("readOnly") is True, f"{c['name']}: Secret volume {m['name']} mounted writable"
+        assert "items" not in src
+        name = src["secretName"]
+        keys = secrets[name]["stringData"] if name in secrets else {"token": ""}
+        for key in keys:
+            out[f"{m['mountPath'].rstrip('/')}/{key}"] = (name, key)
+    return out
+
+
+def with_mounted_secrets(args: list[str], docs: list[dict], pod_spec: dict, c: dict, tmp: Path) -> list[str]:
+    """``args`` with each path of a mounted Secret's file replaced by a file under ``tmp`` holding
+    what the kubelet would put there (the Secret's value), so that the entry points' config checks,
+    which read those files, run as in the pod."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    mapping = {}
+    for path, (name, key) in secret_files_of(docs, pod_spec, c).items():
+        local = tmp / name / key
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(
+            secrets[name]["stringData"][key] if name in secrets else "a-token-from-elsewhere-0123"
+        )
+        mapping[path] = str(local)
+    out = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        out.append(f"{key}={mapping[value]}" if eq and value in mapping else a)
+    return out
 
 
 def expand_k8s(arg: str, env: dict[str, str]) -> str:
@@ -152,7 +191,9 @@ def critic_parts(docs: list[dict]):
     )
     tr = torchrun(c["args"][1:])
     assert tr.training_script == CRITIC_ENTRY and (ROOT / tr.training_script).is_file()
-    return dep, svc, pod, c, tr, critic_config(tr.training_script_args)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = critic_config(with_mounted_secrets(tr.training_script_args, docs, pod, c, Path(tmp)))
+    return dep, svc, pod, c, tr, cfg
 
 
 # --- the actor ------------------------------------------------------------------------------------
@@ -171,13 +212,16 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
     assert wait_args.timeout >= 60
 
     c = container(pod, name)
+    critic_pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    critic_token = secret_files_of(docs, critic_pod, container(critic_pod, "critic"))
     for cont in (wait, c):
         env = env_of(cont)
         assert set(env) == {critic_client.ENV_URL}, f"{cont['name']}: env {sorted(env)}"
-        # The actor writes with the run token of the critic's Secret; waiting needs none.
-        critic_token = secret_env_of(container(one(docs, "Deployment")["spec"]["template"]["spec"], "critic"))
+        # The actor writes with the run token of the critic's Secret, read from the same file
+        # path; waiting needs none. No token in any environment.
+        assert secret_env_of(cont) == {}
         want = critic_token if cont is c else {}
-        assert secret_env_of(cont) == want and set(want) == ({P.RUN_TOKEN_ENV} if want else set())
+        assert secret_files_of(docs, pod, cont) == want and len(want) == (1 if cont is c else 0)
         url = env[critic_client.ENV_URL]
         scheme, hostport = readiness.parse_url(url)
         host, port = hostport.rsplit(":", 1)
@@ -191,7 +235,10 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
     assert tr.training_script == ACTOR_ENTRY and (ROOT / tr.training_script).is_file()
     nproc = int(tr.nproc_per_node)
     nnodes = int(tr.nnodes.split(":")[-1])
-    cfg = actor_config(tr.training_script_args, world_size=nnodes * nproc)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = actor_config(
+            with_mounted_secrets(tr.training_script_args, docs, pod, c, Path(tmp)), world_size=nnodes * nproc
+        )
     assert c["resources"]["limits"]["nvidia.com/gpu"] == nproc
 
     # No critic.url on the command line: the actor reads the Service's address from the environment.

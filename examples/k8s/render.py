@@ -4,8 +4,8 @@
     python examples/k8s/render.py -f my-values.yaml | kubectl apply -f -
     python examples/k8s/render.py -f my-values.yaml --set run_name=exp2 --only actor
 
-The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, and actor-job.yaml for
-one actor node or actor-pytorchjob.yaml for several) hold ``${name}`` placeholders for the keys
+The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, actor-job.yaml for
+one actor node or actor-pytorchjob.yaml for several, and actor-network.yaml) hold ``${name}`` placeholders for the keys
 of values.yaml, and for two keys computed from them: ``actor_workers`` (actor_nodes - 1) and
 ``critic_gpus`` (critic_tensor_parallel x critic_data_parallel, the server's processes). ``run_token``
 left null is a new random token (the Secret both roles read), made on each render: what one render
@@ -221,7 +221,7 @@ def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
         "secret": ["run-token.yaml"],
         "storage": ["storage.yaml"],
         "critic": ["critic.yaml"],
-        "actor": [actor],
+        "actor": [actor, "actor-network.yaml"],
     }
     parts = [only] if only else list(PARTS)
     return [HERE / f for p in parts for f in chosen[p]]

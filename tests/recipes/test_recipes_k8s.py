@@ -14,7 +14,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -33,19 +32,37 @@ from _recipes import (
     rendered,
     resolve_port,
     secret_env_of,
+    secret_files_of,
 )
 from hydra.errors import ConfigCompositionException
 
 from aligner.config_checks import ConfigError
+from aligner.critic import probe as probe_cli
 from aligner.wire import client as critic_client
-from aligner.wire import protocol as P
 from aligner.wire import readiness
 
 # The Kubernetes versions the manifests must be valid for: an older one still in service and the
 # newest the package knows.
 K8S_VERSIONS = ("1.28", kubernetes_validate.latest_version())
 # Triton's KServe v2 health endpoints (served on the HTTP port).
-TRITON_HEALTH = {"ready": "/v2/health/ready", "live": "/v2/health/live"}
+DNS_ONLY = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+UNPRIVILEGED_UID = 10001  # the Dockerfile's USER
+
+
+def policy_named(docs: list[dict], name: str) -> dict:
+    (found,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == name]
+    return found
+
+
+def pods_of(docs: list[dict]) -> list[dict]:
+    """Every pod template's spec: the critic's Deployment and the actor's Job or PyTorchJob."""
+    pods = [one(docs, "Deployment")["spec"]["template"]["spec"]]
+    for d in docs:
+        if d["kind"] == "Job":
+            pods.append(d["spec"]["template"]["spec"])
+        elif d["kind"] == "PyTorchJob":
+            pods += [r["template"]["spec"] for r in d["spec"]["pytorchReplicaSpecs"].values()]
+    return pods
 
 
 # --- schema validation ----------------------------------------------------------------------------
@@ -133,7 +150,15 @@ def test_every_manifest_is_valid_for_the_kubernetes_api(nodes):
     docs = rendered(f"actor_nodes={nodes}")
     kinds = [d["kind"] for d in docs]
     actor_kind = "Job" if nodes == 1 else "PyTorchJob"
-    assert kinds == ["Secret", "PersistentVolumeClaim", "Service", "Deployment", "NetworkPolicy", actor_kind]
+    assert kinds == [
+        "Secret",
+        "PersistentVolumeClaim",
+        "Service",
+        "Deployment",
+        "NetworkPolicy",
+        actor_kind,
+        "NetworkPolicy",
+    ]
     for d in docs:
         validate(d)
         assert d["metadata"]["namespace"] == "default"
@@ -174,13 +199,15 @@ def test_a_values_file_of_your_own_changes_what_it_names(tmp_path):
 def test_critic_ports_probes_and_service_match_what_the_server_serves(schemas):
     dep, svc, pod, c, tr, cfg = critic_parts(rendered())
     assert cfg.server.host == "0.0.0.0", "server.host must let the Service reach the server"
-    served = {"http": cfg.server.http_port, "grpc": cfg.server.grpc_port, "metrics": cfg.server.metrics_port}
-    assert all(served.values()), f"fixed ports are needed behind a Service, got {served}"
+    served = {"grpc": cfg.server.grpc_port, "metrics": cfg.server.metrics_port}
+    assert all(served.values()) and cfg.server.http_port, (
+        f"fixed ports are needed behind a Service, got {served}"
+    )
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == served
 
-    # The Service: named gRPC and HTTP ports that lead to the server's.
+    # The Service: the named gRPC port (and metrics) that lead to the server's; HTTP stays in the pod.
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert {"grpc", "http"} <= set(ports)
+    assert set(ports) == {"grpc", "metrics"}
     for name, p in ports.items():
         assert resolve_port(c, p["targetPort"]) == served[name]
         assert p["port"] == served[name], "clients dial the server's own port numbers"
@@ -188,14 +215,19 @@ def test_critic_ports_probes_and_service_match_what_the_server_serves(schemas):
     assert svc["spec"]["selector"].items() <= labels.items()
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
-    # Probes: Triton's health endpoints, on the HTTP port.
-    assert c["readinessProbe"]["httpGet"]["path"] == TRITON_HEALTH["ready"]
-    assert c["livenessProbe"]["httpGet"]["path"] == TRITON_HEALTH["live"]
-    assert c["startupProbe"]["httpGet"]["path"] in TRITON_HEALTH.values()
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert resolve_port(c, c[probe]["httpGet"]["port"]) == cfg.server.http_port
-    # The readiness the launcher and the actor's client wait for is the same endpoint.
-    assert TRITON_HEALTH["ready"] in Path(readiness.__file__).read_text()
+    # Probes: python -m aligner.critic.probe, a server_info round trip through the Python service
+    # (tests/critic/test_critic_probe.py: it fails where Triton's own /v2/health/live still
+    # answers), on the pod's own gRPC port, within the probe's timeout; readiness and start-up also
+    # need every model ready (the readiness the launcher and the actor's client wait for).
+    for name, ready in (("readinessProbe", True), ("livenessProbe", False), ("startupProbe", True)):
+        command = c[name]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "aligner.critic.probe"], command
+        args = probe_cli._parser().parse_args(command[3:])
+        scheme, hostport = readiness.parse_url(args.url)
+        assert (scheme, hostport) == ("grpc", f"127.0.0.1:{cfg.server.grpc_port}")
+        assert args.ready is ready
+        assert 0 < args.timeout < c[name]["timeoutSeconds"] <= c[name]["periodSeconds"], name
+    assert c["livenessProbe"]["failureThreshold"] * c["livenessProbe"]["periodSeconds"] >= 60
     annotations = dep["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == cfg.server.metrics_port
 
@@ -258,8 +290,10 @@ def test_actor_pytorchjob_on_several_nodes(schemas):
 
 
 def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
-    """Writes need the run token: one Secret, read by the critic and by every actor pod (Job and
-    PyTorchJob) as $ALIGNER_RUN_TOKEN; and only the actor's pods reach the critic's ports."""
+    """Writes need the run token: one Secret, mounted as a file in the critic and in every actor
+    pod (Job and PyTorchJob) at the path each role's config names, never in an environment or on
+    a command line; only the actor's pods reach the critic's gRPC port, and the critic reaches
+    only DNS."""
     for nodes in (1, 3):
         docs = rendered(f"actor_nodes={nodes}")
         secret = one(docs, "Secret")
@@ -267,10 +301,14 @@ def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
         assert len(token) >= render.MIN_TOKEN_CHARS and secret["immutable"] is True
         ref = (secret["metadata"]["name"], "token")
         dep, svc, critic_pod, c, tr, cfg = critic_parts(docs)
-        assert secret_env_of(c) == {P.RUN_TOKEN_ENV: ref}
-        # The server reads that variable when its config names no token file.
-        assert cfg.server.run_token_file is None
-        assert P.resolve_run_token(None, "server.run_token_file", {P.RUN_TOKEN_ENV: token}) == token
+        assert secret_env_of(c) == {}
+        ((path, got),) = secret_files_of(docs, critic_pod, c).items()
+        assert got == ref and f"server.run_token_file={path}" in tr.training_script_args
+        # The server's config check read the file as mounted (critic_parts): the Secret's token.
+        assert cfg.server.run_token_file is not None
+        assert token not in " ".join(c["args"])
+        (vol,) = [v for v in critic_pod["volumes"] if "secret" in v]
+        assert vol["secret"]["defaultMode"] == 0o440 and critic_pod["securityContext"]["fsGroup"]
         actor = one(docs, "Job" if nodes == 1 else "PyTorchJob")
         pods = (
             [actor["spec"]["template"]]
@@ -279,13 +317,15 @@ def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
         )
         for pod in pods:
             (main,) = pod["spec"]["containers"]
-            assert secret_env_of(main) == {P.RUN_TOKEN_ENV: ref}
+            assert secret_env_of(main) == {} and secret_files_of(docs, pod["spec"], main) == {path: ref}
+            assert f"critic.run_token_file={path}" in main["args"]
 
-        policy = one(docs, "NetworkPolicy")
+        policy = policy_named(docs, f"{secret['metadata']['labels']['app.kubernetes.io/instance']}-critic")
         critic_labels = dep["spec"]["template"]["metadata"]["labels"]
         spec = policy["spec"]
         assert spec["podSelector"]["matchLabels"].items() <= critic_labels.items()
-        assert spec["policyTypes"] == ["Ingress"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        assert spec["egress"] == [DNS_ONLY], "the server calls nothing but DNS"
         (rule,) = spec["ingress"]
         (peer,) = rule["from"]
         assert set(peer) == {"podSelector"}, "actor pods by label, nothing else"
@@ -295,11 +335,69 @@ def test_k8s_run_token_secret_and_network_policy_guard_the_critic(schemas):
         assert not admitted.items() <= critic_labels.items()
         ports = {resolve_port(c, p["port"]) for p in rule["ports"]}
         svc_ports = {p["name"]: resolve_port(c, p["targetPort"]) for p in svc["spec"]["ports"]}
-        assert ports == {svc_ports["grpc"], svc_ports["http"]} == {cfg.server.grpc_port, cfg.server.http_port}
+        assert ports == {svc_ports["grpc"]} == {cfg.server.grpc_port}
     # A fresh token per render, unless the values give one.
     assert one(rendered(), "Secret")["stringData"] != one(rendered(), "Secret")["stringData"]
     given = "a-run-token-of-my-own-0123"
     assert one(rendered(f"run_token={given}"), "Secret")["stringData"]["token"] == given
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_every_pod_runs_unprivileged_read_only_and_within_a_memory_limit(nodes):
+    docs = rendered(f"actor_nodes={nodes}")
+    steps = (ROOT / "Dockerfile").read_text().split("\n")
+    assert f"USER {UNPRIVILEGED_UID}" in steps, "the image's user is the one the pods run as"
+    for pod in pods_of(docs):
+        sc = pod["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == UNPRIVILEGED_UID
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        vols = {v["name"]: v for v in pod["volumes"]}
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            csc = c["securityContext"]
+            assert csc["readOnlyRootFilesystem"] is True and csc["allowPrivilegeEscalation"] is False
+            assert csc["capabilities"] == {"drop": ["ALL"]}
+            # What the processes write goes to volumes: /tmp (XDG_CACHE_HOME, HOME, torchrun).
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert "emptyDir" in vols[mounts["/tmp"]], c["name"]
+        for c in pod["containers"]:
+            res = c["resources"]
+            assert res["limits"]["memory"] == res["requests"]["memory"], c["name"]
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_actor_network_policy_lets_the_actor_reach_its_peers_the_critic_and_dns_only(nodes):
+    docs = rendered(f"actor_nodes={nodes}")
+    run = one(docs, "Secret")["metadata"]["labels"]["app.kubernetes.io/instance"]
+    spec = policy_named(docs, f"{run}-actor")["spec"]
+    actor_pods = pods_of(docs)[1:]
+    critic_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    for d in docs:
+        if d["kind"] in ("Job", "PyTorchJob"):
+            templates = (
+                [d["spec"]["template"]]
+                if d["kind"] == "Job"
+                else [r["template"] for r in d["spec"]["pytorchReplicaSpecs"].values()]
+            )
+    assert len(templates) == len(actor_pods)
+    for tpl in templates:
+        assert spec["podSelector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    (ingress,) = spec["ingress"]
+    (peers, critic, dns) = spec["egress"]
+    assert ingress["from"] == peers["to"] and "ports" not in ingress and "ports" not in peers
+    assert critic["to"][0]["podSelector"]["matchLabels"].items() <= critic_labels.items()
+    cfg = critic_parts(docs)[-1]
+    assert [p["port"] for p in critic["ports"]] == [cfg.server.grpc_port]
+    assert dns == DNS_ONLY
+    # actor_egress adds rules of the user's own (W&B, a model hub).
+    https = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443}]}
+    more = rendered(
+        f"actor_nodes={nodes}", "actor_egress=[{to: [{ipBlock: {cidr: 0.0.0.0/0}}], ports: [{port: 443}]}]"
+    )
+    extra = policy_named(more, f"{run}-actor")
+    validate(extra)
+    assert extra["spec"]["egress"] == [peers, critic, dns, https]
 
 
 def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):
@@ -332,7 +430,7 @@ def test_environment_names_in_the_manifests_are_ones_the_code_reads():
 
     for nodes in (1, 2):
         collect(rendered(f"actor_nodes={nodes}"))
-    assert names == {critic_client.ENV_URL, P.RUN_TOKEN_ENV}
+    assert names == {critic_client.ENV_URL}
     for name in names:
         assert f'"{name}"' in source, f"no code reads ${name}"
 

@@ -15,6 +15,13 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# multiprocessing's resource tracker lives as long as this process, by design: started here, before
+# any module's mark is set, it carries none and is never taken for a module's leftover.
+if os.name == "posix":
+    import multiprocessing.resource_tracker  # noqa: E402
+
+    multiprocessing.resource_tracker.ensure_running()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -3,6 +3,8 @@ service on the module's parallel state, and a batch of digit-sorting samples to 
 
 from __future__ import annotations
 
+import numpy as np
+
 from aligner.critic.config import build_config
 from aligner.critic.service import CriticService
 from aligner.critic.testing import digit_batch, tiny_config, train_arrays
@@ -19,3 +21,13 @@ def _batch(svc, b=4, seed=0):
     tokens, lengths, pl, prompts, responses = digit_batch(svc.tokenizer, b, seed=seed)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=seed)
     return tokens, lengths, pl, returns, old_values, mask, prompts, responses
+
+
+def assert_values_of_real_positions(got, want, lengths, atol: float = 0.0) -> None:
+    """critic_infer's ``values [b, s-1]`` against a padded forward's ``want``: equal (to ``atol``)
+    at each row's real positions ``t < lengths`` (capped at ``s - 1``), and 0 after them, where the packed forward
+    (``max_tokens_per_micro_batch``) computes nothing and nothing reads them."""
+    got, want = np.asarray(got), np.asarray(want)
+    real = np.arange(got.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    np.testing.assert_allclose(got[real], want[real], rtol=0, atol=atol)
+    assert not got[~real].any(), "values after a row's end must be 0"

@@ -70,6 +70,10 @@ class ServerConfig:
     """Most rows in one critic_train request (never merged by Triton)."""
     exit_timeout_s: int = 3
     """How long Triton waits for open connections/in-flight requests when stopping."""
+    infer_wait_s: float = 600.0
+    """How long a critic_infer waits for the critic step it names (``after_step``): the train of
+    that step may still be running or on its way (a step at real size takes minutes). Then the
+    request fails with an error naming both steps (docs/design.md, "Wire protocol")."""
     workspace_root: str | None = None
     """Where PyTriton's workspace (~22 MB of Triton binaries per start) goes; null: .cache/pytriton."""
     run_token_file: str | None = None
@@ -322,6 +326,15 @@ class CriticServerConfig:
     """'bf16' (bf16 weights and compute; fp32 master weights, gradients and Adam state), 'fp32', or 'auto' (bf16 where the GPU or CPU computes it natively: AVX512-BF16/AMX)."""
     model_forward: str = "auto"
     """How the critic and reward model forwards run: 'fused' (``aligner.models.fused``: Megatron's arithmetic in fewer ops on the same parameters), 'compiled' (fused under torch.compile, TP=1), 'megatron' (the modules' own forward), or 'auto' (fused where the architecture allows it, else megatron)."""
+    max_tokens_per_micro_batch: int | None = 8192
+    """Packed sequences (``aligner.models.packing``, docs/design.md "Packed sequences"): each
+    replica runs critic inference, reward-model scoring and critic training over its rows packed
+    without padding, in micro-batches of consecutive rows of at most this many real tokens (a
+    longer row alone), training gradients accumulated over them: the same values, scores and
+    steps to float round-off, the cost of the real tokens rather than rows x the longest row,
+    and memory bounded by the budget. Values past a row's length are 0 (nothing reads them). The
+    infer forward is kept for critic_train (``optim.reuse_infer_forward``) only when a replica's
+    rows fit one micro-batch. null: every replica's rows in one padded forward (no bound on memory)."""
 
     def problems(self) -> Problems:
         """Every cross-field problem, as messages that name the key (empty when consistent)."""
@@ -370,6 +383,8 @@ class CriticServerConfig:
             )
         if s.exit_timeout_s < 0:
             e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
+        if not s.infer_wait_s > 0:
+            e.append(f"server.infer_wait_s={s.infer_wait_s}: expected > 0 (seconds)")
         if s.run_token_file:
             try:
                 resolve_run_token(s.run_token_file, "server.run_token_file")
@@ -439,6 +454,9 @@ class CriticServerConfig:
             e.append(f"precision={self.precision!r}: expected one of {list(PRECISION_CHOICES)}")
         if self.model_forward not in FORWARD_MODES:
             e.append(f"model_forward={self.model_forward!r}: expected one of {list(FORWARD_MODES)}")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            e.append(f"max_tokens_per_micro_batch={budget!r}: expected an integer >= 1, or null (no packing)")
 
         c = self.checkpoint
         if c.keep_last < 0:
@@ -565,7 +583,7 @@ def build_config(data: Any) -> CriticServerConfig:
             "log": LogConfig,
             "limits": LimitsConfig,
         }
-        scalars = ("mode", "tokenizer", "seed", "precision", "model_forward")
+        scalars = ("mode", "tokenizer", "seed", "precision", "model_forward", "max_tokens_per_micro_batch")
         known_top = set(sections) | set(scalars)
         for k in sorted(set(data) - known_top):
             errors.append(f"{k}: unknown key; expected one of {sorted(known_top)}")

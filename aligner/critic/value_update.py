@@ -6,6 +6,16 @@ passes of ``optim.num_minibatches`` minibatches, each followed by a clipped opti
 first pass is the infer forward: with ``optim.reuse_infer_forward`` the last ``critic_infer``'s
 forward is kept with its graph and taken as that pass when the train is of the same tokens,
 which saves one forward and changes nothing (bit for bit).
+
+Packed sequences (``max_tokens_per_micro_batch``, :mod:`aligner.models.packing`): every forward
+here (values, scores, each training pass) runs over a replica's rows packed without padding, in
+micro-batches of consecutive rows under the token budget (:func:`plan_micro_batches`, a function
+of the lengths alone: every TP rank runs the same plan). A minibatch's gradient accumulates over
+its micro-batches, each micro-batch's loss weighted by its share of the minibatch's loss on this
+replica (its response tokens for ``token_mean``, its rows for ``seq_mean_token_mean``), so the
+step is the unpacked one to float round-off. The infer forward is kept for the train only when
+the replica's rows fit one micro-batch (keeping more would hold every micro-batch's activations
+at once, which the budget is there to bound).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from aligner.critic.config import CriticServerConfig
 from aligner.critic.errors import CriticServiceError
 from aligner.critic.replicas import row_slices
 from aligner.distributed import ParallelState, comm_device
-from aligner.models.forward import sequence_scores, token_values
+from aligner.models.forward import sequence_scores, sequence_scores_packed, token_values, token_values_packed
+from aligner.models.packing import pack, plan_micro_batches
 from aligner.rl import explained_variance, loss_start, value_loss
 from aligner.wire.protocol import TrainRequest, TrainResult
 
@@ -44,8 +55,9 @@ class ValueUpdate:
             then all-gathers the weights); None without a critic.
         reward_model: the frozen reward model, or None.
         cfg: the server's configuration: ``optim`` (epochs, minibatches, value clipping, loss
-            aggregation, gradient clipping) and ``seed`` (with the step id, it seeds each step's
-            minibatch permutation).
+            aggregation, gradient clipping), ``seed`` (with the step id, it seeds each step's
+            minibatch permutation) and ``max_tokens_per_micro_batch`` (packed micro-batches, or
+            None: one padded forward).
         state: this rank's place (device, TP group).
         reward_reads_text: the reward model reads its own tokenizer's ids (:meth:`score`), not
             the critic's: :meth:`forward` then computes values only.
@@ -69,6 +81,8 @@ class ValueUpdate:
         self.optim = optim = cfg.optim
         self.seed = cfg.seed
         self.state = state
+        self.max_tokens: int | None = getattr(cfg, "max_tokens_per_micro_batch", None)
+        """The packed micro-batches' token budget; None: unpacked."""
         # critic_infer's forward kept (with its graph) as the next matching critic_train's first
         # pass: exact when the forward ignores train/eval mode (the fused path has no dropout)
         # and the first minibatch is the whole batch in order.
@@ -88,16 +102,23 @@ class ValueUpdate:
         Without a critic (reward-only mode) the values are zeros.
 
         With ``reuse_infer_forward`` the values are computed with gradients and kept for
-        :meth:`train_step` (whatever was kept before is dropped)."""
+        :meth:`train_step` (whatever was kept before is dropped); packed, only when the rows fit
+        one micro-batch. Packed, the values past each row's length are 0."""
         self.kept = None
         if self.critic is None:  # reward-only: no values to compute
             scores = self.score(tokens, lengths) if self.scores_with_values else None
             return np.zeros((tokens.shape[0], tokens.shape[1] - 1), dtype=np.float32), scores
         dev = self.state.device
         t = torch.from_numpy(tokens).to(dev)
-        with torch.set_grad_enabled(self.reuse_infer_forward):
-            values = token_values(self.critic, t)  # [b, s-1]
-        if self.reuse_infer_forward:
+        plan = self._plan(lengths)
+        # Packed, the forward is kept only when it is one micro-batch (see the module's doc).
+        keep = self.reuse_infer_forward and (plan is None or len(plan) == 1)
+        with torch.set_grad_enabled(keep):
+            if plan is None:
+                values = token_values(self.critic, t)  # [b, s-1]
+            else:
+                values = torch.cat([self._values_packed(t[part], lengths[part]) for part in plan])
+        if keep:
             self.kept = (tokens.copy(), values)
         scores = self.score(tokens, lengths) if self.scores_with_values else None
         return values.detach().cpu().numpy().astype(np.float32, copy=False), scores
@@ -107,10 +128,28 @@ class ValueUpdate:
         ids, right padded) read at each row's last token, ``lengths [b]``."""
         assert self.reward_model is not None
         dev = self.state.device
+        plan = self._plan(lengths)
         with torch.no_grad():
             t = torch.from_numpy(np.ascontiguousarray(tokens)).to(dev)
+            if plan is not None:
+                parts = [sequence_scores_packed(self.reward_model, pack(t[p], lengths[p])) for p in plan]
+                return torch.cat(parts).float().cpu().numpy()  # [b]
             n = torch.from_numpy(np.ascontiguousarray(lengths)).to(dev)
             return sequence_scores(self.reward_model, t, n).float().cpu().numpy()  # [b]
+
+    def _plan(self, lengths: np.ndarray) -> list[slice] | None:
+        """The packed micro-batches of rows of ``lengths [b]``, as slices (consecutive rows);
+        None when packing is off."""
+        if self.max_tokens is None:
+            return None
+        return [slice(int(p[0]), int(p[-1]) + 1) for p in plan_micro_batches(lengths, self.max_tokens)]
+
+    def _values_packed(self, tokens: torch.Tensor, lengths: np.ndarray, start: int = 0) -> torch.Tensor:
+        """The critic's values of ``tokens [n, s]`` (``lengths [n]``) in one packed forward:
+        ``[n, s-1]``, as :func:`token_values` gives them at the real positions, 0 past them
+        (and, with ``start``, before it)."""
+        rows = pack(tokens, lengths)
+        return rows.unpack(token_values_packed(self.critic, rows, start), tokens.shape[1])[:, :-1]
 
     def drop_kept(self) -> None:
         """Forget the kept forward (its weights are being replaced)."""
@@ -123,6 +162,66 @@ class ValueUpdate:
         if kept is None or kept[0].shape != tokens.shape or not np.array_equal(kept[0], tokens):
             return None
         return kept[1]
+
+    def _backward(
+        self,
+        batch: tuple,
+        mine: torch.Tensor,
+        start: int,
+        kept: torch.Tensor | None,
+        loss_share: float | None,
+        first_pass_values: torch.Tensor | None,
+    ) -> tuple[float, float]:
+        """The value loss of this replica's rows ``mine`` (``[m]`` indices) of a minibatch and
+        its backward (gradients accumulate in the optimizer's fp32 holders): ``(loss, value
+        clip fraction)`` of those rows.
+
+        ``batch``: the step's ``(tokens [b, s], returns, old_values, mask [b, s-1] on the
+        device, response tokens per row [b] and lengths [b] on the host)``. ``start``: the
+        values are computed from there on (later passes). ``kept``: the kept infer forward's
+        values ``[m, s-1]`` (with their graph) to use instead of a forward. ``loss_share``:
+        this replica's share of the minibatch's loss, which the backward is scaled by (None at
+        DP=1: unscaled, bit for bit). ``first_pass_values``: ``[b, s-1]``, filled at ``mine``.
+
+        Packed, the rows run in micro-batches (:func:`plan_micro_batches` in ``mine``'s order),
+        each backward on its own, its loss weighted by its share of the rows' loss (response
+        tokens for ``token_mean``, rows for ``seq_mean_token_mean``: every row has a response
+        token) and its clip fraction by its share of the response tokens: their sums are the
+        loss and clip fraction of the rows in one forward, to round-off.
+        """
+        o = self.optim
+        tokens, returns, old_values, mask, row_tokens, lengths = batch
+        host = mine.cpu().numpy()
+        if kept is not None or self.max_tokens is None:
+            parts = [np.arange(len(host))]
+        else:
+            parts = [p.numpy() for p in plan_micro_batches(lengths[host], self.max_tokens)]
+        tokens_all = float(row_tokens[host].sum())
+        loss_value = clipfrac_value = 0.0
+        for part in parts:
+            rows = mine if len(parts) == 1 else mine[torch.from_numpy(part)]
+            if kept is not None:
+                values = kept
+            elif self.max_tokens is None:
+                values = token_values(self.critic, tokens[rows], start)  # [mb, s-1]
+            else:
+                values = self._values_packed(tokens[rows], lengths[host[part]], start)
+            loss, stats = value_loss(
+                values, old_values[rows], returns[rows], mask[rows], clip_eps=o.value_clip_eps, agg=o.loss_agg
+            )
+            if first_pass_values is not None:
+                first_pass_values[rows] = values.detach()
+            weight = token_weight = 1.0
+            if len(parts) > 1:
+                part_tokens = float(row_tokens[host[part]].sum())
+                token_weight = part_tokens / tokens_all if tokens_all > 0 else 0.0
+                weight = token_weight if o.loss_agg == "token_mean" else len(part) / len(host)
+            scale = weight * (1.0 if loss_share is None else loss_share)
+            # One forward at DP=1: the loss is left as it is (bit for bit).
+            (loss if len(parts) == 1 and loss_share is None else loss * scale).backward()
+            loss_value += weight * loss.item()
+            clipfrac_value += token_weight * float(stats["value_clipfrac"])
+        return loss_value, clipfrac_value
 
     def _grad_norm_and_clip(self, max_norm: float | None) -> float:
         """Global norm of the fp32 (master) gradients over the TP group, clipped to ``max_norm``."""
@@ -170,7 +269,9 @@ class ValueUpdate:
         ``r`` takes its rows (:func:`~aligner.critic.replicas.row_slices` of the minibatch's
         rows), and the gradients are summed over the replicas weighted by their share of the
         minibatch's loss (:meth:`_share`), in fp64: the step equals the DP=1 step on the whole
-        minibatch up to float rounding, and is the same on every replica.
+        minibatch up to float rounding, and is the same on every replica. Packed, each
+        replica's rows of a minibatch run in micro-batches whose gradients accumulate
+        (:meth:`_backward`): the same step, to round-off.
 
         A non-finite loss or gradient norm skips that optimiser step; in the first minibatch it
         fails the step with nothing applied (:class:`CriticServiceError`).
@@ -182,6 +283,9 @@ class ValueUpdate:
         returns = torch.from_numpy(np.ascontiguousarray(req.returns)).to(dev)  # [b, s-1]
         old_values = torch.from_numpy(np.ascontiguousarray(req.old_values)).to(dev)  # [b, s-1]
         mask = torch.from_numpy(np.ascontiguousarray(req.mask)).to(dev)  # [b, s-1]
+        # Host copies for planning and weighting the packed micro-batches (no device syncs).
+        lengths = np.asarray(req.lengths).reshape(-1)  # [b]
+        row_tokens = np.asarray(req.mask, dtype=np.float64).sum(axis=1)  # [b] response tokens per row
         b = tokens.shape[0]
         replicated = st.dp_size > 1
         # Same permutation on every rank: the generator depends on (seed, step, epoch) only.
@@ -207,27 +311,20 @@ class ValueUpdate:
                 mine = idx[row_slices(idx.numel(), st.dp_size)[st.dp_rank]]  # this replica's rows
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_share, token_share = self._share(mask, idx, mine) if replicated else (1.0, 1.0)
-                loss = clipfrac = torch.zeros((), dtype=torch.float32, device=dev)
+                loss_value = clipfrac_value = 0.0
                 if mine.numel():
-                    if epoch == 0 and kept is not None:  # one minibatch: mine is this replica's slice
-                        values = kept
-                    else:
-                        values = token_values(self.critic, tokens[mine], start if epoch else 0)  # [mb, s-1]
-                    loss, stats = value_loss(
-                        values,
-                        old_values[mine],
-                        returns[mine],
-                        mask[mine],
-                        clip_eps=o.value_clip_eps,
-                        agg=o.loss_agg,
+                    # One minibatch: mine is this replica's slice, what the kept forward is of.
+                    reuse = kept if epoch == 0 else None
+                    batch = (tokens, returns, old_values, mask, row_tokens, lengths)
+                    loss_value, clipfrac_value = self._backward(
+                        batch,
+                        mine,
+                        start if epoch else 0,
+                        reuse,
+                        loss_share if replicated else None,
+                        first_pass_values if epoch == 0 else None,
                     )
-                    clipfrac = stats["value_clipfrac"]
-                    if epoch == 0:
-                        first_pass_values[mine] = values.detach()
-                    # At DP=1 the share is 1 and the loss is left as it is (bit for bit).
-                    (loss * loss_share if replicated else loss).backward()
                 faults.SERVER.hit("train", req.step)  # tests only: a crash mid-step (aligner.faults)
-                loss_value, clipfrac_value = loss.item(), float(clipfrac)
                 if replicated:
                     # The minibatch's loss and clip fraction: the replicas' shares of them, summed.
                     summed = self._sum_over_replicas(

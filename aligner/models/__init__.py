@@ -10,6 +10,8 @@ Modules, each importing only those listed before it:
 - :mod:`~aligner.models.gpt`: the builders of the three roles' models, their heads and configs;
 - :mod:`~aligner.models.lora`: LoRA adapters on a built model, their arithmetic and the merged
   weights;
+- :mod:`~aligner.models.packing`: rows laid end to end without padding (positions restarting
+  per row) and micro-batch plans bounded by a token budget;
 - :mod:`~aligner.models.local_spec`, :mod:`~aligner.models.fused`: which models a forward over
   a model's own parameters (the fused one, and :mod:`aligner.generation.decoder`'s) reproduces,
   and the fused forward itself;

@@ -29,6 +29,12 @@ each transformer layer runs under ``torch.utils.checkpoint`` (non-reentrant) whe
 being recorded, keeping only its input; the backward runs the layer again. Gradients are the
 same as without, bit for bit (the same kernels on the same inputs).
 
+Packed rows (:meth:`FusedForward.packed`, :mod:`aligner.models.packing`): the same layers over
+rows laid end to end in one ``[1, T]`` sequence, RoPE (or the learned position embedding) read
+at each token's position in its own row, attention causal within each row
+(:func:`~aligner.models.attention.varlen_causal_attention`); the outputs are the padded
+forward's at the real positions, to round-off (``tests/models/test_packing.py``).
+
 Only models whose forward this reproduces take this path (:func:`unsupported_reason`: the
 local layer spec ``aligner.models.gpt`` builds, no dropout, no pipeline stages); anything else
 runs Megatron's forward. A model with LoRA adapters (:mod:`aligner.models.lora`) runs each
@@ -50,10 +56,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from aligner.models import local_spec
-from aligner.models.attention import causal_attention, grouped_attention, heads_last, queries_by_group
+from aligner.models.attention import (
+    causal_attention,
+    grouped_attention,
+    heads_last,
+    queries_by_group,
+    varlen_causal_attention,
+)
 from aligner.models.config import FORWARD_MODES
 from aligner.models.lora import TARGETS as LORA_TARGETS
 from aligner.models.lora import column_delta, lora_config_of, row_delta
+from aligner.models.packing import PackedRows
 from aligner.models.rope import apply_rope, rope_tables
 
 __all__ = ["FORWARD_MODES", "FusedForward", "unsupported_reason", "resolve_forward", "compile_available"]
@@ -206,12 +219,19 @@ def _params(model: nn.Module, spec: _Spec) -> list[torch.Tensor | None]:
     return out
 
 
-def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
+def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False, packed: bool = False):
     """The pure forward for one architecture: ``(tokens, cos, sin, allowed, *params) -> output``
     at positions ``start..n-1``; with ``rows``, ``(tokens, cos, sin, allowed, idx, *params) ->
     [b, 1, ...]``, the output at position ``idx[i]`` of each sequence ``i``. ``allowed``: the
     causal mask ``[n, n]``, True on and below the diagonal (read only where queries start
-    past position 0)."""
+    past position 0).
+
+    With ``packed`` (:mod:`aligner.models.packing`): ``tokens [1, T]`` are rows laid end to end,
+    ``cos``, ``sin`` ``[1, T, 1, 1, d]`` the tables at each token's position in its row,
+    ``allowed`` the rows' ``(cu_seqlens, bounds, max_len)`` (without RoPE, ``cos`` is the position
+    ids ``[1, T]``, for the learned position embeddings), and ``idx`` None or ``[T']``: the
+    packed positions at which the last layer runs its output projection, MLP and head (its
+    attention, a small part of it, runs everywhere) -> ``[1, T or T', ...]``."""
     g, h, d = spec.groups, spec.heads, spec.d
     r = h // g
     tp = spec.tp_size
@@ -290,7 +310,16 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
             qk = apply_rope(qk, cos, sin)
         k = qk[:, :, :, r].transpose(1, 2)  # [b, g, n, d]
         v = qkv[:, :, :, r + 1].transpose(1, 2)
-        if rows and last:  # one query per sequence, under its own row of the causal mask
+        if packed:  # b == 1: causal attention within each row, never across rows
+            cu, bounds, max_len = allowed
+            q = qk[0, :, :, :r].reshape(n, h, d)  # heads ordered (group, r)
+            kv = qk[0, :, :, r], qkv[0, :, :, r + 1]  # [T, g, d]
+            ctx = varlen_causal_attention(q, *kv, cu, bounds, max_len, spec.scale)
+            ctx = ctx.reshape(1, n, h * d)
+            if last and idx is not None:
+                ctx, x = ctx[:, idx], x[:, idx]
+            x = x + row(ctx, wproj, bproj, ab.get("linear_proj"))
+        elif rows and last:  # one query per sequence, under its own row of the causal mask
             at = torch.arange(b, device=x.device)
             q = queries_by_group(qk[at, idx, :, :r].unsqueeze(1))  # [b, g, r, d]
             ctx = grouped_attention(q, k, v, spec.scale, allowed[idx].view(b, 1, 1, n))
@@ -302,7 +331,8 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
         else:
             q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b, h, n, d)
             ctx = causal_attention(q, k, v, spec.scale)
-        x = x + row(heads_last(ctx, h), wproj, bproj, ab.get("linear_proj"))
+        if not packed:
+            x = x + row(heads_last(ctx, h), wproj, bproj, ab.get("linear_proj"))
         f = col(norm(x, n2w, n2b), w1, b1, ab.get("linear_fc1"), late_bias=True)
         if spec.gated:
             a, u = f.chunk(2, dim=-1)
@@ -314,11 +344,11 @@ def _forward_fn(spec: _Spec, start: int = 0, rows: bool = False):
     def forward(tokens, cos, sin, allowed, *p):
         n = tokens.shape[1]
         idx = None
-        if rows:
+        if rows or packed:
             idx, p = p[0], p[1:]
         x = embed(tokens, p[0])
-        if not spec.rope:
-            x = x + p[1][:n]
+        if not spec.rope:  # learned positions (packed: ``cos`` is the position ids, [1, T])
+            x = x + (p[1][cos[0]] if packed else p[1][:n])
         # Recompute: only the layers' inputs are kept, each layer runs again in the backward.
         # No RNG state to restore: nothing on this path draws random numbers (no dropout).
         recompute = spec.recompute and torch.is_grad_enabled()
@@ -414,6 +444,8 @@ class FusedForward:
         self.spec = _Spec(model, tp_size)
         self._fns: dict[int, tuple[int, object]] = {}  # start -> (start taken, forward)
         self._rows_fn = None
+        self._packed_fn = None
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # the packed forward's tables
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _tables_for(self, n: int, dtype: torch.dtype, device: torch.device):
@@ -468,3 +500,29 @@ class FusedForward:
                 _compiled_rows_fn(self.spec) if self.compiled else _forward_fn(self.spec, rows=True)
             )
         return self._rows_fn(tokens, cos, sin, allowed, idx.to(tokens.device, torch.int64), *params)
+
+    def packed(self, rows: PackedRows, at: torch.Tensor | None = None) -> torch.Tensor:
+        """The output of packed rows (:mod:`aligner.models.packing`), ``[1, T, ...]``, as the
+        padded forward gives it at each row's real positions: attention stays within each
+        row, positions restart at 0 in each. ``at``: ``[T']`` packed positions (sorted) where
+        the last layer runs its output projection, MLP and head -> ``[1, T', ...]``; None: all.
+
+        Always the eager function, also for a ``compiled`` forward: the per-row attention and a
+        total length that changes with every batch do not fit one compiled graph."""
+        params = _params(self.model, self.spec)
+        dtype, device = params[0].dtype, params[0].device
+        pos = rows.position_ids
+        if self.spec.rope:
+            # The longest tables built so far serve every shorter row (position p's entry does
+            # not depend on the table's length).
+            cos, sin = self._rope.get((dtype, device), (None, None))
+            if cos is None or cos.shape[1] < rows.max_len:
+                cos, sin = rope_tables(self.model, rows.max_len, self.spec.d, dtype, device)
+                self._rope[(dtype, device)] = (cos, sin)
+            cos, sin = cos[:, pos[0]], sin[:, pos[0]]  # [1, T, 1, 1, d]: each token's position
+        else:
+            cos = sin = pos
+        if self._packed_fn is None:
+            self._packed_fn = _forward_fn(self.spec, packed=True)
+        bounds = (rows.cu_seqlens, rows.bounds, rows.max_len)
+        return self._packed_fn(rows.tokens, cos, sin, bounds, at, *params)

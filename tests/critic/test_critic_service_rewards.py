@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from _critic_service import _batch, _service
+from _critic_service import _batch, _service, assert_values_of_real_positions
 
 from aligner.critic.config import build_config
 from aligner.critic.service import CriticService
@@ -43,7 +43,7 @@ def test_reward_model_scores_are_added_and_critic_starts_from_it(pstate, tmp_pat
     # The critic is the reward model's weights: its value at length-1 is the raw score (the
     # server's fused forward against Megatron's here: equal to round-off).
     values = token_values(rm, t).detach().numpy()
-    np.testing.assert_allclose(out.values, values, rtol=0, atol=1e-5)
+    assert_values_of_real_positions(out.values, values, lengths, atol=1e-5)
 
 
 def test_hf_sequence_classification_reward_model(pstate, tmp_path):
@@ -275,8 +275,8 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_texts(pstate, tmp_path,
             scores.append(float(sequence_scores(rm, torch.tensor([ids]), torch.tensor([len(ids)]))[0]))
     want = np.asarray(sort_reward(prompts, responses)) + [1.5, 0, 0] + (np.asarray(scores) - 0.5) / 2.0
     np.testing.assert_allclose(out.rewards, want, rtol=0, atol=1e-5)
-    np.testing.assert_array_equal(
-        out.values, token_values(svc.critic, torch.from_numpy(tokens)).detach().numpy()
+    assert_values_of_real_positions(
+        out.values, token_values(svc.critic, torch.from_numpy(tokens)).detach().numpy(), lengths, atol=1e-5
     )
     text = svc.info().reward["text"]
     assert (text["tokenizer"], text["rows"], text["truncated"]) == (reward_spec, 3, 1)

@@ -1,6 +1,6 @@
 """What the actor's policy and the server's critic share about optimisation: the AdamW and
 clipping settings (:class:`OptimConfig`, the ``optim`` section of both roles' configs), and the
-gradient plumbing: data-parallel averaging and global-norm clipping over tensor-parallel shards
+gradient plumbing: data-parallel sums (or means) and global-norm clipping over tensor-parallel shards
 (replicated weights counted once), and what the two optimizers share about gradients and state.
 The optimizers themselves are :class:`aligner.precision.MixedPrecisionAdamW` (every
 data-parallel rank holds the whole state) and :class:`aligner.sharded_optim.ShardedAdamW`
@@ -21,6 +21,7 @@ from aligner.config_checks import Problems
 
 __all__ = [
     "FP32Gradients",
+    "GRAD_REDUCTIONS",
     "OptimConfig",
     "PARALLEL_ATTRS",
     "STATE_FORMAT",
@@ -210,13 +211,24 @@ def state_problems(
     return problems
 
 
-def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> None:
-    """Average gradients over the data-parallel group (one flat buffer, one collective).
+GRAD_REDUCTIONS = ("mean", "sum")
+"""What :func:`allreduce_gradients` makes of the data-parallel ranks' gradients."""
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int, *, op: str = "mean") -> None:
+    """Sum (``op="sum"``) or average (``op="mean"``) gradients over the data-parallel group of
+    size ``world`` (one flat buffer, one collective).
+
+    Which one follows from the loss: ``"sum"`` when each rank's loss is already its share of
+    the global batch's (divided by the whole batch's normaliser, as the actor's PPO loss is),
+    ``"mean"`` when each rank's loss is a mean over its own rows (equal shares).
 
     The sum is taken in fp32 (fp64 gradients stay fp64) even when the gradients are bf16, and
     cast back; pass fp32 master gradients (``MixedPrecisionAdamW.allreduce_grads``) to keep the
-    mean itself in fp32.
+    result itself in fp32.
     """
+    if op not in GRAD_REDUCTIONS:
+        raise ValueError(f"unknown gradient reduction {op!r}; allowed: {', '.join(GRAD_REDUCTIONS)}")
     if world == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
@@ -225,7 +237,8 @@ def allreduce_gradients(params: list[torch.nn.Parameter], group, world: int) -> 
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat, group=group)
-    flat /= world
+    if op == "mean":
+        flat /= world
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -27,7 +27,8 @@ How to use it (the actor's trainer and the critic service do exactly this)::
     for micro in micro_batches:
         loss = ...                                   # losses, logprobs, KL in fp32: the model
         (loss / n_micro).backward()                  # helpers in aligner.models.forward return fp32
-    opt.allreduce_grads(dp_group, dp_size)           # DP mean of the fp32 master grads
+    opt.allreduce_grads(dp_group, dp_size)           # DP mean of the fp32 master grads (op="sum":
+                                                     # their sum, for losses over a global count)
     norm = opt.clip_grad_norm(max_norm, tp_group, tp_size, tp_rank)   # fp32, TP-aware
     stepped = opt.step()                             # False (nothing applied) if norm was not finite
     sched.step()
@@ -231,10 +232,12 @@ class MixedPrecisionAdamW(FP32Gradients, torch.optim.AdamW):
             p.grad = None
         self.last_grad_norm = None
 
-    def allreduce_grads(self, group, world: int) -> None:
-        """Average the fp32 master gradients over the data-parallel ``group`` of size ``world``."""
+    def allreduce_grads(self, group, world: int, *, op: str = "mean") -> None:
+        """Average (``op="mean"``) or sum (``op="sum"``: for losses already divided by the global
+        batch's normaliser) the fp32 master gradients over the data-parallel ``group`` of size
+        ``world`` (:func:`aligner.optim.allreduce_gradients`)."""
         self.copy_grads_to_master()
-        allreduce_gradients(self.master_params, group, world)
+        allreduce_gradients(self.master_params, group, world, op=op)
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:  # type: ignore[override]

@@ -10,8 +10,8 @@ weights, against ``12 N`` (bf16 weights) or ``8 N`` (fp32: the weights are their
 for :class:`aligner.precision.MixedPrecisionAdamW`. One step::
 
     backward                     bf16 gradients move into fp32 holders as they are produced
-    allreduce_grads(dp, DP)      the DP mean of the whole fp32 gradients (the same call, on the
-                                 same flat buffer, as the unsharded optimizer's)
+    allreduce_grads(dp, DP)      the DP mean (op="sum": the sum) of the whole fp32 gradients (the
+                                 same call, on the same flat buffer, as the unsharded optimizer's)
     clip_grad_norm(...)          the same norm over the same whole gradients, TP-aware
     step()                       AdamW on this rank's slice (torch's arithmetic, element-wise),
                                  then the updated weights all-gathered into the model, in the
@@ -21,8 +21,8 @@ Why the gradients are all-reduced and not reduce-scattered (which would halve th
 traffic; gloo and NCCL both have it): the global norm would then be summed from the slices,
 which cut parameters where the shard boundaries fall, in another order than the unsharded
 optimizer's per-parameter norms; its float64 rounding, and so the clip coefficient, could
-differ in the last bit. With the all-reduce every rank holds the DP mean of the whole gradient
-(as ZeRO-1 does: only the optimizer state is sharded), measures the norm exactly as the
+differ in the last bit. With the all-reduce every rank holds the DP mean (or sum) of the whole
+gradient (as ZeRO-1 does: only the optimizer state is sharded), measures the norm exactly as the
 unsharded optimizer does, and Adam, being element-wise, gives each element of the slice the
 bits it gives that element whole. So an update is bit-identical to the unsharded one at any DP
 size, on gloo and NCCL alike; the cost is the weights' all-gather on top of the all-reduce.
@@ -242,15 +242,16 @@ class ShardedAdamW(FP32Gradients, torch.optim.AdamW):
             p.grad = None
         self.last_grad_norm = None
 
-    def allreduce_grads(self, group, world: int) -> None:
-        """Average the whole fp32 gradients over the data-parallel ``group`` of size ``world``
-        (this optimizer's own group): each rank then steps its slice of the mean."""
+    def allreduce_grads(self, group, world: int, *, op: str = "mean") -> None:
+        """Average (``op="mean"``) or sum (``op="sum"``) the whole fp32 gradients over the
+        data-parallel ``group`` of size ``world`` (this optimizer's own group): each rank then
+        steps its slice of the result."""
         if world != self.dp_size:
             raise ValueError(
                 f"allreduce_grads over {world} ranks: this optimizer is sharded over {self.dp_size}"
             )
         self.copy_grads_to_master()
-        allreduce_gradients(self.grad_params, group, world)
+        allreduce_gradients(self.grad_params, group, world, op=op)
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:  # type: ignore[override]

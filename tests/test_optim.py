@@ -1,5 +1,5 @@
-"""Gradient averaging and TP-aware clipping, against plain PyTorch on one process, and at TP=2
-against the TP=1 norm of the same full gradient."""
+"""Gradient sums and means over data parallelism, and TP-aware clipping, against plain PyTorch on
+one process, and at TP=2 against the TP=1 norm of the same full gradient."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from aligner.distributed import free_port
-from aligner.optim import clip_grad_norm
+from aligner.optim import allreduce_gradients, clip_grad_norm
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -71,3 +71,45 @@ def test_tp2_norm_counts_shards_once_and_replicated_once():
     for _rank, norm, expected in results:
         assert expected is not None, norm
         assert norm == pytest.approx(expected, rel=1e-6)  # reference summed in float32
+
+
+def test_grad_reduction_is_named_and_one_rank_is_left_alone():
+    ps = _params(2)
+    before = [p.grad.clone() for p in ps]
+    for op in ("mean", "sum"):
+        allreduce_gradients(ps, None, 1, op=op)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, ps))
+    with pytest.raises(ValueError, match="'average'"):
+        allreduce_gradients(ps, None, 1, op="average")
+
+
+def _dp_worker(rank: int, port: int, q) -> None:
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        out = {}
+        for op in ("sum", "mean"):
+            p = torch.nn.Parameter(torch.zeros(3))
+            p.grad = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)  # rank 0: g, rank 1: 2g
+            allreduce_gradients([p], dist.group.WORLD, 2, op=op)
+            out[op] = p.grad.tolist()
+        q.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException as e:  # report, do not hang the peer
+        q.put((rank, repr(e)))
+
+
+@pytest.mark.multiprocess
+def test_dp2_gradients_summed_or_averaged():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dp_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    for _rank, out in results:
+        assert isinstance(out, dict), out
+        assert out == {"sum": [3.0, 6.0, 9.0], "mean": [1.5, 3.0, 4.5]}

@@ -93,6 +93,17 @@ class PPOConfig:
     """Samples per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 32
     """Samples per forward/backward on one rank (gradient accumulation below the minibatch)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Packed sequences (``aligner.models.packing``): the policy's and the reference's forwards
+    (the PPO update, the rollout's and the reference's log-probs, validation's) run over each
+    rank's rows packed without padding, in micro-batches of consecutive rows of at most this
+    many real tokens (a longer row alone) instead of micro_batch_size rows: the same loss,
+    gradients and log-probs to float round-off (the loss is the global minibatch's whatever the
+    cut), at the cost of the real tokens rather than rows x the longest row, and memory bounded
+    by the budget. null: micro-batches of micro_batch_size rows. Under pipeline parallelism the
+    micro-batches keep micro_batch_size rows (Megatron's schedule sends activations of one fixed
+    shape between the stages). Packed, the rollout's log-probs take a forward of their own
+    (reuse_rollout_forward needs the update's first pass to be one micro-batch of every row)."""
     samples_per_prompt: int = 1
     """Responses drawn for each prompt of a step, a group on one data-parallel rank with distinct
     sampling streams: 1 for PPO with a critic; 4-16 for 'grpo' and 'rloo' (which need >= 2: they
@@ -196,6 +207,13 @@ class PPOConfig:
             ),
         )
         e += self._estimator_problems(prefix, max_new_tokens)
+        budget = self.max_tokens_per_micro_batch
+        e.expect(
+            budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1),
+            f"{prefix}.max_tokens_per_micro_batch",
+            budget,
+            "an integer >= 1, or null (no packing)",
+        )
         e.expect(0 < self.clip_eps < 1, f"{prefix}.clip_eps", self.clip_eps, "a value in (0, 1)")
         high, dual, vlam = self.clip_eps_high, self.dual_clip, self.value_lam
         e.expect(high is None or high > 0, f"{prefix}.clip_eps_high", high, "> 0 or null")

@@ -10,15 +10,27 @@ has logits, computes what the caller asks of them:
   mode and without gradients, then broadcast from the last stage to every stage of the pipeline,
   so that every rank of a data-parallel replica continues the step with the same tensors;
 - :meth:`PipelineSchedule.train`: a loss per micro-batch (the clipped surrogate); the schedule
-  runs each stage's backward, and the loss's statistics, averaged over the micro-batches, reach
-  every stage. The stages' gradients of a tied embedding are then summed over Megatron's
-  embedding group (first and last stage) by :func:`allreduce_tied_embedding_grads`, on the
-  optimizer's fp32 masters under mixed precision, as Megatron's optimizer does.
+  runs each stage's backward, and the loss's statistics, summed (or averaged) over the
+  micro-batches, reach every stage. The stages' gradients of a tied embedding are then summed
+  over Megatron's embedding group (first and last stage) by
+  :func:`allreduce_tied_embedding_grads`, on the optimizer's fp32 masters under mixed precision,
+  as Megatron's optimizer does.
 
-The loss a micro-batch returns is divided by the number of micro-batches before its backward
-(the schedule's convention), as the unpipelined path divides it, so the gradients of one
-minibatch are the same under both. Shapes: ``b`` rows, ``s`` padded length, ``v`` this TP rank's
-vocabulary shard.
+What the gradients are of (``reduce``): Megatron's schedule divides each micro-batch's loss by
+the number of micro-batches before its backward (``reduce="mean"``: the mean of the micro-batch
+losses, Megatron's convention). The PPO update's micro-batch losses are already divided by the
+count of the whole global minibatch (:func:`aligner.rl.aggregate`'s ``normaliser``), so it asks
+for their sum (``reduce="sum"``): the loss goes to backward as it is (the schedule is told the
+loss is final, Megatron's ``calculate_per_token_loss``), as the unpipelined path takes it, and the
+gradients of one minibatch are the same under both.
+
+Micro-batches here are always ``micro_batch_size`` rows of the padded length, never packed
+(``ppo.max_tokens_per_micro_batch`` does not apply under PP > 1): Megatron's schedule sends
+activations ``[s, micro_batch_size, h]`` of one fixed shape from stage to stage (the receiving
+stage allocates its buffer from ``seq_length`` and ``micro_batch_size`` before it knows what
+comes), which micro-batches of varying packed lengths would break.
+
+Shapes: ``b`` rows, ``s`` padded length, ``v`` this TP rank's vocabulary shard.
 """
 
 from __future__ import annotations
@@ -118,23 +130,37 @@ class PipelineSchedule:
         return out[0], (out[1] if with_entropy else None)
 
     def train(
-        self, model: torch.nn.Module, tokens: torch.Tensor, micro_batch_size: int, loss_fn: LossFn, start: int
+        self,
+        model: torch.nn.Module,
+        tokens: torch.Tensor,
+        micro_batch_size: int,
+        loss_fn: LossFn,
+        start: int,
+        *,
+        reduce: str = "mean",
     ) -> dict[str, float]:
         """Forward and backward of every micro-batch of ``tokens [b, s]`` (``b`` divisible by
-        ``micro_batch_size``), accumulating gradients into the stage's parameters; returns the
-        mean of each statistic ``loss_fn`` reports, on every stage. A tied embedding's two copies
-        still hold their own stage's gradient: :func:`allreduce_tied_embedding_grads` sums them."""
+        ``micro_batch_size``), accumulating gradients into the stage's parameters. ``reduce``:
+        ``"mean"``, the gradients of the mean of the micro-batch losses (Megatron's convention)
+        and the mean of each statistic ``loss_fn`` reports; ``"sum"``, the gradients of their
+        sum (losses already divided by a whole batch's count) and the sum of each statistic.
+        Returns the statistics, on every stage. A tied embedding's two copies still hold their
+        own stage's gradient: :func:`allreduce_tied_embedding_grads` sums them."""
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         if tokens.shape[0] % micro_batch_size:
             raise ValueError(f"{tokens.shape[0]} rows do not split into micro-batches of {micro_batch_size}")
-        n = tokens.shape[0] // micro_batch_size
+        n = tokens.shape[0] // micro_batch_size if reduce == "mean" else 1
 
         def with_stats(logits: torch.Tensor, rows: torch.Tensor):
             loss, stats = loss_fn(logits, rows)
-            # Copies: the schedule divides the loss in place by the number of micro-batches, and
-            # a detached statistic may share the loss's storage.
-            return loss, {k: torch.as_tensor(v).detach().float().clone() for k, v in stats.items()}
+            # Copies: the schedule may divide the loss in place, and a detached statistic may
+            # share the loss's storage. In float64: sums of counts stay exact.
+            return loss, {k: torch.as_tensor(v).detach().double().clone() for k, v in stats.items()}
 
-        parts = self._run(model, tokens, micro_batch_size, with_stats, start, forward_only=False)
+        parts = self._run(
+            model, tokens, micro_batch_size, with_stats, start, forward_only=False, final_loss=reduce == "sum"
+        )
         stats: dict[str, float] = {}
         if self.state.is_last_stage:
             for part in parts:
@@ -153,10 +179,13 @@ class PipelineSchedule:
         start: int,
         *,
         forward_only: bool,
+        final_loss: bool = False,
     ) -> list[dict[str, Any]]:
         """Run ``tokens`` through the schedule in micro-batches of ``micro_batch_size`` rows;
         ``on_logits(logits, row indices)`` on the last stage gives each micro-batch's loss and
-        outputs. Returns the outputs (the last stage's; empty elsewhere)."""
+        outputs. ``final_loss``: each loss goes to backward as it is; else the schedule divides
+        it by the number of micro-batches. Returns the outputs (the last stage's; empty
+        elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         b, s = tokens.shape
@@ -179,16 +208,27 @@ class PipelineSchedule:
 
             def loss_func(output: torch.Tensor):
                 logits = self.logprobs.masked(output.float()[:, start:])
-                return on_logits(logits, rows)
+                loss, outputs = on_logits(logits, rows)
+                if final_loss:
+                    # Megatron's (loss, num_tokens, outputs) form under calculate_per_token_loss:
+                    # the loss is not divided (the token count only adds up in a counter no
+                    # finalize step reads: this project sets no finalize_model_grads_func).
+                    return loss, torch.ones((), dtype=torch.int), outputs
+                return loss, outputs
 
             return out, loss_func
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=len(batches),
-            seq_length=s,
-            micro_batch_size=mbs,
-            forward_only=forward_only,
-        )
+        per_token = m.config.calculate_per_token_loss
+        m.config.calculate_per_token_loss = final_loss
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=len(batches),
+                seq_length=s,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+        finally:
+            m.config.calculate_per_token_loss = per_token

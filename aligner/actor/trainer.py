@@ -364,6 +364,10 @@ class PPOTrainer:
             loss_mask=loss_mask if p.overlong_filtering else None,
         )
         metrics = record.metrics(self._dp_group)
+        if not self.critic_free:  # over every data-parallel rank's rows, not this rank's alone
+            metrics["critic/explained_variance"] = float(
+                rl.explained_variance(values, returns, mask, self._dp_group)
+            )
         metrics.update(sampled)
         if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
             spread = rl.group_score_std(shaped.scores, p.samples_per_prompt).reshape(1)
@@ -462,12 +466,21 @@ class PPOTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``model``'s log-probs (and entropy) ``[b, s-1]`` of the generated rows, without
         gradient, in micro-batches: through the pipeline schedule under PP (one sequence length
-        per call), else each micro-batch cut to its longest row."""
-        mb = self.cfg.ppo.micro_batch_size
+        per call), else each micro-batch cut to its longest row, or packed under the token
+        budget (``ppo.max_tokens_per_micro_batch``)."""
+        p = self.cfg.ppo
         if self.pipeline is not None:
-            return self.pipeline.no_grad(model, gen.tokens, mb, with_entropy=with_entropy, start=start)
+            return self.pipeline.no_grad(
+                model, gen.tokens, p.micro_batch_size, with_entropy=with_entropy, start=start
+            )
         return self.logprobs.no_grad(
-            model, gen.tokens, mb, with_entropy=with_entropy, start=start, lengths=gen.lengths
+            model,
+            gen.tokens,
+            p.micro_batch_size,
+            with_entropy=with_entropy,
+            start=start,
+            lengths=gen.lengths,
+            max_tokens=p.max_tokens_per_micro_batch,
         )
 
     def _reference_logprobs(self, gen: GenerationOutput, start: int) -> torch.Tensor:

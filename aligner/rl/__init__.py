@@ -76,7 +76,10 @@ from aligner.rl.losses import (
     AGG_MODES,
     aggregate,
     explained_variance,
+    loss_normaliser,
     policy_loss,
+    policy_stat_sums,
+    policy_stats_from_sums,
     value_loss,
 )
 from aligner.rl.rewards import (
@@ -132,6 +135,7 @@ __all__ = [
     "global_masked_var",
     "global_whiten",
     "kl_penalty",
+    "loss_normaliser",
     "loss_start",
     "masked_mean",
     "masked_sum",
@@ -139,6 +143,8 @@ __all__ = [
     "overlong_filter",
     "overlong_penalty",
     "policy_loss",
+    "policy_stat_sums",
+    "policy_stats_from_sums",
     "reinforce_pp_advantages",
     "response_mask",
     "returns_to_go",

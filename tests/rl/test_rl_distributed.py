@@ -21,11 +21,14 @@ import torch.multiprocessing as mp
 
 from aligner.rl import (
     RunningMoments,
+    aggregate,
     entropy_from_logits,
+    explained_variance,
     gather_logprobs,
     global_masked_mean,
     global_masked_var,
     global_whiten,
+    loss_normaliser,
     masked_mean,
     masked_var,
     reinforce_pp_advantages,
@@ -160,6 +163,21 @@ def _data_parallel_worker(rank: int) -> None:
             _close(global_whiten(x, m, shift_mean=shift, group=group), whiten(x_all, m_all, shift)[rows])
         # the local statistics differ from the global ones, so the checks above can fail
         assert not torch.allclose(masked_mean(x, m), masked_mean(x_all, m_all))
+        # explained variance over both ranks' rows (values: x, returns: x plus noise)
+        noise = torch.randn(x_all.shape, generator=torch.Generator().manual_seed(3))
+        r_all = x_all + noise
+        _close(explained_variance(x, r_all[rows], m, group=group), explained_variance(x_all, r_all, m_all))
+        assert not torch.allclose(
+            explained_variance(x, r_all[rows], m), explained_variance(x_all, r_all, m_all)
+        )
+        # a loss over the global normaliser (summed over the ranks): the ranks' losses add up to
+        # the whole batch's
+        for agg in ("token_mean", "seq_mean_token_mean"):
+            n = loss_normaliser(m, agg)
+            dist.all_reduce(n, group=group)
+            part = aggregate(x, m, agg, n)
+            dist.all_reduce(part, group=group)
+            _close(part, aggregate(x_all, m_all, agg))
 
     # a rank whose whole batch is masked still participates and gets the global result
     x0, m0 = _dp_batch(5, 3, s)

@@ -1,5 +1,7 @@
-"""Tests of aligner.rl.losses (the clipped policy and value losses, their aggregation, explained variance) against the naive references of _rl_naive.py and
-hand-worked cases."""
+"""Tests of aligner.rl.losses (the clipped policy and value losses, their aggregation, explained
+variance) against the naive references of _rl_naive.py and hand-worked cases; and a batch cut
+into parts: each part's loss over the whole batch's normaliser and the parts' statistics as sums
+add up to the whole batch's (against a naive loop over the parts)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ from _rl_naive import (
 from aligner.rl import (
     aggregate,
     explained_variance,
+    loss_normaliser,
     policy_loss,
+    policy_stat_sums,
+    policy_stats_from_sums,
     value_loss,
 )
 
@@ -143,6 +148,109 @@ def test_policy_loss_extreme_and_empty():
     assert all(v.item() == 0.0 for v in empty_stats.values())
     with pytest.raises(ValueError, match="dual_clip"):
         policy_loss(old, old, adv, mask, dual_clip=1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# A batch in parts: the global normaliser and summed statistics
+# ---------------------------------------------------------------------------------------
+
+
+def naive_part_losses(x, mask, parts, mode):
+    """Each part's (a list of row indices) loss over the whole batch's count, by loops: the sum of
+    its per-token terms (token_mean) or of its rows' token means (seq_mean_token_mean), over the
+    whole batch's tokens or rows with a token."""
+    rows = [[v for v, m in zip(xr, mr) if m] for xr, mr in zip(x, mask)]
+    if mode == "token_mean":
+        count = sum(len(r) for r in rows)
+        per_row = [sum(r) for r in rows]
+    else:
+        count = sum(1 for r in rows if r)
+        per_row = [sum(r) / len(r) if r else 0.0 for r in rows]
+    return [sum(per_row[i] for i in part) / count if count else 0.0 for part in parts]
+
+
+def _parts(b: int, seed: int) -> list[list[int]]:
+    """The rows ``0..b-1`` shuffled and cut into parts of uneven sizes (one may be empty)."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(b, generator=g).tolist()
+    cuts = sorted(torch.randint(0, b + 1, (2,), generator=g).tolist())
+    return [order[: cuts[0]], order[cuts[0] : cuts[1]], order[cuts[1] :]]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("b,s", SHAPES)
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_parts_over_the_global_normaliser_add_up_to_the_whole(seed, b, s, agg):
+    mask, nmask = ragged_batch(seed, b, s)
+    x = with_garbage(rand(seed, b, s - 1), mask)
+    parts = _parts(b, seed)
+    normaliser = sum(loss_normaliser(mask[p], agg) for p in parts)
+    assert float(normaliser) == float(loss_normaliser(mask, agg))
+    got = [aggregate(x[p], mask[p], agg, normaliser) for p in parts]
+    for g, want in zip(got, naive_part_losses(x.tolist(), nmask, parts, agg)):
+        close(g, want)
+    close(sum(got), aggregate(x, mask, agg))
+    close(sum(got), naive_aggregate(x.tolist(), nmask, agg))
+    # The policy loss and its gradient likewise.
+    old = rand(seed, b, s - 1) - 2.0
+    logp = (old + rand(seed + 1, b, s - 1, scale=0.5)).requires_grad_()
+    adv = rand(seed + 2, b, s - 1, scale=1.5)
+    whole, whole_stats = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, agg)
+    (want_grad,) = torch.autograd.grad(whole, logp)
+    total, sums = 0.0, {}
+    for p in parts:
+        loss, stats = policy_loss(logp[p], old[p], adv[p], mask[p], 0.2, 0.28, 3.0, agg, normaliser)
+        total = total + loss
+        for k, v in policy_stat_sums(stats, mask[p]).items():
+            sums[k] = sums.get(k, 0.0) + v
+    close(total, whole)
+    (grad,) = torch.autograd.grad(total, logp)
+    close(grad, want_grad, atol=1e-6)
+    merged = policy_stats_from_sums(sums)
+    assert merged.keys() == whole_stats.keys()
+    for k, v in whole_stats.items():
+        close(merged[k].float(), v, atol=1e-6)
+    # The value loss too.
+    vl = [value_loss(x[p], old[p], adv[p], mask[p], 0.2, agg, normaliser)[0] for p in parts]
+    close(sum(vl), value_loss(x, old, adv, mask, 0.2, agg)[0])
+
+
+def test_global_normaliser_hand_worked():
+    # row 0 tokens {1, 3}, row 1 token {8}, row 2 none; parts [row 0] and [rows 1, 2]
+    x = torch.tensor([[1.0, 3.0, 7.0], [8.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert float(loss_normaliser(mask, "token_mean")) == 3.0
+    assert float(loss_normaliser(mask, "seq_mean_token_mean")) == 2.0
+    assert float(loss_normaliser(mask[1:], "seq_mean_token_mean")) == 1.0
+    # token_mean over 3 tokens: (1 + 3) / 3 + 8 / 3 = 4
+    close(aggregate(x[:1], mask[:1], "token_mean", 3.0), 4 / 3)
+    close(aggregate(x[1:], mask[1:], "token_mean", torch.tensor(3.0)), 8 / 3)
+    # seq_mean_token_mean over 2 rows: 2 / 2 + 8 / 2 = 5
+    close(aggregate(x[:1], mask[:1], "seq_mean_token_mean", 2.0), 1.0)
+    close(aggregate(x[1:], mask[1:], "seq_mean_token_mean", 2.0), 4.0)
+    # What averaging the parts' own means gives instead (the per-micro-batch mean): (2 + 8) / 2
+    # = 5, not the batch's token mean 4.
+    close((aggregate(x[:1], mask[:1], "token_mean") + aggregate(x[1:], mask[1:], "token_mean")) / 2, 5.0)
+    # A normaliser of 0 (no token anywhere) gives 0, not NaN.
+    assert aggregate(x, torch.zeros(3, 3), "token_mean", 0.0).item() == 0.0
+    # Statistics: ratios {1.5, 0.5} in one part and {1.0} in another merge to the batch's
+    # mean 1 and population variance 1/6.
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.0, 2.0]]))
+    m = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    sums = {}
+    for p in ([0], [1]):
+        _, stats = policy_loss(logp[p], torch.zeros(1, 2), torch.ones(1, 2), m[p])
+        for k, v in policy_stat_sums(stats, m[p]).items():
+            sums[k] = sums.get(k, 0.0) + v
+    merged = policy_stats_from_sums(sums)
+    assert float(sums["tokens"]) == 3.0
+    close(merged["ratio_mean"].float(), 1.0)
+    close(merged["ratio_var"].float(), 1 / 6)
+    # Several batches side by side (one of them empty): element-wise.
+    both = {k: torch.stack([v, torch.zeros_like(v)]) for k, v in sums.items()}
+    side = policy_stats_from_sums(both)
+    close(side["ratio_var"].float(), [1 / 6, 0.0])
+    assert side["clipfrac"][1].item() == 0.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -3,7 +3,13 @@ steps 3 and 6).
 
 - ``critic_infer``: the first rank of each data-parallel replica (tensor-parallel rank 0 of the
   first pipeline stage) sends the replica's rows and broadcasts the values and scores to the
-  replica's other ranks (its tensor- and pipeline-parallel peers hold the same rows).
+  replica's other ranks (its tensor- and pipeline-parallel peers hold the same rows). Each
+  request names ``after_step``, the critic step its values must come from, the same on every
+  rank: the step of the last ``critic_train`` the run sent, or, before the first one since the
+  run started or rolled back, the step the server held then (rank 0's client's, broadcast
+  once: the server's at connection, or the step it had the server load); critic-free runs ask
+  for none. The server answers once it holds that step, so every replica gets the values of the
+  same critic whichever rank's request arrives first (docs/design.md, "Wire protocol").
 - ``critic_train``: every data-parallel rank's rows are gathered (padded to a common length) and
   global rank 0 sends them once per step; the step does not wait for the answer. The one update
   in flight, and the result of the last one until the step that reports it, are kept here.
@@ -13,15 +19,19 @@ steps 3 and 6).
   (:func:`server_mode_problem`).
 - Failures: a wait on the server fails on the ranks that sent (a timeout, a restarted server),
   yet every rank must leave the step together. Under more than one rank, each wait ends in one
-  all-reduce of an outcome code, so that every rank raises: the sender its own error, the
-  others a :class:`~aligner.wire.handle.CriticRestartedError` (the actor then rolls back, on
-  every rank) or a :class:`~aligner.wire.handle.CriticError` naming the failure elsewhere.
+  all-reduce of an outcome code, so that every rank raises: a
+  :class:`~aligner.wire.handle.CriticRestartedError` on every rank when any rank found the
+  server restarted (the actor then rolls back, on every rank; a rank whose own wait failed
+  otherwise, e.g. an infer that waited for a step the restarted server never gets, raises it
+  too), else the sender its own error and the others a
+  :class:`~aligner.wire.handle.CriticError` naming the failure elsewhere.
 
 Shapes: ``b`` this rank's rows, ``s`` padded length.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -32,7 +42,7 @@ import torch.distributed as dist
 from aligner.distributed import ParallelState, comm_device
 from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
-from aligner.wire.protocol import TrainResult
+from aligner.wire.protocol import ANY_CRITIC_STEP, TrainResult
 
 __all__ = ["CriticLink", "sample_texts", "server_has_critic", "server_mode_problem"]
 
@@ -83,6 +93,16 @@ def _rows(x: Any) -> list:
     return (x.detach().cpu() if hasattr(x, "detach") else x).tolist()
 
 
+def _takes_after_step(critic: Any) -> bool:
+    """Whether ``critic.infer`` takes ``after_step`` (the client does; an in-process handle
+    written before it existed, which answers in order by itself, may not)."""
+    try:
+        params = inspect.signature(critic.infer).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "after_step" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _failed(error: BaseException) -> Future:
     """A future that holds ``error``: a request refused before it was sent fails where it is waited on."""
     future: Future = Future()
@@ -99,7 +119,14 @@ class CriticLink:
         """The ``critic_train`` request in flight (global rank 0 only)."""
         self.completed: TrainResult | None = None
         """The result of the last finished ``critic_train``, until a step reports it."""
+        self.critic_free = False
+        """No critic in this run (:meth:`check_mode`): its infers ask for no critic step."""
+        self.after_step: int | None = None
+        """The critic step this run's next ``critic_infer`` asks for, on every rank: the last
+        ``critic_train``'s step id; None until the first infer since the start or a
+        :meth:`drop` learns it from rank 0's client (:meth:`_infer_step`)."""
         self._needs_texts: bool | None = None
+        self._sends_after_step = _takes_after_step(critic)
 
     # -- the server's mode ---------------------------------------------------------------------------
 
@@ -116,12 +143,30 @@ class CriticLink:
                 raise CriticError(problem)
             return server_has_critic(info)
 
+        self.critic_free = advantage in CRITIC_FREE_ESTIMATORS
         has = self.agree("server_info", ask)
-        if self.state.world_size > 1:  # rank 0's answer, on every rank
-            flag = torch.tensor([int(has)], dtype=torch.int64, device=comm_device())
+        return bool(self._from_rank0(int(has)))
+
+    def _from_rank0(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank (collective when there is more than one)."""
+        if self.state.world_size > 1:
+            flag = torch.tensor([value], dtype=torch.int64, device=comm_device())
             dist.broadcast(flag, 0)
-            has = bool(flag.item())
-        return has
+            value = int(flag.item())
+        return value
+
+    def _infer_step(self) -> int:
+        """The critic step this run's ``critic_infer`` asks for (``after_step``), the same on every
+        rank: -1 (any) in a critic-free run; the last ``critic_train``'s step id; before the first
+        train since the start or a :meth:`drop`, the step rank 0's client expects the server to
+        hold (its ``expected_step``: the server's at connection, or the step loaded since; no
+        train is in flight then), broadcast from rank 0 (collective: every rank infers together)."""
+        if self.critic_free:
+            return ANY_CRITIC_STEP
+        if self.after_step is None:
+            held = getattr(self.critic, "expected_step", None) if self.state.rank == 0 else None
+            self.after_step = self._from_rank0(ANY_CRITIC_STEP if held is None else int(held))
+        return self.after_step
 
     # -- critic_infer ------------------------------------------------------------------------------
 
@@ -147,16 +192,20 @@ class CriticLink:
         extras: list[str] | None = None,
     ) -> Future | None:
         """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) of step ``step_id`` for
-        values and scores without waiting; None on the ranks that do not send. ``prompt_texts``,
+        values and scores without waiting, asking for the critic step of the last ``critic_train``
+        (:meth:`_infer_step`; call on every rank); None on the ranks that do not send. ``prompt_texts``,
         ``response_texts`` (``b`` strings, for a server whose reward model reads text:
         :attr:`needs_texts`) and ``extras`` (``b`` JSON objects, each row's extra data-set
         columns, for its reward function) go with the rows when given."""
+        after_step = self._infer_step()  # on every rank (may be collective)
         if self.state.tp_rank != 0 or self.state.pp_rank != 0:
             return None
         try:
             given = {"prompt_texts": prompt_texts, "response_texts": response_texts, "extras": extras}
             # Only what is given: a handle written before these inputs existed takes tokens alone.
-            kwargs = {k: v for k, v in given.items() if v is not None}
+            kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+            if self._sends_after_step:
+                kwargs["after_step"] = after_step
             return self.critic.infer(tokens, lengths, prompt_lengths, step_id, **kwargs)
         except CriticRestartedError as e:  # raised by result(), with the other ranks
             return _failed(e)
@@ -201,6 +250,7 @@ class CriticLink:
         every rank after :meth:`wait`. Returns the request in flight (None off rank 0)."""
         if self.pending is not None:
             raise RuntimeError("critic_train while the previous one is in flight: wait() first")
+        self.after_step = int(step_id)  # what every rank's next critic_infer asks for
         if self.state.dp_size > 1:
             tokens, lengths, returns, values, mask = self._gather_dp(tokens, lengths, returns, values, mask)
         if self.state.rank == 0:
@@ -224,8 +274,9 @@ class CriticLink:
 
     def drop(self) -> None:
         """Forget the update in flight and the last result (after a restarted server, before
-        the rollback restores them from a checkpoint)."""
-        self.pending, self.completed = None, None
+        the rollback restores them from a checkpoint), and the critic step the next infer asks
+        for (it becomes the step the rollback has the server load)."""
+        self.pending, self.completed, self.after_step = None, None, None
 
     def agree(self, call: str, wait: Callable[[], T]) -> T:
         """``wait()`` here, and the same outcome on every rank: with more than one rank, every
@@ -243,10 +294,17 @@ class CriticLink:
             flag = torch.tensor([code], dtype=torch.int64, device=comm_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             code = int(flag.item())
-            if error is None and code == _RESTARTED:
+            if code == _RESTARTED and not isinstance(error, CriticRestartedError):
+                # A restart anywhere wins: every rank rolls back together, also one whose own
+                # wait failed otherwise (an infer that waited for a step the server never gets).
+                here = "" if error is None else f"; here: {type(error).__name__}: {error}"
                 raise CriticRestartedError(
-                    self.critic.url, None, None, call=call, reason="another rank found the server restarted"
-                )
+                    self.critic.url,
+                    None,
+                    None,
+                    call=call,
+                    reason=f"another rank found the server restarted{here}",
+                ) from error
             if error is None and code == _FAILED:
                 raise CriticError(f"{call} failed on another rank (its error is in that rank's log)")
         if error is not None:

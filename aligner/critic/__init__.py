@@ -13,6 +13,7 @@
   optimiser, the reward sources, where the critic's weights start (``init.source``), and the
   collaborators it is composed of:
 - :mod:`aligner.critic.exactly_once`: each train step id applied once, in order, and the kept results;
+- :mod:`aligner.critic.ordering`: each critic_infer answered once the critic step it names is applied;
 - :mod:`aligner.critic.value_update`: the forward and the value update, with the infer forward it reuses;
 - :mod:`aligner.critic.peers`: the operations rank 0 broadcasts to the other ranks, and the heartbeat;
 - :mod:`aligner.critic.replicas`: the data-parallel replicas behind the one front end: each one's

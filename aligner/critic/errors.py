@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from aligner.wire.protocol import UNAVAILABLE_MARK, ProtocolError, mark_of, neutralize, wire_text
 
-__all__ = ["CriticServiceError", "ServiceClosedError", "RequestRewardError", "for_the_wire"]
+__all__ = [
+    "CriticServiceError",
+    "ServiceClosedError",
+    "RequestRewardError",
+    "reward_only_refusal",
+    "for_the_wire",
+]
 
 
 class CriticServiceError(RuntimeError):
@@ -30,6 +36,18 @@ class RequestRewardError(CriticServiceError):
     :mod:`aligner.critic.reward_fn`, or by the reward model's tokenizer,
     :mod:`aligner.critic.reward_model`): that request fails alone, the requests merged with it get
     what they would get alone (docs/design.md, "Wire protocol")."""
+
+
+def reward_only_refusal(model: str) -> ProtocolError:
+    """What a server in ``mode=reward_only`` answers a request that needs the critic it does not
+    hold (critic_train, critic_save, critic_load): a contract error on the field ``mode``."""
+    return ProtocolError(
+        model,
+        "mode",
+        "a server with a critic (mode=critic), which an actor with ppo.advantage=gae needs",
+        "mode=reward_only: this server only scores responses and holds no critic to train, save or "
+        "load; critic-free actors (ppo.advantage grpo, rloo or reinforce_pp) send none of these",
+    )
 
 
 def for_the_wire(error: BaseException, model: str) -> BaseException:

@@ -46,6 +46,11 @@ the callable still reads each request's own inputs, a request without ``extras``
 reward function no columns, and one without texts the server needs is refused as any invalid
 request of a merged execution is.
 
+Ordering. critic_infer's ``after_step`` names the critic step its values must come from; the
+callable waits for it (``server.infer_wait_s``) on a condition of the service's lock, which it
+releases meanwhile, so critic_train, on a thread of its own, applies the step it waits for
+(:mod:`aligner.critic.ordering`). Triton queues the next critic_infer requests meanwhile.
+
 Batching is shown, not assumed. ``critic_infer`` is bound with Triton's dynamic batcher
 (``server.max_queue_delay_us``, ``server.preferred_batch_size``; ``server.dynamic_batching=false``
 binds it without one, so that every request runs alone), and every execution records how many
@@ -94,7 +99,7 @@ from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
 from aligner.cpu_memory import tune_allocator
 from aligner.critic.config import CriticServerConfig, build_config
-from aligner.critic.errors import CriticServiceError, RequestRewardError, for_the_wire
+from aligner.critic.errors import CriticServiceError, for_the_wire
 from aligner.critic.host import (
     PortInUseError,
     check_ports_free,
@@ -212,6 +217,7 @@ class CriticTritonServer:
                         # Each request's own optional inputs: Triton may merge requests that carry
                         # different sets of them (an absent one is not in that request's dict).
                         **{name: _optional(r, name) for name in OPTIONAL_INFER_INPUTS},
+                        after_step=_optional(r, "after_step"),  # left out: any critic step
                         require=require,
                         input_limits=self.input_limits,
                     )
@@ -229,14 +235,16 @@ class CriticTritonServer:
             # holding only what the server chose: counts and field names. The valid requests
             # retry; a bad one gets its own error when it runs alone.
             raise BatchPeerError(INFER, [(i, e.field) for i, e in errors], len(requests))
+        # Each request once the critic step it asks for is held (aligner.critic.ordering).
         results = self.service.infer_many(parsed)
-        if len(results) == 1 and isinstance(results[0], RequestRewardError):
+        if len(results) == 1 and isinstance(results[0], Exception):
             raise results[0]  # alone in its execution: its own Triton error
-        # Merged: a request the reward function failed on gets its message in its `error` output
-        # (PyTriton can fail only a whole execution), the others their values and rewards.
+        # Merged: a request the reward function failed on, or whose critic step did not come or
+        # is past, gets its message in its `error` output (PyTriton can fail only a whole
+        # execution), the others their values and rewards.
         return [
             infer_error_wire(wire_text(str(r), ""), p.tokens.shape[0])
-            if isinstance(r, RequestRewardError)
+            if isinstance(r, Exception)
             else r.to_wire()
             for r, p in zip(results, parsed)
         ]

@@ -1,8 +1,9 @@
 """The critic/reward service: the model, its optimiser, the reward source, and the rules of
 the protocol (validation, exactly-once training, save/load), independent of PyTriton.
 
-One lock serialises every operation, so inference and training never race and every infer
-that starts after a train has returned sees the update. Who may change the state is checked
+One lock serialises every operation, so inference and training never race, and an infer is
+computed only while the server holds the critic step it names (``after_step``: it waits for the
+train of that step, :mod:`aligner.critic.ordering`). Who may change the state is checked
 before the lock is taken (the run token), and against which state under it (fencing: a train or
 save that expects another critic step than the one held is refused), in the order of
 docs/design.md, "Wire protocol"; a refused request changes nothing. :class:`CriticService` composes
@@ -11,6 +12,7 @@ reward sources by :func:`aligner.critic.build.build_parts`:
 
 - :class:`~aligner.critic.exactly_once.AppliedSteps`: each step id applied once and in order,
   and the kept results that answer repeats;
+- :class:`~aligner.critic.ordering.StepGate`: each infer computed with the critic step it asks for;
 - :class:`~aligner.critic.value_update.ValueUpdate`: the forward and the value update, with the
   infer forward a train may reuse;
 - :class:`~aligner.critic.peers.PeerLink`: the operations rank 0 broadcasts to the other ranks
@@ -55,9 +57,15 @@ from aligner import faults
 from aligner.critic.build import build_parts
 from aligner.critic.checkpointing import LoadedCheckpoint
 from aligner.critic.config import CriticServerConfig
-from aligner.critic.errors import CriticServiceError, RequestRewardError, ServiceClosedError
+from aligner.critic.errors import (
+    CriticServiceError,
+    RequestRewardError,
+    ServiceClosedError,
+    reward_only_refusal,
+)
 from aligner.critic.exactly_once import AppliedSteps
 from aligner.critic.metrics import MetricsWriter, RequestStats
+from aligner.critic.ordering import StepGate
 from aligner.critic.peers import Op
 from aligner.critic.reward_fn import parse_extras, score_requests
 from aligner.critic.reward_model import RewardTextError
@@ -115,6 +123,8 @@ class CriticService:
         self._lock = threading.Lock()
         self._closed = False
         self.applied = AppliedSteps()
+        self.order = StepGate(self._lock, cfg.server.infer_wait_s)
+        """critic_infer's wait for the critic step it asks for (rank 0)."""
         self.started_at = time.time()
         self.instance_id = uuid.uuid4().hex
         """Made once per process start: a client that finds another one talks to another server."""
@@ -252,6 +262,7 @@ class CriticService:
                 "model_forward": self.model_forward,
                 "reuse_infer_forward": self.reuse_infer_forward,
                 "reused_infer_forwards": self.reused_forwards,
+                "infer_after_step": self.order.stats(),
                 "requests": self.request_stats.lifetime(),
                 "metrics_dropped": self.metric_failures.count + getattr(self.metrics, "dropped", 0),
             },
@@ -262,6 +273,7 @@ class CriticService:
         tokens: Any,
         lengths: Any,
         prompt_lengths: Any,
+        after_step: Any = None,
         *,
         prompt_texts: Any = None,
         response_texts: Any = None,
@@ -271,6 +283,8 @@ class CriticService:
 
         Args:
             tokens: ``[b, s]`` int64; lengths, prompt_lengths: ``[b]`` or ``[b, 1]`` int64.
+            after_step: the critic step the values must come from (an int, or int64 ``[b, 1]``),
+                waited for (:mod:`aligner.critic.ordering`); None: any.
             prompt_texts, response_texts: ``b`` strings each (needed when the reward model reads
                 text: :attr:`required_inputs`); extras: ``b`` JSON objects (the samples' extra
                 data-set columns for the reward function), or None.
@@ -280,6 +294,7 @@ class CriticService:
 
         Raises:
             RequestRewardError: the reward function (or the reward tokenizer) failed on these samples.
+            StepWaitError, ProtocolError: the critic step asked did not come in time, or is past.
         """
         req = validate_infer(
             tokens,
@@ -289,26 +304,29 @@ class CriticService:
             prompt_text=prompt_texts,
             response_text=response_texts,
             extras=extras,
+            after_step=after_step,
             require=self.required_inputs,
         )
         out = self.infer_many([req])[0]
-        if isinstance(out, RequestRewardError):
+        if isinstance(out, Exception):
             raise out
         return out
 
-    def infer_many(self, requests: list[InferRequest]) -> list[InferResponse | RequestRewardError]:
-        """Score several *validated* requests (e.g. merged by Triton's batcher) in as few forwards
-        as possible: requests of the same padded length share one forward, whose rows are split
-        across the data-parallel replicas; a reward model that reads text gets a second forward
-        of its own tokenizer's ids of the same rows, split the same way.
+    def infer_many(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Score several *validated* requests (e.g. merged by Triton's batcher), each with the
+        critic step it asks for (``after_step``, waited for: :mod:`aligner.critic.ordering`) and
+        in a forward of its own, its rows split across the data-parallel replicas (a reward model
+        that reads text gets a second one of its own tokenizer's ids): a forward rounds a row by
+        where it sits in the batch, so a request's values are the same bits however Triton
+        merged it. The reward function runs once over the requests of one padded length.
 
         A request whose samples the reward function (or the reward tokenizer) fails on gets its
-        :class:`~aligner.critic.errors.RequestRewardError` in its place; the others get their
-        values and rewards as an unmerged call would (:func:`~aligner.critic.reward_fn.score_requests`).
-        Each request's optional inputs are its own: one without ``extras`` gives the reward
-        function no columns.
+        :class:`~aligner.critic.errors.RequestRewardError` in its place, one whose critic step did
+        not come or is past its error (:mod:`aligner.critic.ordering`); the others what an
+        unmerged call gives (:func:`~aligner.critic.reward_fn.score_requests`). Each request's
+        optional inputs are its own: one without ``extras`` gives the reward function no columns.
         """
-        out: list[InferResponse | RequestRewardError | None] = [None] * len(requests)
+        out: list[InferResponse | Exception | None] = [None] * len(requests)
         # The reward model's own ids, tokenized before the lock (a failing request fails alone).
         rm_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.reward_tokens is not None:
@@ -323,54 +341,46 @@ class CriticService:
                 except RewardTextError as e:
                     log.warning("critic_infer: %s", e)
                     out[i] = e
-        by_len: dict[int, list[int]] = {}
-        for i, r in enumerate(requests):
-            if out[i] is None:
-                by_len.setdefault(r.tokens.shape[1], []).append(i)
-        computed = []
+        computed: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+
+        def forward(i: int) -> None:  # under the lock, while the critic step asked is held
+            r = requests[i]
+            self.peers.broadcast(Op.INFER, r.tokens, r.lengths)
+            values, scores = self.replicas.forward(r.tokens, r.lengths)  # [b, s-1], [b] or None
+            if i in rm_inputs:
+                self.peers.broadcast(Op.SCORE, *rm_inputs[i])
+                scores = self.replicas.score(*rm_inputs[i])
+            computed[i] = (values, scores)
+
         with self._lock:
             self._check_open()
-            for idx in by_len.values():
-                tokens = np.concatenate([requests[i].tokens for i in idx])  # [b, s]
-                lengths = np.concatenate([requests[i].lengths for i in idx])  # [b]
-                self.peers.broadcast(Op.INFER, tokens, lengths)
-                values, scores = self.replicas.forward(tokens, lengths)
-                if self.reward_tokens is not None:
-                    rm_tokens, rm_lengths = _stack_rows(
-                        [rm_inputs[i] for i in idx], self.reward_tokens.pad_id
-                    )
-                    self.peers.broadcast(Op.SCORE, rm_tokens, rm_lengths)
-                    scores = self.replicas.score(rm_tokens, rm_lengths)
-                computed.append((idx, values, scores))
+            asked = {i: r.after_step for i, r in enumerate(requests) if out[i] is None}
+            refused = self.order.serve(asked, lambda: self.critic_step, forward, lambda: self._closed)
             faults.SERVER.hit("infer", self.critic_step)
             self.peers.touch()
+        for i, e in refused.items():
+            log.warning("critic_infer: %s", e)
+            out[i] = e
+        by_len: dict[int, list[int]] = {}
+        for i in sorted(computed):
+            by_len.setdefault(requests[i].tokens.shape[1], []).append(i)
         # The reward function needs no model: run it outside the lock, so a slow one does not
         # hold up training.
-        for idx, values, scores in computed:
-            parts = [
-                (
-                    requests[i].tokens,
-                    requests[i].lengths,
-                    requests[i].prompt_lengths,
-                    None
-                    if requests[i].extras is None
-                    else parse_extras(requests[i].extras, len(requests[i].lengths)),
-                )
-                for i in idx
-            ]
+        for idx in by_len.values():
+            parts = []
+            for r in (requests[i] for i in idx):
+                extras = None if r.extras is None else parse_extras(r.extras, len(r.lengths))
+                parts.append((r.tokens, r.lengths, r.prompt_lengths, extras))
             fn_scores: list = [None] * len(idx)
             if self.reward_fn is not None:
                 fn_scores = score_requests(self.reward_fn, self.cfg.reward.fn, self.tokenizer, parts)
-            start = 0
             for i, fn_score in zip(idx, fn_scores):
-                n = requests[i].tokens.shape[0]
                 if isinstance(fn_score, RequestRewardError):
                     log.warning("critic_infer: %s", fn_score)
                     out[i] = fn_score
                 else:
-                    rm = None if scores is None else scores[start : start + n]
-                    out[i] = InferResponse(values[start : start + n], self._combine_rewards(fn_score, rm, n))
-                start += n
+                    values, rm = computed[i]
+                    out[i] = InferResponse(values, self._combine_rewards(fn_score, rm, len(values)))
         return out  # type: ignore[return-value]
 
     def train(
@@ -416,6 +426,7 @@ class CriticService:
             t0 = time.perf_counter()
             result = self.update.train_step(req)
             self.applied.record(req.step, result)
+            self.order.moved()  # the infers that wait for this step
             self.peers.touch()
             elapsed = time.perf_counter() - t0
         log.info(
@@ -471,19 +482,14 @@ class CriticService:
             loaded = self.checkpoints.read(step)  # raises before anything changes
             self.peers.broadcast(Op.LOAD, step=step)
             self._apply(loaded)
+            self.order.moved()  # waiting infers look again: theirs may be the step loaded, or past
             self.peers.touch()
         log.info("loaded critic checkpoint step %d (critic step %d)", step, self.critic_step)
 
     def _check_has_critic(self, model: str) -> None:
         """Refuse a request that needs the critic in reward-only mode, naming the mode."""
         if self.reward_only:
-            raise ProtocolError(
-                model,
-                "mode",
-                "a server with a critic (mode=critic), which an actor with ppo.advantage=gae needs",
-                "mode=reward_only: this server only scores responses and holds no critic to train, save or "
-                "load; critic-free actors (ppo.advantage grpo, rloo or reinforce_pp) send none of these",
-            )
+            raise reward_only_refusal(model)
 
     def _check_token(self, model: str, run_token: Any) -> None:
         """The run token check of a mutating request: what came on the wire (a str or the BYTES
@@ -514,6 +520,7 @@ class CriticService:
                 except Exception:
                     log.exception("saving the critic at shutdown failed")
             self._closed = True
+            self.order.moved()  # waiting infers leave (ServiceClosedError: their clients retry)
             self.peers.stop()
         self.flush_stats()
         return saved
@@ -586,13 +593,3 @@ class CriticService:
         if rm_scores is not None:
             total += (rm_scores.astype(np.float64) - r.model_mean) / r.model_std
         return total.astype(np.float32)
-
-
-def _stack_rows(parts: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate ``(tokens [b_i, s_i], lengths [b_i])`` pairs into ``tokens [b, max s_i]``
-    (right padded with ``pad_id``) and ``lengths [b]``."""
-    s = max(t.shape[1] for t, _ in parts)
-    tokens = np.concatenate(
-        [np.pad(t, ((0, 0), (0, s - t.shape[1])), constant_values=pad_id) for t, _ in parts]
-    )
-    return tokens.astype(np.int64, copy=False), np.concatenate([n for _, n in parts]).astype(np.int64)

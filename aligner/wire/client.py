@@ -5,8 +5,10 @@
   6-7): ``infer``'s of ``(values, rewards)``, ``train``'s of a
   :class:`~aligner.wire.protocol.TrainResult`; ``save``/``load``/``server_info`` block.
 - Ordering: trains run one at a time in submission order, and an ``infer`` submitted after a
-  ``train`` is sent only once that train has returned, so it sees the update (the server's
-  lock then guarantees the rest). ``save`` waits for pending trains too.
+  ``train`` is sent only once that train has returned, so it sees the update. ``save`` waits
+  for pending trains too. Across clients (the data-parallel ranks of an actor, of which one
+  trains), ``infer``'s ``after_step`` names the critic step the values must come from, and the
+  server answers only once it holds that step (docs/design.md, "Wire protocol").
 - Requests are validated with :mod:`aligner.wire.protocol` (against the limits the server
   advertises in ``server_info``) before anything is sent. Of critic_infer's optional inputs
   (texts and extras) exactly those the server names in ``infer_inputs`` are sent; a batch
@@ -56,6 +58,7 @@ from aligner.wire.errors import (
     CriticUnavailableError,
 )
 from aligner.wire.protocol import (
+    ANY_CRITIC_STEP,
     INFER,
     INFO,
     LOAD,
@@ -85,6 +88,7 @@ from aligner.wire.transport import Connection, CriticFuture, classify, error_det
 __all__ = [
     "RemoteCriticClient",
     "resolve_critic_url",
+    "protocol_mismatch",
     "ENV_URL",
     "DEFAULT_URL",
 ]
@@ -103,6 +107,16 @@ def resolve_critic_url(configured: str | None) -> str:
     url = (configured or "").strip() or os.environ.get(ENV_URL, "").strip() or DEFAULT_URL
     parse_url(url)
     return url
+
+
+def protocol_mismatch(url: str, server_version: int) -> str:
+    """Why this client refuses the server at ``url`` that speaks ``server_version``, naming both
+    versions (a client of protocol 3 tells a server of protocol 4 the same, in its own words)."""
+    return (
+        f"critic server at {url} speaks protocol version {server_version}, this client "
+        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 4: critic_infer "
+        "carries after_step, the critic step its values must come from)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,10 +184,7 @@ class RemoteCriticClient:
         self._wait_ready("connecting", time.monotonic() + ready_timeout_s, ready_timeout_s)
         self._info = self.server_info()
         if self._info.protocol_version != PROTOCOL_VERSION:
-            raise CriticIncompatibleError(
-                f"critic server at {url} speaks protocol version "
-                f"{self._info.protocol_version}, this client {PROTOCOL_VERSION}"
-            )
+            raise CriticIncompatibleError(protocol_mismatch(url, self._info.protocol_version))
         self.instance_id = self._info.instance_id
         self._expected_step = self._info.critic_step
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="critic-infer")
@@ -390,7 +401,10 @@ class RemoteCriticClient:
         self._info = info
         problems = []
         if info.protocol_version != PROTOCOL_VERSION:
-            problems.append(f"protocol_version: server {info.protocol_version}, client {PROTOCOL_VERSION}")
+            problems.append(
+                f"protocol_version: server {info.protocol_version}, client {PROTOCOL_VERSION} (run one "
+                "release of aligner on both sides)"
+            )
         if vocab_size != info.vocab_size:
             problems.append(f"vocab_size: actor {vocab_size}, server {info.vocab_size}")
         if max_seq_len > info.max_seq_len:
@@ -419,6 +433,7 @@ class RemoteCriticClient:
         prompt_texts: list[str] | None = None,
         response_texts: list[str] | None = None,
         extras: list[str] | None = None,
+        after_step: int | None = None,
     ) -> CriticFuture[tuple[np.ndarray, np.ndarray]]:
         """Values and rewards of a batch, as a future of ``(values [b, s-1] float32, rewards [b] float32)``.
 
@@ -430,6 +445,12 @@ class RemoteCriticClient:
                 them (``server_info``'s ``infer_inputs``: its reward model reads text).
             extras: each sample's extra data-set columns as one compact JSON object ('{}' for
                 none); sent when the server has a reward function ('{}' per row when None).
+            after_step: the critic step the values must come from (the step of the last
+                critic_train the run sent, or of the load it had the server do): the server
+                answers once it holds it (waiting up to its ``server.infer_wait_s``, then a
+                CriticServerError naming both steps), and refuses it when it holds a later one
+                (CriticRequestError). None or -1: any step (this client's own trains are waited
+                for all the same).
 
         Only the optional inputs the server names in ``infer_inputs`` are sent.
 
@@ -441,7 +462,8 @@ class RemoteCriticClient:
         self._check_not_closed()
         self._check_restarted(INFER)
         texts = {"prompt_texts": prompt_texts, "response_texts": response_texts, "extras": extras}
-        req = infer_request(self._info, self.url, tokens, lengths, prompt_lengths, **texts)
+        after = ANY_CRITIC_STEP if after_step is None else int(after_step)
+        req = infer_request(self._info, self.url, tokens, lengths, prompt_lengths, **texts, after_step=after)
         with self._order_lock:
             after = self._pending_train
         return self._submit(self._pool, INFER, step, self._infer_task, req, after, step)

@@ -62,10 +62,14 @@ class CriticHandle(Protocol):
         prompt_texts: list[str] | None = None,
         response_texts: list[str] | None = None,
         extras: list[str] | None = None,
+        after_step: int | None = None,
     ) -> Future[tuple[np.ndarray, np.ndarray]]:
         """Values ``[b, s-1]`` and rewards ``[b]`` (float32) of ``tokens [b, s]`` with ``lengths``
         and ``prompt_lengths [b]``, without waiting; it sees every ``train`` submitted before it.
         ``step``: the actor's step the samples belong to, named in errors and timeouts.
+        ``after_step``: the critic step the values must come from, the step of the last ``train``
+        the run sent (by any handle: one rank trains, every rank infers) or of its ``load``; the
+        server answers once it holds it. None: any step.
         ``prompt_texts`` and ``response_texts`` (``b`` strings: the response up to its
         end-of-sequence, special tokens skipped) are needed by a server whose reward model reads
         text (``server_info().infer_inputs``; ValueError without them); ``extras`` (``b``

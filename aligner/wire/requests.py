@@ -15,6 +15,7 @@ import numpy as np
 
 from aligner.wire.errors import CriticServerError
 from aligner.wire.protocol import (
+    ANY_CRITIC_STEP,
     INFER,
     OPTIONAL_INFER_INPUTS,
     TEXT_INPUTS,
@@ -56,11 +57,12 @@ def infer_request(
     prompt_texts: list[str] | None = None,
     response_texts: list[str] | None = None,
     extras: list[str] | None = None,
+    after_step: int = ANY_CRITIC_STEP,
 ) -> InferRequest:
     """The checked ``critic_infer`` request of a batch, with exactly the optional inputs the
     server at ``url`` needs (``info.infer_inputs``; ``extras`` as ``"{}"`` per row when it needs
-    them and none are given). Any batch size passes: :func:`infer_chunks` cuts it to the
-    server's ``max_batch_size``.
+    them and none are given), and ``after_step``, the critic step its values must come from.
+    Any batch size passes: :func:`infer_chunks` cuts it to the server's ``max_batch_size``.
 
     Raises: ProtocolError if the batch breaks the contract; ValueError when the server needs the
     texts and they are not given."""
@@ -82,7 +84,7 @@ def infer_request(
     if "extras" in needs and extras is None:
         given["extras"] = ["{}"] * b
     send = {n: given[n] if n in needs else None for n in OPTIONAL_INFER_INPUTS}
-    return validate_infer(tokens, lengths, prompt_lengths, whole, **send)
+    return validate_infer(tokens, lengths, prompt_lengths, whole, **send, after_step=after_step)
 
 
 def infer_chunks(req: InferRequest, max_batch: int) -> Iterator[InferRequest]:

@@ -4,7 +4,9 @@ Learning is tested for real: copy (through the command line at DP=2, and at PP=2
 a layout of its own) and reverse must reach a mean reward of 0.8-0.9 from under 0.3; the same
 run with the policy-gradient sign flipped must stay near chance; a larger KL coefficient must end
 with a smaller KL. TP=2 x DP=2 on four processes rolls out as DP=2 does. Each run gets a fresh
-server (step ids restart at 1 with every run).
+server (step ids restart at 1 with every run). DP=2 runs with the server's dynamic batching on
+are reproducible: two runs give the same metrics, whichever rank's critic_infer arrives first
+and whatever Triton merges.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from _actor_runs import (
 
 from aligner.checkpoint import complete_steps
 from aligner.metrics import read_metrics
+from aligner.wire.client import RemoteCriticClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,10 +41,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_copy_is_learned_through_the_entry_point(tmp_path):
     """The real command line at DP=2: torchrun runs examples/train_actor.py on two processes,
     each generating half of every step's prompts; the critic's batch is gathered and sent once
-    per step (the server's critic step ends equal to the actor's). The server runs every request
-    alone: merging the two ranks' critic_infer requests, or not, as their timing decides, rounds
-    the values differently, and the run would learn along another path each time."""
-    with digit_server(tmp_path, "copy", "server.dynamic_batching=false") as server:
+    per step (the server's critic step ends equal to the actor's). The server batches
+    dynamically: each rank's critic_infer names the critic step it must see and gets its own
+    forward, so neither the order the two arrive in nor their merging changes a value (see
+    test_dp2_runs_with_dynamic_batching_are_reproducible)."""
+    with digit_server(tmp_path, "copy") as server:
         out = torchrun_actor(
             2,
             server.url,
@@ -97,6 +101,78 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     # see the TP runs). PPO's ratio uses the training forward's, so this costs nothing.
     assert max(r["rollout/logprob_mismatch_mean"] for r in rows) < 1e-2
     assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 0.25
+
+
+LATE_TRAIN = """
+import os
+import time
+
+_delay = float(os.environ.get("ALIGNER_TEST_LATE_TRAIN_S") or 0)
+if _delay:  # critic_train reaches the server late: after the other rank's next critic_infer
+    from aligner.wire import client as _client
+
+    _send = _client.RemoteCriticClient._train_task
+
+    def _late(self, *args, **kwargs):
+        time.sleep(_delay)
+        return _send(self, *args, **kwargs)
+
+    _client.RemoteCriticClient._train_task = _late
+"""
+"""A ``sitecustomize`` for the actor's processes: with ``$ALIGNER_TEST_LATE_TRAIN_S`` set, rank 0's
+client sends each critic_train that many seconds late."""
+
+
+@pytest.mark.slow
+@pytest.mark.server
+@pytest.mark.subprocess
+@pytest.mark.multiprocess
+def test_dp2_runs_with_dynamic_batching_are_reproducible(tmp_path, monkeypatch):
+    """Two DP=2 runs against one server with dynamic batching on (the second a fresh run, which
+    resets the server to its step-0 critic) give the same metrics, value for value, although in
+    the second each critic_train reaches the server a second late: the other rank's
+    critic_infer of the next step comes first, and waits for the train of the step it names
+    (``after_step``), where it used to get the values from before the update. Whether Triton
+    merges the two ranks' requests, and in which order, changes nothing: each is its own
+    forward."""
+    small = [
+        "data.task=copy",
+        "ppo.num_steps=4",
+        "ppo.global_batch_size=64",
+        "ppo.mini_batch_size=32",
+        "ppo.micro_batch_size=16",
+        "validation.num_prompts=16",
+        "validation.interval=2",
+        "checkpoint.save_interval=0",
+        "checkpoint.save_at_end=false",
+        *FAST[:2],
+        *FAST[5:],
+    ]
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(LATE_TRAIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    with digit_server(tmp_path, "copy", "server.max_queue_delay_us=20000") as server:  # merges close requests
+        runs, waits = [], []
+        for name, late in (("prompt", ""), ("late", "1.0")):
+            monkeypatch.setenv("ALIGNER_TEST_LATE_TRAIN_S", late)
+            torchrun_actor(2, server.url, tmp_path / name, small)
+            rows = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+            skip = ("time", "timers/", "throughput/")
+            runs.append([{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows])
+            assert critic_step(server.url) == 4
+            with RemoteCriticClient(server.url, timeout_s=30) as c:
+                info = c.info()
+            waits.append(info["extra"]["infer_after_step"])
+    assert info["batching"]["dynamic_batching"] is True
+    # The late run's second rank waited for the train of every step but the last (and for the
+    # validation after step 2), and no request was refused or timed out.
+    assert waits[1]["waited"] - waits[0]["waited"] >= 3, waits
+    assert waits[1]["timed_out"] == waits[1]["refused_passed"] == 0, waits
+    a, b = runs
+    assert len(a) == len(b) and len([r for r in a if "objective/scores" in r]) == 4
+    for ra, rb in zip(a, b):
+        assert ra == rb, {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)}
 
 
 @pytest.mark.slow

@@ -9,10 +9,12 @@ raw_* helpers) that carry it and the critic step they expect; infer and info nee
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
+from _critic_service import assert_values_of_real_positions
 
 from aligner.checkpoint import load_tensors
 from aligner.critic.launch import start_server
@@ -41,13 +43,14 @@ from aligner.tasks.digits import sort_reward
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 from aligner.wire.client import RemoteCriticClient
-from aligner.wire.errors import CriticIncompatibleError
+from aligner.wire.errors import CriticIncompatibleError, CriticRequestError, CriticServerError
 
 pytestmark = pytest.mark.server
 MAX_BATCH = 16
 TOK = build_tokenizer("char")
 TOKEN = "the-run-token-of-this-module"
 REWARD_FN = "aligner.critic.testing:picky_reward"  # the sort reward, and bad samples to fail on
+WAIT_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,8 @@ def env(tmp_path_factory):
                 # fp32: values are compared with an fp32 in-process forward, and merged batches
                 # with unmerged ones, to 1e-5.
                 "precision": "fp32",
+                # An infer waits this long for the critic step it names (after_step).
+                "server.infer_wait_s": WAIT_S,
             },
         ),
         log_path=root / "server.stderr",
@@ -143,7 +148,7 @@ def test_values_and_rewards_equal_an_in_process_forward(env, client, scheme):
     with RemoteCriticClient(url, timeout_s=30) as c:
         values, rewards = c.infer(torch.from_numpy(tokens), torch.from_numpy(lengths), pl).result()
     assert values.shape == (6, tokens.shape[1] - 1) and values.dtype == np.float32 and rewards.shape == (6,)
-    np.testing.assert_allclose(values, _in_process_values(env, tokens), rtol=0, atol=1e-5)
+    assert_values_of_real_positions(values, _in_process_values(env, tokens), lengths, atol=1e-5)
     with torch.no_grad():
         scores = sequence_scores(env["rm"], torch.from_numpy(tokens), torch.from_numpy(lengths)).numpy()
     np.testing.assert_allclose(
@@ -230,7 +235,14 @@ def _bad_requests(tokens, lengths, pl, returns, old_values, mask):
     step = np.array([[10_000]], np.int64)
 
     def infer(**kw):
-        return {"tokens": tokens, "lengths": col(lengths), "prompt_lengths": col(pl), **kw}
+        any_step = col(np.full(len(lengths), P.ANY_CRITIC_STEP))
+        return {
+            "tokens": tokens,
+            "lengths": col(lengths),
+            "prompt_lengths": col(pl),
+            "after_step": any_step,
+            **kw,
+        }
 
     def train(**kw):
         return {
@@ -261,13 +273,20 @@ def _bad_requests(tokens, lengths, pl, returns, old_values, mask):
         # Triton rejects an over-long batch of a batched model itself, before any Python runs.
         (
             P.INFER,
-            infer(tokens=big, lengths=col(np.tile(lengths, 6)), prompt_lengths=col(np.tile(pl, 6))),
+            infer(
+                tokens=big,
+                lengths=col(np.tile(lengths, 6)),
+                prompt_lengths=col(np.tile(pl, 6)),
+                after_step=col(np.full(len(big), P.ANY_CRITIC_STEP)),
+            ),
             f"batch-size must be <= {MAX_BATCH}",
         ),
         (P.INFER, infer(lengths=col(np.ones_like(lengths))), "lengths"),
         (P.INFER, infer(lengths=col(lengths + tokens.shape[1])), "lengths"),
         (P.INFER, infer(prompt_lengths=col(np.zeros_like(pl))), "prompt_lengths"),
         (P.INFER, infer(prompt_lengths=col(lengths)), "prompt_lengths"),
+        (P.INFER, infer(after_step=col(np.full(len(lengths), -2))), "after_step"),
+        (P.INFER, infer(after_step=col(np.arange(len(lengths)))), "after_step"),
         (P.TRAIN, train(returns=nan), "returns"),
         (P.TRAIN, train(old_values=np.full_like(old_values, np.inf)), "old_values"),
         (P.TRAIN, train(mask=half), "mask"),
@@ -329,11 +348,7 @@ def test_bad_requests_get_an_error_naming_the_field_and_change_nothing(env, clie
     np.testing.assert_array_equal(after, before)
     np.testing.assert_array_equal(rewards_after, rewards_before)
     assert client.info()["critic_step"] == step_before
-    good = raw_infer(
-        url,
-        P.INFER,
-        {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)},
-    )
+    good = raw_infer(url, P.INFER, P.InferRequest(tokens, lengths, pl).to_wire())
     np.testing.assert_allclose(good["values"], before, rtol=0, atol=1e-6)
 
 
@@ -384,11 +399,7 @@ def test_a_bad_request_merged_with_good_ones_fails_alone(env, client):
             raw_error(
                 env["server"].url,
                 P.INFER,
-                {
-                    "tokens": bad_tokens + 50,
-                    "lengths": bad_lengths.reshape(-1, 1),
-                    "prompt_lengths": bad_pl.reshape(-1, 1),
-                },
+                P.InferRequest(bad_tokens + 50, bad_lengths, bad_pl).to_wire(),
             )
         )
 
@@ -437,8 +448,7 @@ def test_one_clients_bad_sample_fails_only_that_client(env):
     url = env["server"].url
 
     def inputs(prompts, responses):
-        tokens, lengths, pl = encode_samples(TOK, prompts, responses, pad_to=10)
-        return {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)}
+        return P.InferRequest(*encode_samples(TOK, prompts, responses, pad_to=10)).to_wire()
 
     good = [inputs([f"{i}{i + 1}:", "35:"], [f"{i}{i + 1}", "53"]) for i in range(3)]
     alone = [raw_infer(url, P.INFER, g) for g in good]
@@ -495,3 +505,74 @@ def test_save_train_load_restores_the_saved_values(env, client):
     assert (env["root"] / "ckpt" / f"step_{k:08d}" / "critic" / "complete.json").is_file()
     # The next train expects the loaded step.
     assert _train(env, tokens, lengths, returns, old_values, mask, k + 1, k)["applied_step"] == k + 1
+
+
+# ----------------------------------------------------------------------------------------------
+# critic_infer after critic_train (aligner.critic.ordering; in process: test_critic_ordering.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _until(cond, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_an_infer_sent_before_its_train_waits_for_it_and_gets_the_values_after_it(env, client):
+    """As a data-parallel rank's infer of step N+1 reaches the server before the critic_train of
+    step N that another rank sent: it waits (Triton runs critic_train on a thread of its own
+    meanwhile), then answers with the critic after that train: the values a later infer of the
+    same step gets."""
+    url = env["server"].url
+    tokens, lengths, pl, *_ = digit_batch(TOK, 3, seed=8)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=8)
+    held = raw_info(url).critic_step
+    before, _ = client.infer(tokens, lengths, pl, after_step=held).result()
+    waited = raw_info(url).extra["infer_after_step"]["waited"]
+    future = client.infer(tokens, lengths, pl, after_step=held + 1)
+    _until(lambda: raw_info(url).extra["infer_after_step"]["waiting"] == 1, "the infer to wait")
+    assert not future.done()
+    _train(env, tokens, lengths, returns, old_values, mask, held + 1)  # while the infer waits
+    values, _ = future.result()
+    again, _ = client.infer(tokens, lengths, pl, after_step=held + 1).result()
+    np.testing.assert_array_equal(values, again)
+    assert not np.allclose(values, before)
+    stats = raw_info(url).extra["infer_after_step"]
+    assert stats["waited"] == waited + 1 and stats["waiting"] == 0 and stats["infer_wait_s"] == WAIT_S
+
+
+def test_an_infer_whose_step_never_comes_or_is_past_fails_naming_both_steps(env, client):
+    url = env["server"].url
+    tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=9)
+    if raw_info(url).critic_step < 1:
+        _train(env, tokens, lengths, *train_arrays(lengths, pl, tokens.shape[1]), _next_step(env))
+    held = raw_info(url).critic_step
+    t0 = time.monotonic()
+    with pytest.raises(CriticServerError) as e:
+        client.infer(tokens, lengths, pl, after_step=held + 3).result()
+    assert time.monotonic() - t0 >= WAIT_S
+    assert (
+        f"critic_infer needs critic step {held + 3} applied; the server holds critic step {held} after "
+        f"waiting {WAIT_S:.0f}."
+    ) in str(e.value)
+    with pytest.raises(CriticRequestError) as e:
+        client.infer(tokens, lengths, pl, after_step=held - 1).result()
+    msg = str(e.value)
+    assert msg.startswith(
+        "[critic] critic_infer: field 'after_step': expected the critic step this server holds"
+    )
+    assert (
+        f"after_step={held - 1}: the server has applied critic steps past it and holds critic step {held}"
+        in msg
+    )
+
+
+def test_a_request_without_after_step_asks_for_no_critic_step(env, client):
+    """What a bare tritonclient sends (the client always sends after_step): answered at once
+    with the critic held, as after_step -1 is."""
+    tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=7)
+    bare = {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)}
+    out = raw_infer(env["server"].url, P.INFER, bare)
+    held, _ = client.infer(tokens, lengths, pl, after_step=raw_info(env["server"].url).critic_step).result()
+    np.testing.assert_array_equal(out["values"], held)

@@ -51,7 +51,7 @@ def _extras(rows: list[str]) -> np.ndarray:
 
 def _inputs(b: int, seed: int, extras: list[str] | None = None) -> dict[str, np.ndarray]:
     tokens, lengths, pl, *_ = digit_batch(TOK, b, seed=seed, pad_to=PAD)
-    wire = {"tokens": tokens, "lengths": lengths.reshape(-1, 1), "prompt_lengths": pl.reshape(-1, 1)}
+    wire = P.InferRequest(tokens, lengths, pl).to_wire()  # after_step -1: any critic step
     wire["extras"] = _extras(extras if extras is not None else ["{}"] * b)
     return wire
 

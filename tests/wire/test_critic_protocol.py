@@ -85,6 +85,71 @@ def test_bad_infer_requests_name_the_field(change, field, words):
     assert P.extract_error(text) == msg
 
 
+def test_after_step_names_the_critic_step_the_values_must_come_from():
+    """critic_infer's after_step: one step per request, [b, 1] on the wire (every input of a
+    batched model is per row), -1 for any; the client's request carries it, each chunk too; a
+    request without it (a bare tritonclient) asks for none."""
+    from aligner.wire.requests import infer_chunks, infer_request
+
+    tokens, lengths, pl = _good()
+    assert P.ANY_CRITIC_STEP == -1
+    assert P.validate_infer(tokens, lengths, pl, LIM).after_step == P.ANY_CRITIC_STEP  # in-process: any
+    req = P.validate_infer(tokens, lengths, pl, LIM, after_step=np.array([[7], [7]], np.int64))
+    assert req.after_step == 7
+    wire = req.to_wire()
+    assert wire["after_step"].dtype == np.int64 and wire["after_step"].tolist() == [[7], [7]]
+    back = P.validate_infer(
+        *(wire[k] for k in ("tokens", "lengths", "prompt_lengths")),
+        LIM,
+        after_step=wire["after_step"],
+    )
+    assert back.after_step == 7 and req.rows(1, 2).after_step == 7
+    assert P.validate_infer(tokens, lengths, pl, LIM, after_step=3).after_step == 3
+    assert P.validate_infer(tokens, lengths, pl, LIM, after_step=None).after_step == P.ANY_CRITIC_STEP
+    info = P.ServerInfo(P.PROTOCOL_VERSION, 14, 16, "char", "char:abc", -1, 1, 4)
+    sent = infer_request(info, "grpc://127.0.0.1:1", tokens, lengths, pl, after_step=5)
+    assert [c.to_wire()["after_step"].tolist() for c in infer_chunks(sent, 1)] == [[[5]], [[5]]]
+    assert infer_request(info, "grpc://127.0.0.1:1", tokens, lengths, pl).after_step == -1
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        (
+            np.array([[4], [5]], np.int64),
+            "the same step in every row (one request, one critic step), got 4 in row 0 and 5 in row 1",
+        ),
+        (np.array([[-2], [-2]], np.int64), "a critic step >= 0, or -1 for any, got after_step=-2"),
+        (-5, "got after_step=-5"),
+        (np.array([[4], [4]], np.int32), "dtype int64"),
+        (np.array([[4]], np.int64), "shape [2, 1] (or [2]) to match tokens' batch"),
+    ],
+)
+def test_a_bad_after_step_is_refused_naming_the_field_value_and_expectation(value, words):
+    with pytest.raises(P.ProtocolError) as e:
+        P.validate_infer(*_good(), LIM, after_step=value)
+    assert e.value.field == "after_step"
+    msg = str(e.value)
+    assert msg.startswith(f"{P.ERROR_MARK}critic_infer: field 'after_step': expected ") and words in msg, msg
+
+
+def test_a_client_refuses_a_server_of_another_protocol_naming_both_versions():
+    """Version 4 (critic_infer's after_step) against a server of version 3, or the other way:
+    the client refuses at connection and in check_compatible, naming both versions (a client of
+    protocol 3 makes the same check, and refuses a server of protocol 4 the same way)."""
+    from aligner.wire.client import RemoteCriticClient, protocol_mismatch
+    from aligner.wire.errors import CriticIncompatibleError
+
+    url = "grpc://127.0.0.1:1"
+    msg = protocol_mismatch(url, 3)
+    assert msg.startswith(f"critic server at {url} speaks protocol version 3, this client 4: ")
+    client = object.__new__(RemoteCriticClient)  # no server: server_info answers as an old one would
+    client.url = url
+    client.server_info = lambda: P.ServerInfo(3, 14, 16, "char", "char:abc", -1, 1, 4)
+    with pytest.raises(CriticIncompatibleError, match="protocol_version: server 3, client 4 "):
+        client.check_compatible(14, 16, "char:abc")
+
+
 def test_optional_infer_inputs_pass_typed_and_go_on_the_wire_per_row():
     tokens, lengths, pl = _good()
     texts = {"prompt_text": ["12:", "45:"], "response_text": ["Ω,", ""], "extras": ['{"answer":"1"}', "{}"]}
@@ -102,8 +167,15 @@ def test_optional_infer_inputs_pass_typed_and_go_on_the_wire_per_row():
     one = req.rows(1, 2)
     assert one.tokens.shape == (1, 6) and one.texts() == {k: v[1:] for k, v in texts.items()}
     plain = P.validate_infer(tokens, lengths, pl, LIM)
-    assert plain.texts() == {} and set(plain.to_wire()) == {"tokens", "lengths", "prompt_lengths"}
-    assert set(P.OPTIONAL_INFER_INPUTS) == {t.name for t in P.MODELS[P.INFER].inputs if t.optional}
+    assert plain.texts() == {} and set(plain.to_wire()) == {
+        "tokens",
+        "lengths",
+        "prompt_lengths",
+        "after_step",
+    }
+    # Optional to Triton: the texts, and after_step (which the server's own checks require).
+    optional = {t.name for t in P.MODELS[P.INFER].inputs if t.optional}
+    assert optional == set(P.OPTIONAL_INFER_INPUTS) | {"after_step"}
     assert set(P.TEXT_INPUTS) < set(P.OPTIONAL_INFER_INPUTS)
 
 
@@ -267,7 +339,7 @@ def test_server_info_round_trip_ignores_unknown_fields():
 
 
 def test_every_model_spec_is_consistent():
-    assert P.PROTOCOL_VERSION == 3
+    assert P.PROTOCOL_VERSION == 4
     assert set(P.MODELS) == set(P.MODEL_NAMES)
     assert [m for m, s in P.MODELS.items() if s.batched] == [P.INFER]
     assert P.MODELS[P.TRAIN].input("step").shape == (1, 1)

@@ -11,9 +11,10 @@ project's notation (docs/design.md, "Tensor conventions"): ``b`` batch, ``s`` pa
 per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..t``.
 
 - ``critic_infer`` (dynamic batching, ``b`` leading): tokens i64 [b,s], lengths and
-  prompt_lengths i64 [b,1], and the optional prompt_text, response_text and extras bytes [b,1]
-  (one UTF-8 string per row; :data:`OPTIONAL_INFER_INPUTS`) -> values f32 [b,s-1], rewards
-  f32 [b,1], error bytes [b,1].
+  prompt_lengths i64 [b,1], after_step i64 [b,1] (the same critic step in every row; the client
+  always sends it), and the optional prompt_text, response_text and extras bytes [b,1] (one
+  UTF-8 string per row; :data:`OPTIONAL_INFER_INPUTS`) -> values f32 [b,s-1], rewards f32
+  [b,1], error bytes [b,1].
 - ``critic_train`` (no batching: whole shapes): tokens i64 [b,s], lengths i64 [b,1], returns,
   old_values, mask f32 [b,s-1], step and expected_step i64 [1,1], run_token bytes [1] -> loss,
   grad_norm, explained_variance, value_clipfrac f32 [1,1], applied_step i64 [1,1]
@@ -42,6 +43,14 @@ request's response carries no ``values`` and ``rewards``, only ``error``: one ro
 each the message that names the reward function and the failing sample; the other requests get
 their values and rewards, and ``error`` rows of ``b""``. A request served alone gets that
 message as its Triton error instead. A client asks for ``error`` and raises when it is not empty.
+
+Infer after train. ``critic_infer``'s ``after_step`` names the critic step its values must come
+from: the step of the last ``critic_train`` its caller's run sent (or of the load it had the
+server do), the same on every data-parallel rank of an actor. The server answers once it holds
+exactly that step, waiting for the train (bounded: ``server.infer_wait_s``, then an error naming
+both steps), and refuses a request whose step it has moved past (a :class:`ProtocolError` on
+``after_step`` naming both); :data:`ANY_CRITIC_STEP` (-1), or a request without it, asks for
+none.
 
 Who may write, and against which state (docs/design.md, "Wire protocol"). The mutating models
 carry ``run_token``, the run's shared secret (:func:`resolve_run_token`); ``critic_train`` and
@@ -107,6 +116,7 @@ from aligner.wire.protocol.run_token import (
     validate_run_token,
 )
 from aligner.wire.protocol.spec import (
+    ANY_CRITIC_STEP,
     INFER,
     INFO,
     LOAD,
@@ -126,6 +136,7 @@ from aligner.wire.protocol.validation import (
     InputLimits,
     as_numpy,
     json_depth,
+    validate_after_step,
     validate_expected_step,
     validate_infer,
     validate_step,
@@ -144,6 +155,7 @@ __all__ = [
     "MUTATING_MODELS",
     "OPTIONAL_INFER_INPUTS",
     "TEXT_INPUTS",
+    "ANY_CRITIC_STEP",
     "ERROR_MARK",
     "BATCH_PEER_MARK",
     "UNAVAILABLE_MARK",
@@ -171,6 +183,7 @@ __all__ = [
     "load_inputs",
     "critic_step_after_load",
     "validate_infer",
+    "validate_after_step",
     "validate_texts",
     "validate_train",
     "validate_step",

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from aligner.wire.protocol.run_token import run_token_array
-from aligner.wire.protocol.spec import Limits
+from aligner.wire.protocol.spec import ANY_CRITIC_STEP, Limits
 
 __all__ = [
     "InferRequest",
@@ -41,6 +41,10 @@ class InferRequest:
             or None (``response_text``).
         extras: ``b`` compact JSON objects, each sample's extra data-set columns (``"{}"`` for
             none), or None (``extras``).
+        after_step: the critic step the values must come from: the step of the last critic_train
+            the caller sent, or of the load it had the server do; the server answers once it
+            holds that step, and refuses the request when it holds a later one.
+            :data:`~aligner.wire.protocol.spec.ANY_CRITIC_STEP` (-1) asks for none.
     """
 
     tokens: np.ndarray
@@ -49,14 +53,17 @@ class InferRequest:
     prompt_texts: list[str] | None = None
     response_texts: list[str] | None = None
     extras: list[str] | None = None
+    after_step: int = ANY_CRITIC_STEP
 
     def to_wire(self) -> dict[str, np.ndarray]:
-        """The critic_infer inputs: tokens [b,s], lengths [b,1], prompt_lengths [b,1], and those of
-        prompt_text, response_text and extras (BYTES [b,1], UTF-8) that are set."""
+        """The critic_infer inputs: tokens [b,s], lengths [b,1], prompt_lengths [b,1], after_step
+        [b,1] (the same step in every row), and those of prompt_text, response_text and extras
+        (BYTES [b,1], UTF-8) that are set."""
         wire = {
             "tokens": self.tokens,
             "lengths": self.lengths.reshape(-1, 1),
             "prompt_lengths": self.prompt_lengths.reshape(-1, 1),
+            "after_step": np.full((self.tokens.shape[0], 1), self.after_step, dtype=np.int64),
         }
         for name, texts in self.texts().items():
             wire[name] = text_array(texts)
@@ -84,6 +91,7 @@ class InferRequest:
             cut(self.prompt_texts),
             cut(self.response_texts),
             cut(self.extras),
+            self.after_step,
         )
 
 

@@ -22,14 +22,25 @@ __all__ = [
     "Limits",
     "OPTIONAL_INFER_INPUTS",
     "TEXT_INPUTS",
+    "ANY_CRITIC_STEP",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a name, dtype, shape or meaning on the wire changes incompatibly (2: the run
 token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output; 3:
 critic_infer's optional text inputs ``prompt_text``, ``response_text`` and ``extras``, and
 ``server_info``'s ``infer_inputs``, which names those a server needs: a server whose reward
-model reads text refuses a request without them, which a client of version 2 never sends)."""
+model reads text refuses a request without them, which a client of version 2 never sends; 4:
+critic_infer's ``after_step``, the critic step its values must come from, which the server
+waits for: a client of version 3 cannot order its infers after another client's trains, and
+one of version 4 sends an input a server of version 3 refuses; each refuses the other at
+connection, naming both versions)."""
+
+ANY_CRITIC_STEP = -1
+"""critic_infer's ``after_step`` that asks for no particular critic step: answered at once with
+the critic the server holds (a caller that uses only the scores, such as a critic-free run, or
+one that orders its requests itself). Any other value, >= 0, is a step the values must come from
+exactly (docs/design.md, "Wire protocol")."""
 
 INFER = "critic_infer"
 TRAIN = "critic_train"
@@ -89,6 +100,9 @@ MODELS: dict[str, ModelSpec] = {
             TensorSpec("prompt_text", _BYTES, (1,), optional=True),
             TensorSpec("response_text", _BYTES, (1,), optional=True),
             TensorSpec("extras", _BYTES, (1,), optional=True),
+            # The client always sends it; a request without it (a bare tritonclient, a tool
+            # written before it) asks for no particular critic step (ANY_CRITIC_STEP).
+            TensorSpec("after_step", _I64, (1,), optional=True),
         ),
         outputs=(
             TensorSpec("values", _F32, (-1,)),

@@ -21,13 +21,14 @@ import numpy as np
 
 from aligner.wire.protocol.errors import ProtocolError, neutralize, quote
 from aligner.wire.protocol.messages import InferRequest, TrainRequest
-from aligner.wire.protocol.spec import INFER, TRAIN, Limits
+from aligner.wire.protocol.spec import ANY_CRITIC_STEP, INFER, TRAIN, Limits
 
 __all__ = [
     "InputLimits",
     "json_depth",
     "as_numpy",
     "validate_infer",
+    "validate_after_step",
     "validate_texts",
     "validate_train",
     "validate_step",
@@ -278,6 +279,38 @@ def validate_texts(name: str, texts: Any, b: int, limits: InputLimits | None = N
     return out
 
 
+def validate_after_step(after_step: Any, b: int) -> int:
+    """critic_infer's ``after_step`` as one int: an int, or int64 ``[b, 1]`` (or ``[b]``) holding
+    the same step in every row (one request, one critic step), >= -1; None (a request without it:
+    a bare tritonclient, a tool written before it) asks for none, as
+    :data:`~aligner.wire.protocol.spec.ANY_CRITIC_STEP` does.
+
+    Raises:
+        ProtocolError: naming ``after_step``, what was expected and what came.
+    """
+    name = "after_step"
+    if after_step is None:
+        return ANY_CRITIC_STEP
+    if isinstance(after_step, (int, np.integer)) and not isinstance(after_step, bool):
+        steps = np.full(b, int(after_step), dtype=np.int64)
+    else:
+        steps = _column(INFER, name, after_step, b)
+    if (steps != steps[0]).any():
+        i = int(np.flatnonzero(steps != steps[0])[0])
+        raise ProtocolError(
+            INFER,
+            name,
+            "the same step in every row (one request, one critic step)",
+            f"{int(steps[0])} in row 0 and {int(steps[i])} in row {i}",
+        )
+    value = int(steps[0])
+    if value < ANY_CRITIC_STEP:
+        raise ProtocolError(
+            INFER, name, f"a critic step >= 0, or {ANY_CRITIC_STEP} for any", f"after_step={value}"
+        )
+    return value
+
+
 def validate_infer(
     tokens: Any,
     lengths: Any,
@@ -287,6 +320,7 @@ def validate_infer(
     prompt_text: Any = None,
     response_text: Any = None,
     extras: Any = None,
+    after_step: Any = None,
     require: Mapping[str, str] | None = None,
     input_limits: InputLimits | None = None,
 ) -> InferRequest:
@@ -297,6 +331,8 @@ def validate_infer(
         lengths: ``[b]`` or ``[b, 1]`` int64.
         prompt_lengths: ``[b]`` or ``[b, 1]`` int64.
         prompt_text, response_text, extras: the optional inputs (:func:`validate_texts`), or None.
+        after_step: the critic step the values must come from (:func:`validate_after_step`): an
+            int, or int64 ``[b, 1]``; None: any.
         require: optional inputs the server needs -> why (a request without one is refused).
         input_limits: how large the text inputs may be (:class:`InputLimits`; the server passes
             its own); None checks no sizes.
@@ -318,6 +354,7 @@ def validate_infer(
             f"prompt_length {int(prompt_lengths[i])} with length {int(lengths[i])} at row {i} "
             f"({int(bad.sum())} such row(s))",
         )
+    step = validate_after_step(after_step, b)
     given = {"prompt_text": prompt_text, "response_text": response_text, "extras": extras}
     for name, why in (require or {}).items():
         if given.get(name) is None:
@@ -329,7 +366,7 @@ def validate_infer(
             )
     texts = {k: None if v is None else validate_texts(k, v, b, input_limits) for k, v in given.items()}
     return InferRequest(
-        tokens, lengths, prompt_lengths, texts["prompt_text"], texts["response_text"], texts["extras"]
+        tokens, lengths, prompt_lengths, texts["prompt_text"], texts["response_text"], texts["extras"], step
     )
 
 

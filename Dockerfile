@@ -5,7 +5,7 @@
 #   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-base-ubuntu24.04 \
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 -t aligner:0.1.0-cu126 .
 #
-#   docker run --gpus all -p 8000-8002:8000-8002 aligner:0.1.0      # the critic/reward server (default command)
+#   docker run --gpus all -p 8001-8002:8001-8002 aligner:0.1.0      # the critic/reward server (default command)
 #   docker run --gpus all aligner:0.1.0 python examples/train_actor.py critic.url=grpc://HOST:8001
 #   docker run aligner:0.1.0 python -m aligner.critic.wait --url grpc://HOST:8001
 #
@@ -60,8 +60,11 @@ RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp aligner
 ENV HOME=/tmp
 USER 10001
 
-# HTTP, gRPC and metrics ports of the critic server (aligner/configs/critic.yaml: server.*_port).
-EXPOSE 8000 8001 8002
+# gRPC and metrics ports of the critic server (aligner/configs/critic.yaml: server.*_port). HTTP is
+# off (server.http_port null; README.md, "What the server trusts"). Bound to 0.0.0.0, the server
+# requires a run token: give it server.run_token_file (a mounted file) or $ALIGNER_RUN_TOKEN, else it
+# makes <log.dir>/run_token (mode 0600), which the actor then needs as critic.run_token_file.
+EXPOSE 8001 8002
 
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["python", "servers/serve_critic.py", "server.host=0.0.0.0", "server.metrics_port=8002"]

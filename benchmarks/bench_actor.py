@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-actor-"))
     server = start_server(
         [
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             "model.max_seq_len=16",

@@ -119,7 +119,6 @@ def dp_throughput(
     from aligner.critic.testing import train_arrays
 
     overrides = [
-        "server.http_port=0",
         "server.grpc_port=0",
         "server.metrics_port=null",
         f"parallel.data_parallel_size={dp}",
@@ -319,7 +318,8 @@ def main() -> None:
             token_values(service.critic, t)
 
     overrides = [
-        "server.http_port=0",
+        "server.http_port=0",  # compared with gRPC below; loopback only, so no token needed
+        "server.allow_no_token=true",
         "server.grpc_port=0",
         "server.metrics_port=null",
         f"server.max_queue_delay_us={args.queue_delay_us}",

@@ -42,7 +42,6 @@ def _run(name: str, steps: int, out: Path) -> list[dict]:
     run_dir = out / name
     server = start_server(
         [
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             f"mode={mode}",

@@ -28,7 +28,6 @@ RUN_DIR = ROOT / "runs" / "demo"
 # The critic the demo serves: the same tiny shape as the policy, trained with a larger
 # learning rate than the server's default (it starts from scratch, not from a reward model).
 SERVER_OVERRIDES = [
-    "server.http_port=0",
     "server.grpc_port=0",
     "server.metrics_port=null",
     "model.max_seq_len=16",

@@ -31,7 +31,6 @@ def digit_server(tmp_path: Path, task: str, *extra: str) -> ServerProcess:
     """A critic server scoring the built-in ``task`` (``copy``, ``reverse``, ``sort``)."""
     return start_server(
         [
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             "model.max_seq_len=16",

@@ -93,7 +93,6 @@ class Critic:
 
     root: Path
     extra: Sequence[str] = ()
-    http_port: int = 0
     grpc_port: int = 0
     starts: int = 0
     process: object = None
@@ -103,10 +102,7 @@ class Critic:
         from aligner.distributed import free_port
 
         self.root = Path(self.root)
-        self.http_port = self.http_port or free_port()
         self.grpc_port = self.grpc_port or free_port()
-        while self.grpc_port == self.http_port:
-            self.grpc_port = free_port()
 
     @property
     def ckpt(self) -> Path:
@@ -118,7 +114,6 @@ class Critic:
 
     def overrides(self) -> list[str]:
         return [
-            f"server.http_port={self.http_port}",
             f"server.grpc_port={self.grpc_port}",
             "server.metrics_port=null",
             "server.exit_timeout_s=1",

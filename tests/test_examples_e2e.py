@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _server(tmp_path: Path, policy: str, *extra: str):
     return start_server(
         [
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             f"tokenizer={policy}",

@@ -5,7 +5,11 @@
   ``aligner-serve-critic`` script; ``servers/serve_critic.py`` forwards to it), which binds the
   service to PyTriton and runs its lifecycle;
 - :mod:`aligner.critic.config`: the server's configuration dataclasses (``critic.yaml`` of
-  :mod:`aligner.configs`);
+  :mod:`aligner.configs`; its ``limits`` section in :mod:`aligner.critic.config_limits`);
+- :mod:`aligner.critic.security`: the run token the server requires (generated beyond loopback),
+  and what ``server_info`` tells a caller without it;
+- :mod:`aligner.critic.probe`: ``python -m aligner.critic.probe``, the health check of the
+  container probes;
 - :mod:`aligner.critic.service`: :class:`~aligner.critic.service.CriticService`, the critic, its
   optimiser and the reward source behind one lock (no PyTriton), with the rules (exactly once,
   fencing, infer, train, save and load);

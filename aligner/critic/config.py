@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aligner.config_checks import ConfigError, Problems
+from aligner.critic.config_limits import LimitsConfig
 from aligner.critic.reward_fn import reward_fn_problem
 from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_folder
 from aligner.models.config import FORWARD_MODES, ModelConfig
 from aligner.optim import OptimConfig
 from aligner.tokenizers import build_tokenizer
-from aligner.wire.protocol import InputLimits, resolve_run_token
+from aligner.wire.protocol import resolve_run_token
 
 __all__ = [
     "ServerConfig",
@@ -51,8 +52,10 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     """Address HTTP, gRPC and metrics bind to; 0.0.0.0 to serve other machines (e.g. a k8s Service)."""
-    http_port: int = 8000
-    """HTTP/REST port; 0 picks a free one (printed at start-up)."""
+    http_port: int | None = None
+    """HTTP/REST port; null (default): HTTP off (the actor speaks gRPC; the bundled Triton 2.51's
+    JSON parser crashes on deeply nested bodies), 0: a free one (PORTS line). On, it requires a
+    run token (README.md, "What the server trusts")."""
     grpc_port: int = 8001
     """gRPC port; 0 picks a free one (the READY line names it)."""
     metrics_port: int | None = 0
@@ -79,8 +82,11 @@ class ServerConfig:
     run_token_file: str | None = None
     """A file that holds the run token (its text, surrounding whitespace stripped); null: the
     token is ``$ALIGNER_RUN_TOKEN``, or there is none. With a token, critic_train, critic_save and
-    critic_load are refused without it; without one, the server accepts them from anyone who
-    reaches it (it warns once when it binds beyond loopback)."""
+    critic_load are refused without it. With none, a server beyond loopback or with HTTP on
+    makes one in ``<log.dir>/run_token`` (mode 0600, reused on restart; :mod:`.security`)."""
+    allow_no_token: bool = False
+    """true: serve beyond loopback or with HTTP on without a run token (isolated networks only;
+    anyone who reaches the server may then train, save and load; warned at start-up)."""
 
 
 @dataclass
@@ -260,46 +266,6 @@ class LogConfig:
 
 
 @dataclass
-class LimitsConfig:
-    """How large a critic_infer request may be beyond its shapes, checked per request before
-    anything is decoded or parsed; a request over one is refused naming the key. Rows per
-    request: ``server.max_batch_size``."""
-
-    max_extras_bytes: int = InputLimits.max_extras_bytes
-    """Most bytes of one sample's ``extras`` (its extra data-set columns as one JSON object)."""
-    max_text_bytes: int = InputLimits.max_text_bytes
-    """Most bytes of one sample's ``prompt_text`` or ``response_text``."""
-    max_input_bytes: int = InputLimits.max_input_bytes
-    """Most bytes of one text input of a request, all its rows together."""
-    max_json_depth: int = InputLimits.max_json_depth
-    """Deepest nesting of arrays and objects in one sample's ``extras`` (its object is depth 1)."""
-    max_extras_keys: int = InputLimits.max_extras_keys
-    """Most keys of one sample's ``extras``, and most columns over a request's samples (each is a
-    keyword argument of the reward function)."""
-    reward_only_max_seq_len: int = 32768
-    """Longest padded sample (tokens) of a ``mode=reward_only`` server whose length nothing else
-    bounds (no reward model on the policy's ids); with a critic, the model's ``max_seq_len``."""
-
-    def input_limits(self) -> InputLimits:
-        """The text-input limits, as the wire protocol's checks take them."""
-        return InputLimits(
-            max_extras_bytes=self.max_extras_bytes,
-            max_text_bytes=self.max_text_bytes,
-            max_input_bytes=self.max_input_bytes,
-            max_json_depth=self.max_json_depth,
-            max_extras_keys=self.max_extras_keys,
-        )
-
-    def problems(self, prefix: str) -> list[str]:
-        """Every value below 1, named."""
-        return [
-            f"{prefix}.{f.name}={getattr(self, f.name)!r}: expected an integer >= 1"
-            for f in dataclasses.fields(self)
-            if not isinstance(getattr(self, f.name), int) or getattr(self, f.name) < 1
-        ]
-
-
-@dataclass
 class CriticServerConfig:
     """Everything the critic/reward server needs (``aligner/configs/critic.yaml``)."""
 
@@ -357,7 +323,7 @@ class CriticServerConfig:
         s = self.server
         for key in ("http_port", "grpc_port"):
             v = getattr(s, key)
-            if not isinstance(v, int) or not 0 <= v < 65536:
+            if (v is not None or key == "grpc_port") and (not isinstance(v, int) or not 0 <= v < 65536):
                 e.append(f"server.{key}={v!r}: expected a port in [0, 65535] (0 picks a free one)")
         if s.metrics_port is not None and not 0 <= s.metrics_port < 65536:
             e.append(

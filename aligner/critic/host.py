@@ -9,11 +9,14 @@ import os
 import shutil
 import socket
 import sysconfig
+import threading
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "PortInUseError",
     "check_ports_free",
+    "parallel_model_cleanup",
     "connectable_host",
     "pid_alive",
     "prepare_environment",
@@ -105,3 +108,35 @@ def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
 def connectable_host(host: str) -> str:
     """The address a local client dials for a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def parallel_model_cleanup(triton: Any) -> None:
+    """Make ``Triton.stop()`` tear down the model proxies concurrently.
+
+    PyTriton 0.7 stops tritonserver and then cleans each bound model in turn, about 1 s each
+    (mostly waiting on its threads); with five models that is ~5 s of a ~7 s stop. Each
+    model's ``clean`` is wrapped so that the first call starts all of them at once. Uses
+    PyTriton internals (``_model_manager``); if they change, stopping is just slower.
+    """
+    models = list(getattr(getattr(triton, "_model_manager", None), "models", None) or [])
+    if len(models) < 2 or not all(callable(getattr(m, "clean", None)) for m in models):
+        return
+    originals = {id(m): m.clean for m in models}
+    threads: dict[int, threading.Thread] = {}
+    lock = threading.Lock()
+
+    def start_all() -> None:
+        with lock:
+            if not threads:
+                for m in models:
+                    th = threading.Thread(target=originals[id(m)], name=f"clean-{m.model_name}", daemon=True)
+                    th.start()
+                    threads[id(m)] = th
+
+    for m in models:
+
+        def clean(m=m) -> None:
+            start_all()
+            threads[id(m)].join()
+
+        m.clean = clean

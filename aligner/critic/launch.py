@@ -61,6 +61,7 @@ class ServerProcess:
         self.log_path = log_path
         self.url: str = ""
         self.http_url: str = ""
+        """Empty when the server serves no HTTP (the default)."""
         self.ports: dict[str, int] = {}
         self._lines: list[str] = []
         self._ready = threading.Event()
@@ -79,7 +80,7 @@ class ServerProcess:
             elif line.startswith("READY "):
                 self.url = line.split(" ", 1)[1].strip()
                 host = self.url.split("://", 1)[1].rsplit(":", 1)[0]
-                if "http" in self.ports:
+                if self.ports.get("http"):  # http=0: HTTP off (server.http_port null)
                     self.http_url = f"http://{host}:{self.ports['http']}"
                 self._ready.set()
 

@@ -13,9 +13,9 @@ stops answering. Readiness adds Triton's readiness of every model of the wire pr
 (:func:`aligner.wire.readiness.wait_ready`, the check the actor's client makes).
 
 The check is one attempt, never retried: the probe's ``failureThreshold`` decides how many misses
-a restart takes. It needs no run token (``server_info`` is open to every client) and sends nothing
-that changes the server. gRPC by default, on loopback: the pod's own server, whatever the
-NetworkPolicy lets in.
+a restart takes. It needs no run token (``server_info`` answers every client, with its public
+view) and sends nothing that changes the server. gRPC by default, on loopback: the pod's own
+server, whatever the NetworkPolicy lets in.
 
 Exit status: 0 alive (or ready); 1 not; 2 a malformed URL.
 """

@@ -67,11 +67,13 @@ critic_infer's values all zeros, critic_train, critic_save and critic_load refus
 mode, and ``server_info``'s ``critic`` false (:class:`~aligner.critic.service.CriticService`).
 
 Lifecycle. :func:`run_server` checks ``$ALIGNER_SERVER_FAULT_AT`` (:mod:`aligner.faults`),
-builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, warns
-when it serves beyond loopback without a run token, prepares the environment PyTriton needs
-(``LD_LIBRARY_PATH`` to the interpreter's libdir, a project-local cache), starts Triton on the
-configured (or free) ports, prints ``PORTS ...`` and then ``READY grpc://host:port`` on stdout
-once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
+builds the service, loads the newest critic checkpoint with ``checkpoint.resume=auto``, requires
+a run token when it serves beyond loopback or with HTTP on (making ``<log.dir>/run_token`` if none
+was set) and drops ``$ALIGNER_RUN_TOKEN`` from its environment (:mod:`aligner.critic.security`),
+prepares the environment PyTriton needs (``LD_LIBRARY_PATH`` to the interpreter's libdir, a
+project-local cache), starts Triton on the configured (or free) ports (HTTP only when
+``server.http_port`` is set; ``http=0`` in the PORTS line when off), prints ``PORTS ...`` and
+then ``READY grpc://host:port`` on stdout once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
 Shutdown finishes the in-flight operation, saves the last applied step if
 ``checkpoint.save_on_sigterm``, stops Triton and returns 0.
 """
@@ -104,10 +106,12 @@ from aligner.critic.host import (
     PortInUseError,
     check_ports_free,
     connectable_host,
+    parallel_model_cleanup,
     prepare_environment,
     remove_stale_workspaces,
 )
 from aligner.critic.metrics import MetricsWriter
+from aligner.critic.security import RefusalLog, TokenFileError, drop_token_env, info_for, server_run_token
 from aligner.critic.service import CriticService
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
@@ -117,14 +121,12 @@ from aligner.wire.protocol import (
     MODEL_NAMES,
     MODELS,
     OPTIONAL_INFER_INPUTS,
-    RUN_TOKEN_ENV,
     SAVE,
     TRAIN,
     BatchPeerError,
     InferRequest,
     ProtocolError,
     infer_error_wire,
-    neutralize,
     validate_infer,
     wire_text,
 )
@@ -151,8 +153,10 @@ class CriticTritonServer:
         self.service = service
         self.cfg = cfg
         s = cfg.server
-        self.http_port = s.http_port or free_port(s.host if s.host != "0.0.0.0" else "127.0.0.1")
-        self.grpc_port = s.grpc_port or free_port(s.host if s.host != "0.0.0.0" else "127.0.0.1")
+        bind = s.host if s.host != "0.0.0.0" else "127.0.0.1"
+        # None: HTTP off (the default; security.token_required_reason).
+        self.http_port = None if s.http_port is None else s.http_port or free_port(bind)
+        self.grpc_port = s.grpc_port or free_port(bind)
         while self.grpc_port == self.http_port:
             self.grpc_port = free_port()
         self.metrics_port = None
@@ -165,6 +169,8 @@ class CriticTritonServer:
         """How large critic_infer's text inputs may be (``limits``), checked per request."""
         self.workspace_root = workspace_root
         self.triton = None
+        self.refusals = RefusalLog(log)
+        """Refused requests, one line per kind per minute (security.RefusalLog)."""
 
     @property
     def grpc_url(self) -> str:
@@ -172,7 +178,8 @@ class CriticTritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"http://{connectable_host(self.host)}:{self.http_port}"
+        """Empty when HTTP is off."""
+        return "" if self.http_port is None else f"http://{connectable_host(self.host)}:{self.http_port}"
 
     # ------------------------------------------------------------------------------------------
     # Inference callables: each takes PyTriton's list of requests and returns one dict per request.
@@ -191,7 +198,7 @@ class CriticTritonServer:
             return out
         except Exception as e:
             if isinstance(e, (ProtocolError, CriticServiceError)):
-                log.warning("%s rejected: %s", model, neutralize(str(e), 2000))
+                self.refusals.refused(model, e)  # expected: throttled, no traceback
             else:
                 log.exception("%s failed", model)
             # No chained exception: Triton would show its text, which the server did not compose.
@@ -290,8 +297,17 @@ class CriticTritonServer:
 
     def info_fn(self, requests) -> list[dict[str, np.ndarray]]:
         def run(reqs):
-            blob = self.service.info().to_json()
-            return [{"info": _bytes_array(blob)} for _ in reqs]
+            # The full info to a caller that sends the run token (or when the server has none),
+            # the public part to one that sends none (the probe, readiness checks).
+            required = self.service.run_token
+            return [
+                {
+                    "info": _bytes_array(
+                        info_for(self.service.info(), required, _optional(r, "run_token")).to_json()
+                    )
+                }
+                for r in reqs
+            ]
 
         return self._timed(INFO, run, requests)
 
@@ -309,8 +325,10 @@ class CriticTritonServer:
         )
         log_dir = Path(self.cfg.log.dir).resolve()
         log_dir.mkdir(parents=True, exist_ok=True)
+        http_on = self.http_port is not None
         triton_cfg = TritonConfig(
-            http_address=s.host,
+            allow_http=http_on,
+            http_address=s.host if http_on else None,
             http_port=self.http_port,
             grpc_address=s.host,
             grpc_port=self.grpc_port,
@@ -372,7 +390,7 @@ class CriticTritonServer:
                 strict=True,
             )
         self.triton.run()
-        wait_ready(self.http_url, timeout_s=120.0, models=MODEL_NAMES)
+        wait_ready(self.grpc_url, timeout_s=120.0, models=MODEL_NAMES)
 
     def is_alive(self) -> bool:
         return self.triton is not None and self.triton.is_alive()
@@ -380,41 +398,9 @@ class CriticTritonServer:
     def stop(self) -> None:
         """Stop Triton and clean PyTriton's workspace (its model proxies torn down concurrently)."""
         if self.triton is not None:
-            _parallel_model_cleanup(self.triton)
+            parallel_model_cleanup(self.triton)
             self.triton.stop()
             self.triton = None
-
-
-def _parallel_model_cleanup(triton: Any) -> None:
-    """Make ``Triton.stop()`` tear down the model proxies concurrently.
-
-    PyTriton 0.7 stops tritonserver and then cleans each bound model in turn, about 1 s each
-    (mostly waiting on its threads); with five models that is ~5 s of a ~7 s stop. Each
-    model's ``clean`` is wrapped so that the first call starts all of them at once. Uses
-    PyTriton internals (``_model_manager``); if they change, stopping is just slower.
-    """
-    models = list(getattr(getattr(triton, "_model_manager", None), "models", None) or [])
-    if len(models) < 2 or not all(callable(getattr(m, "clean", None)) for m in models):
-        return
-    originals = {id(m): m.clean for m in models}
-    threads: dict[int, threading.Thread] = {}
-    lock = threading.Lock()
-
-    def start_all() -> None:
-        with lock:
-            if not threads:
-                for m in models:
-                    th = threading.Thread(target=originals[id(m)], name=f"clean-{m.model_name}", daemon=True)
-                    th.start()
-                    threads[id(m)] = th
-
-    for m in models:
-
-        def clean(m=m) -> None:
-            start_all()
-            threads[id(m)].join()
-
-        m.clean = clean
 
 
 def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
@@ -435,6 +421,10 @@ def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
             root.addHandler(fh)
     for noisy in ("pytriton", "tritonclient", "sh", "torch.distributed"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    # PyTriton logs a traceback (~2 KB) at WARNING for every request a callable refuses; the
+    # callables log refusals themselves (throttled, security.RefusalLog) and unexpected errors
+    # with their traceback, so only its errors (an unrecoverable one) are left to it.
+    logging.getLogger("pytriton.proxy.inference").setLevel(max(level, logging.ERROR))
 
 
 def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
@@ -456,10 +446,6 @@ def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
             )
     if cfg.checkpoint.save_initial and service.critic_step < 0:
         service.save(0)
-
-
-def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def run_server(cfg: CriticServerConfig) -> int:
@@ -511,17 +497,17 @@ def run_server(cfg: CriticServerConfig) -> int:
         service = CriticService(cfg, state, metrics=metrics)
         if state.rank == 0:
             _start_state(service, cfg)
+        drop_token_env()  # read: Triton and its backend stubs, started below, never hold it
         if state.rank != 0:
             service.serve_peers()
             return 0
 
-        if service.run_token is None and not _is_loopback(cfg.server.host):
-            log.warning(
-                "serving on %s without a run token: anyone who reaches this server may train, save "
-                "and load its critic; set $%s or server.run_token_file (and the same on the actor)",
-                cfg.server.host,
-                RUN_TOKEN_ENV,
-            )
+        # Beyond loopback or with HTTP on, a token is required: made in log.dir if none was set.
+        try:
+            service.run_token = server_run_token(cfg, service.run_token)
+        except TokenFileError as e:
+            print(f"critic server: {e}", file=sys.stderr, flush=True)
+            return 2
         workspace_root = prepare_environment(cfg.server.workspace_root)
         server = CriticTritonServer(service, cfg, workspace_root)
         try:
@@ -533,11 +519,11 @@ def run_server(cfg: CriticServerConfig) -> int:
         log.info(
             "critic server ready: grpc %s, http %s, metrics %s",
             server.grpc_url,
-            server.http_url,
+            server.http_url or "off",
             server.metrics_port,
         )
         print(
-            f"PORTS http={server.http_port} grpc={server.grpc_port} metrics={server.metrics_port or 0} "
+            f"PORTS http={server.http_port or 0} grpc={server.grpc_port} metrics={server.metrics_port or 0} "
             f"pid={os.getpid()}",
             flush=True,
         )

@@ -21,11 +21,13 @@ from aligner.wire.protocol import (
     ServerInfo,
     TrainRequest,
     load_inputs,
+    run_token_array,
     save_inputs,
 )
 
 __all__ = [
     "TINY_MODEL",
+    "HTTP_ON",
     "tiny_overrides",
     "tiny_config",
     "encode_samples",
@@ -49,11 +51,15 @@ TINY_MODEL = {
 }
 
 
+HTTP_ON = {"server.http_port": 0, "server.allow_no_token": "true"}
+"""For :func:`tiny_overrides`: HTTP on a free port, no run token required (loopback tests only)."""
+
+
 def tiny_overrides(root: str | Path, **extra: object) -> list[str]:
-    """Hydra overrides for a tiny critic server writing under ``root``, on free ports."""
+    """Hydra overrides for a tiny critic server writing under ``root``, on free ports, HTTP off (a
+    test that needs HTTP passes ``**HTTP_ON``)."""
     root = Path(root)
     o = {
-        "server.http_port": 0,
         "server.grpc_port": 0,
         "server.metrics_port": "null",
         "log.dir": str(root / "log"),
@@ -71,7 +77,7 @@ def tiny_config(root: str | Path, **sections: dict) -> dict:
     """The same tiny set-up as a plain dict for :func:`aligner.critic.config.build_config`."""
     root = Path(root)
     d: dict = {
-        "server": {"http_port": 0, "grpc_port": 0, "metrics_port": None, "exit_timeout_s": 1},
+        "server": {"grpc_port": 0, "metrics_port": None, "exit_timeout_s": 1},
         "model": dict(TINY_MODEL),
         "log": {"dir": str(root / "log"), "tensorboard": False},
         "checkpoint": {"dir": str(root / "ckpt")},
@@ -188,9 +194,11 @@ def raw_error(url: str, model: str, inputs: dict[str, np.ndarray]) -> str:
     raise AssertionError(f"{model} accepted a request that breaks the contract: {sorted(inputs)}")
 
 
-def raw_info(url: str) -> ServerInfo:
-    """``server_info`` through a bare tritonclient."""
-    return ServerInfo.from_json(raw_infer(url, INFO, {})["info"].reshape(-1)[0])
+def raw_info(url: str, run_token: str | None = None) -> ServerInfo:
+    """``server_info`` through a bare tritonclient, with ``run_token`` if given (a server that has
+    one tells a caller without it only the public fields)."""
+    inputs = {"run_token": run_token_array(run_token)} if run_token else {}
+    return ServerInfo.from_json(raw_infer(url, INFO, inputs)["info"].reshape(-1)[0])
 
 
 def raw_train(url: str, req: TrainRequest, run_token: str | None = None) -> dict[str, np.ndarray]:

@@ -218,7 +218,6 @@ def critic_config(opts: PPOOptions, tokenizer: Path, root: Path, extra: dict[str
         "precision": opts.precision,
         "model": opts.shape.keys(),
         "server": {
-            "http_port": 0,
             "grpc_port": 0,
             "metrics_port": None,
             "max_batch_size": max(256, opts.global_batch),

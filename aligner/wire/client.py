@@ -77,6 +77,7 @@ from aligner.wire.protocol import (
     extract_fenced,
     extract_unauthorized,
     load_inputs,
+    run_token_array,
     save_inputs,
     validate_step,
     validate_train,
@@ -236,10 +237,15 @@ class RemoteCriticClient:
                 call, self.url, limit, step=step, what=f"waiting for the server to be ready: {e}"
             ) from None
 
+    def _info_inputs(self) -> dict[str, Any]:
+        """server_info's inputs: the run token when this client has one (a server with a token
+        gives its full info only to a caller that sends it; docs/design.md, "Wire protocol")."""
+        return {"run_token": run_token_array(self._run_token)} if self._run_token else {}
+
     def _read_info(self, timeout_s: float) -> ServerInfo | None:
         """One ``server_info`` attempt, no retries (None when it fails)."""
         try:
-            out = self._conn().infer(INFO, {}, ["info"], timeout_s=timeout_s)
+            out = self._conn().infer(INFO, self._info_inputs(), ["info"], timeout_s=timeout_s)
             return ServerInfo.from_json(out["info"].reshape(-1)[0])
         except Exception:
             return None
@@ -380,7 +386,7 @@ class RemoteCriticClient:
 
     def server_info(self) -> ServerInfo:
         """The server's :class:`~aligner.wire.protocol.ServerInfo` (fresh, not cached)."""
-        out = self._call(INFO, {}, ["info"])
+        out = self._call(INFO, self._info_inputs(), ["info"])
         blob = out["info"].reshape(-1)[0]
         return ServerInfo.from_json(blob)
 
@@ -388,7 +394,7 @@ class RemoteCriticClient:
         """``server_info``'s JSON as it came, a dict: every field the server sent, those this
         client's :class:`~aligner.wire.protocol.ServerInfo` does not know included (for reports
         and benchmarks; :meth:`server_info` is the typed view)."""
-        out = self._call(INFO, {}, ["info"])
+        out = self._call(INFO, self._info_inputs(), ["info"])
         return json.loads(out["info"].reshape(-1)[0])
 
     def check_compatible(self, vocab_size: int, max_seq_len: int, tokenizer_fingerprint: str) -> None:

@@ -59,7 +59,6 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         f"model.max_seq_len={case.max_seq_len}",
     ]
     server_overrides = [
-        "server.http_port=0",
         "server.grpc_port=0",
         "server.metrics_port=null",
         f"server.max_batch_size={max(case.batch, 8)}",

@@ -54,7 +54,6 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("critic")
     with start_server(
         [
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             "model.max_seq_len=16",

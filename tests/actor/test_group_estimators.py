@@ -51,7 +51,6 @@ def reward_server(tmp_path_factory):
     server = start_server(
         [
             "mode=reward_only",
-            "server.http_port=0",
             "server.grpc_port=0",
             "server.metrics_port=null",
             "model.max_seq_len=16",

@@ -188,8 +188,9 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
     as another process; a caller that still expects step 2 is refused, naming both steps; the
     steps redone from there give the results they gave before; SIGTERM saves and exits 0."""
     ws = Path(tempfile.mkdtemp(prefix="critic-ws-"))  # short: PyTriton's Unix sockets live there
-    ports = {"server.http_port": free_port(), "server.grpc_port": free_port(), "server.workspace_root": ws}
-    # Beyond loopback, as in a pod; the first server has no run token, the second has one.
+    ports = {"server.grpc_port": free_port(), "server.workspace_root": ws}
+    # Beyond loopback, as in a pod; the first server has no run token (waived: allow_no_token),
+    # the second has one.
     overrides = tiny_overrides(tmp_path, **ports, **{"server.host": "0.0.0.0", "checkpoint.resume": "auto"})
     tokens, lengths, pl, *_ = digit_batch(TOK, 4, seed=1)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=1)
@@ -199,7 +200,11 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
         req = P.TrainRequest(tokens, lengths, returns, old_values, mask, step, expected)
         return P.TrainResult.from_wire(raw_train(url, req, run_token))
 
-    first = start_server(overrides, log_path=tmp_path / "first.log", env={SERVER.env: "train@3"})
+    first = start_server(
+        overrides + ["server.allow_no_token=true"],
+        log_path=tmp_path / "first.log",
+        env={SERVER.env: "train@3"},
+    )
     try:
         info1 = raw_info(first.url)
         assert (info1.critic_step, info1.checkpoint_steps, info1.run_token_required) == (-1, [0], False)
@@ -214,12 +219,12 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
     except BaseException:
         first.kill()
         raise
-    assert "without a run token" in (tmp_path / "first.log").read_text()
+    assert "WITHOUT A RUN TOKEN" in (tmp_path / "first.log").read_text()
     second = start_server(overrides, log_path=tmp_path / "second.log", env={P.RUN_TOKEN_ENV: token})
     try:
         assert second.url == first.url  # same ports: nothing of the killed server holds them
         assert not any(p.name.startswith(f"critic-{first_pid}-") for p in ws.iterdir())
-        info = raw_info(second.url)
+        info = raw_info(second.url, token)
         assert info.instance_id != info1.instance_id and info.run_token_required
         assert (info.critic_step, info.checkpoint_steps) == (1, [0, 1])
         # The caller that saw step 2 applied retries step 3: refused, nothing applied.
@@ -241,7 +246,7 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
     finally:
         second.kill()
     assert code == 0, second.output_tail()
-    assert "without a run token" not in (tmp_path / "second.log").read_text()
+    assert "WITHOUT A RUN TOKEN" not in (tmp_path / "second.log").read_text()
     # Step 0 is the initial critic (checkpoint.save_initial); step 3 was saved on SIGTERM.
     assert complete_steps(tmp_path / "ckpt", role="critic") == [0, 1, 3]
     assert read_json(tmp_path / "ckpt" / "step_00000003" / "critic" / "meta.json")["critic_step"] == 3

@@ -13,13 +13,13 @@ import pytest
 
 from aligner.critic import probe
 from aligner.critic.launch import start_server
-from aligner.critic.testing import tiny_overrides
+from aligner.critic.testing import HTTP_ON, tiny_overrides
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("probe")
-    s = start_server(tiny_overrides(root), log_path=root / "server.stderr")
+    s = start_server(tiny_overrides(root, **HTTP_ON), log_path=root / "server.stderr")
     try:
         yield s
     finally:

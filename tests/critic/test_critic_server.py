@@ -24,12 +24,14 @@ from aligner.critic.testing import (
     encode_samples,
     raw_error,
     raw_infer,
-    raw_info,
     raw_load,
     raw_save,
     raw_train,
     tiny_overrides,
     train_arrays,
+)
+from aligner.critic.testing import (
+    raw_info as _raw_info,
 )
 from aligner.distributed import ParallelConfig, destroy, initialize
 from aligner.models.checkpoint_io import save_model_checkpoint
@@ -53,6 +55,11 @@ REWARD_FN = "aligner.critic.testing:picky_reward"  # the sort reward, and bad sa
 WAIT_S = 4.0
 
 
+def raw_info(url: str) -> P.ServerInfo:
+    """The full server_info (this module's server has a run token)."""
+    return _raw_info(url, TOKEN)
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """(server, reward model, in-process critic builder, root) for the whole module."""
@@ -69,6 +76,7 @@ def env(tmp_path_factory):
                 "reward.model_path": root / "rm",
                 "reward.fn": REWARD_FN,
                 "server.run_token_file": root / "token",
+                "server.http_port": 0,  # some tests compare HTTP with gRPC (a token is set)
                 "server.max_batch_size": MAX_BATCH,
                 "server.max_request_batch": MAX_BATCH,
                 "server.max_queue_delay_us": 3000,
@@ -90,7 +98,7 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(env):
-    with RemoteCriticClient(env["server"].url, timeout_s=30, max_workers=8) as c:
+    with RemoteCriticClient(env["server"].url, timeout_s=30, max_workers=8, run_token=TOKEN) as c:
         yield c
 
 

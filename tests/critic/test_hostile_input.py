@@ -27,7 +27,15 @@ from aligner.critic.launch import start_server
 from aligner.critic.reward_fn import RewardFunctionError
 from aligner.critic.server import CriticTritonServer
 from aligner.critic.service import CriticService
-from aligner.critic.testing import digit_batch, raw_error, raw_infer, raw_info, tiny_config, tiny_overrides
+from aligner.critic.testing import (
+    HTTP_ON,
+    digit_batch,
+    raw_error,
+    raw_infer,
+    raw_info,
+    tiny_config,
+    tiny_overrides,
+)
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 from aligner.wire.client import RemoteCriticClient
@@ -78,6 +86,7 @@ def env(tmp_path_factory):
         "reward.fn": "aligner.critic.testing:picky_reward",  # takes every extras column (**kwargs)
         "server.max_queue_delay_us": 20000,  # so that concurrent requests merge
         "precision": "fp32",  # merged and unmerged forwards compared to 1e-5
+        **HTTP_ON,  # hostile requests go over HTTP too
     }
     server = start_server(tiny_overrides(root, **overrides), log_path=root / "server.stderr")
     try:

@@ -200,12 +200,11 @@ def test_critic_ports_probes_and_service_match_what_the_server_serves(schemas):
     dep, svc, pod, c, tr, cfg = critic_parts(rendered())
     assert cfg.server.host == "0.0.0.0", "server.host must let the Service reach the server"
     served = {"grpc": cfg.server.grpc_port, "metrics": cfg.server.metrics_port}
-    assert all(served.values()) and cfg.server.http_port, (
-        f"fixed ports are needed behind a Service, got {served}"
-    )
+    assert all(served.values()), f"fixed ports are needed behind a Service, got {served}"
+    assert cfg.server.http_port is None, "HTTP stays off (README.md, 'What the server trusts')"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == served
 
-    # The Service: the named gRPC port (and metrics) that lead to the server's; HTTP stays in the pod.
+    # The Service: the named gRPC port (and metrics) that lead to the server's; there is no HTTP.
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
     assert set(ports) == {"grpc", "metrics"}
     for name, p in ports.items():

@@ -6,8 +6,10 @@ record what it launches. The layouts the tests run are in test_recipes_layouts.p
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import stat
 import subprocess
 import time
 
@@ -83,6 +85,12 @@ def test_sbatch_launches_the_critic_then_the_actor_against_it(tmp_path, schemas)
     assert tr.training_script == CRITIC_ENTRY
     ccfg = critic_config(tr.training_script_args)
     assert ccfg.server.host == "0.0.0.0" and ccfg.checkpoint.save_on_sigterm
+    assert ccfg.server.http_port is None, "HTTP stays off"
+    # One run token file in the run's shared folder, mode 0600, named by both roles.
+    token_file = tmp_path / "run" / "run_token"
+    assert ccfg.server.run_token_file == str(token_file)
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token_file.read_text().strip()) == 64
+    assert token_file.read_text().strip() not in run.stdout + run.stderr + json.dumps(log)
     assert int(tr.nproc_per_node) == ccfg.parallel.world_size
     url = f"grpc://gpu-c01:{ccfg.server.grpc_port}"
 
@@ -102,6 +110,7 @@ def test_sbatch_launches_the_critic_then_the_actor_against_it(tmp_path, schemas)
     assert tr.rdzv_endpoint.startswith("gpu-a01:")
     acfg = actor_config(tr.training_script_args, world_size=2 * int(tr.nproc_per_node))
     assert acfg.critic.url is None and acfg.ppo.num_steps == 10
+    assert acfg.critic.run_token_file == str(token_file)
     assert acfg.checkpoint.dir == ccfg.checkpoint.dir == str(tmp_path / "run" / "checkpoints")
     assert acfg.checkpoint.resume == ccfg.checkpoint.resume == "auto"
     # At the end, the critic is stopped with SIGTERM (it saves before it exits).

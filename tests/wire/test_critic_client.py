@@ -45,7 +45,7 @@ class Server:
 
     def __init__(self, root) -> None:
         self.root = root
-        self.ports = {"server.http_port": free_port(), "server.grpc_port": free_port()}
+        self.ports = {"server.grpc_port": free_port()}
         self.url = f"grpc://127.0.0.1:{self.ports['server.grpc_port']}"
         self.process = None
         self.starts = 0

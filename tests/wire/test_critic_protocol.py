@@ -346,7 +346,10 @@ def test_every_model_spec_is_consistent():
     # Who may write, and against which critic step.
     for model, spec in P.MODELS.items():
         names = {t.name for t in spec.inputs}
-        assert ("run_token" in names) == (model in P.MUTATING_MODELS), model
+        required = {t.name for t in spec.inputs if not t.optional}
+        assert ("run_token" in required) == (model in P.MUTATING_MODELS), model
+        # server_info: optional, for the full info (the probe sends none).
+        assert ("run_token" in names) == (model in P.MUTATING_MODELS or model == P.INFO), model
         assert ("expected_step" in names) == (model in (P.TRAIN, P.SAVE)), model
     assert P.MODELS[P.TRAIN].input("expected_step").shape == (1, 1)
     assert P.MODELS[P.LOAD].input("run_token").shape == (1,)

@@ -273,6 +273,10 @@ class ServerInfo:
     (requests in one execution, as a string -> executions that merged that many)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else (pid, start time, optimizer settings)."""
+    full: bool = True
+    """False: the view a caller without the run token gets from a server that has one (only what a
+    client checks; ``tokenizer`` empty, the dicts and ``checkpoint_steps`` empty, ``last_saved_step``
+    -1). Send the token with server_info for the rest (:mod:`aligner.critic.security`)."""
 
     @property
     def limits(self) -> Limits:

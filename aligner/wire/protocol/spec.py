@@ -88,6 +88,8 @@ _I64, _F32, _BYTES = np.int64, np.float32, np.bytes_
 _STEP = TensorSpec("step", _I64, (1, 1))
 _EXPECTED_STEP = TensorSpec("expected_step", _I64, (1, 1))
 _RUN_TOKEN = TensorSpec("run_token", _BYTES, (1,))
+_RUN_TOKEN_INFO = TensorSpec("run_token", _BYTES, (1,), optional=True)
+"""server_info's: left out (or empty) by the probe and readiness checks, which get the public view."""
 _OK = (TensorSpec("ok", _I64, (1, 1)),)
 
 MODELS: dict[str, ModelSpec] = {
@@ -134,7 +136,9 @@ MODELS: dict[str, ModelSpec] = {
     ),
     SAVE: ModelSpec(SAVE, inputs=(_STEP, _EXPECTED_STEP, _RUN_TOKEN), outputs=_OK, batched=False),
     LOAD: ModelSpec(LOAD, inputs=(_STEP, _RUN_TOKEN), outputs=_OK, batched=False),
-    INFO: ModelSpec(INFO, inputs=(), outputs=(TensorSpec("info", _BYTES, (1,)),), batched=False),
+    INFO: ModelSpec(
+        INFO, inputs=(_RUN_TOKEN_INFO,), outputs=(TensorSpec("info", _BYTES, (1,)),), batched=False
+    ),
 }
 
 

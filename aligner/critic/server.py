@@ -250,7 +250,7 @@ class CriticTritonServer:
         # is past, gets its message in its `error` output (PyTriton can fail only a whole
         # execution), the others their values and rewards.
         return [
-            infer_error_wire(wire_text(str(r), ""), p.tokens.shape[0])
+            infer_error_wire(wire_text(str(r) or type(r).__name__, ""), p.tokens.shape[0])
             if isinstance(r, Exception)
             else r.to_wire()
             for r, p in zip(results, parsed)

@@ -102,5 +102,11 @@ def infer_result(out: dict[str, np.ndarray], url: str) -> tuple[np.ndarray, np.n
     if failed:
         text = failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
         raise CriticServerError(f"{INFER} failed on the critic server at {url}: {text}")
+    missing = [name for name in ("values", "rewards") if out.get(name) is None]
+    if missing:  # an error row with no message, or a server that is not ours
+        raise CriticServerError(
+            f"{INFER} answer from the critic server at {url} has no {' or '.join(missing)} output "
+            "and names no error"
+        )
     values = out["values"].astype(np.float32, copy=False)
     return values, out["rewards"].reshape(-1).astype(np.float32, copy=False)

@@ -558,6 +558,9 @@ def test_the_clients_requests_carry_what_the_server_needs_in_chunks_it_takes():
     assert values.dtype == rewards.dtype == np.float32 and rewards.shape == (2,)
     with pytest.raises(CriticServerError, match=f"critic_infer failed on the critic server at {url}: boom"):
         infer_result(P.infer_error_wire("boom", 2), url)
+    # An error row without a message (or an answer missing its outputs) is a clear error too.
+    with pytest.raises(CriticServerError, match="has no values or rewards output and names no error"):
+        infer_result(P.infer_error_wire("", 2), url)
 
     result = P.TrainResult.from_wire(P.TrainResult(0.5, 1.5, 7, 0.25).to_wire())
     assert (result.loss, result.grad_norm, result.applied_step, result.explained_variance) == (

@@ -284,10 +284,10 @@ def test_compiled_mode_runs_packed_eagerly():
     forward.set_forward(model, "fused")
     want = forward.token_values_packed(model, pack(TOKENS, LENGTHS))
     assert forward.set_forward(model, "compiled") == ("compiled", None)
+    before = dict(fused._COMPILED)  # earlier tests in this process may have compiled this spec
     assert torch.equal(forward.token_values_packed(model, pack(TOKENS, LENGTHS)), want)
-    assert model.aligner_fused._packed_fn is not None and not fused._COMPILED.get(
-        (model.aligner_fused.spec.key, 0)
-    )
+    assert model.aligner_fused._packed_fn is not None
+    assert dict(fused._COMPILED) == before, "the packed call compiled something"
 
 
 # -- no attention across rows ------------------------------------------------------------------

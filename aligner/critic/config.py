@@ -292,7 +292,7 @@ class CriticServerConfig:
     """'bf16' (bf16 weights and compute; fp32 master weights, gradients and Adam state), 'fp32', or 'auto' (bf16 where the GPU or CPU computes it natively: AVX512-BF16/AMX)."""
     model_forward: str = "auto"
     """How the critic and reward model forwards run: 'fused' (``aligner.models.fused``: Megatron's arithmetic in fewer ops on the same parameters), 'compiled' (fused under torch.compile, TP=1), 'megatron' (the modules' own forward), or 'auto' (fused where the architecture allows it, else megatron)."""
-    max_tokens_per_micro_batch: int | None = 8192
+    max_tokens_per_micro_batch: int | None = None
     """Packed sequences (``aligner.models.packing``, docs/design.md "Packed sequences"): each
     replica runs critic inference, reward-model scoring and critic training over its rows packed
     without padding, in micro-batches of consecutive rows of at most this many real tokens (a

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-.venv/bin/python benchmarks/run.py [actor|critic|generation|attention|balance|estimators|vs_trl|shapes|packing ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation|attention|balance|estimators|vs_trl|shapes|packing|ragged ...]
 
 ``vs_trl`` (benchmarks/bench_vs_trl.py) runs TRL's PPOTrainer beside our system when trl is
 installed (``pip install -e '.[bench]'``; ``make bench`` does it), else our side alone.
@@ -24,6 +24,7 @@ BENCHES = {
     "vs_trl": ["bench_vs_trl.py"],
     "shapes": ["bench_shapes.py"],
     "packing": ["bench_packing.py"],
+    "ragged": ["bench_ragged.py"],
 }
 
 

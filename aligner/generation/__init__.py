@@ -6,7 +6,9 @@
   policy's Megatron-core module or on weights it owns in a generation layout of its own
   (:mod:`~aligner.generation.layout`, :mod:`~aligner.generation.weights`), through one of the
   forward backends of :mod:`~aligner.generation.steppers`: the KV-cache decoder of
-  :mod:`~aligner.generation.decoder` or Megatron's own forward;
+  :mod:`~aligner.generation.decoder` (its fixed-shape step captured or compiled in
+  :mod:`~aligner.generation.decode_steps`, driven over ragged batches by
+  :mod:`~aligner.generation.ragged`) or Megatron's own forward;
 - :mod:`~aligner.generation.trtllm`: the TensorRT-LLM engine (a package; importing it never
   imports ``tensorrt_llm``);
 - :mod:`~aligner.generation.no_cache`: :func:`generate_no_cache`, the reference by full recompute;

@@ -13,13 +13,26 @@ speed of HF ``generate``. This module runs the same arithmetic in the fewest ops
   about 2x MKL there; norms are called as the functions the torch norm modules wrap (no
   module-call machinery per step);
 - RoPE on the new positions only (the cache holds rotated keys);
+- *ragged batches*: every row has its own length. A row's cache slot is its position (prompt
+  at slots ``[0, prompt_len)``, response after it), so a row's RoPE angle and its attention
+  range are its own and rows never see padding. The prefill packs the prompts (the linears run
+  on the real tokens only, no padding) and runs causal attention per run of equally long rows;
+  a decode step takes one position per row (``pos`` ``[b]``), writes each row's key and value
+  at its own slot and attends each row to its slots ``[0, pos]``;
 - attention by ``scaled_dot_product_attention`` (:mod:`aligner.models.attention`: flash or
   memory-efficient kernels, no ``[b, heads, s, s]`` scores kept): the prefill causal with
   grouped-query attention read group by group, a decode step with the ``r`` query heads of a
   group as the rows of one query against that group's cached keys (no keys or values repeated);
 - a cache of keys and values ``[b, groups, capacity, d]``, contiguous, the capacity growing in
-  chunks as the sequence does; a decode step attends over the filled part (a slice; with
-  fixed shapes, the whole capacity under a length mask);
+  chunks as asked (:class:`~aligner.generation.steppers.LeanStepper` lays out all positions at
+  once, except for a compiled step). The eager decode step cuts the rows into *spans* of similar
+  lengths (:func:`attention_spans`; rows sorted by length make them contiguous) and attends each
+  span over its own longest range, under a per-row mask, so a short row does not read the long
+  rows' positions; the fixed-shape step attends over the whole capacity under a mask;
+- rows that have stopped stop costing: the eager step takes the cache row of each row it
+  computes (``rows``), so stopped rows are simply left out, their cache rows unread; and
+  :meth:`LeanDecoder.compact` gathers the rows still generating into the front of the other
+  half of the cache's double buffer (what the fixed-shape step needs);
 - the cache storage is allocated once and kept across calls on a CPU (a fresh multi-megabyte
   buffer per call costs page faults there); on a GPU it is freed after each call (the
   caching allocator makes reallocation cheap, and the memory is the training step's);
@@ -31,11 +44,11 @@ speed of HF ``generate``. This module runs the same arithmetic in the fewest ops
   projection, an all-gather of the logits.
 
 Two decode steps compute the same thing. :meth:`LeanDecoder.decode` attends over the
-positions filled so far (fewest operations, the CPU default). :meth:`LeanDecoder.decode_static`
-keeps every shape fixed (the position is a tensor, attention runs over the whole capacity under
-a mask built on the device), which is what a CUDA graph can capture and replay
-(:class:`CudaGraphDecodeStep`) and what ``torch.compile`` turns into one set of fused kernels
-for every position (:class:`CompiledDecodeStep`, with attention as products and sums).
+positions filled so far, span by span (fewest operations, the CPU default).
+:meth:`LeanDecoder.decode_static` keeps every shape fixed (positions are a tensor, attention runs
+over the whole capacity under a mask built on the device), which is what a CUDA graph can
+capture and replay and what ``torch.compile`` turns into one set of fused kernels for every
+position (:mod:`aligner.generation.decode_steps`).
 
 Only architectures that :func:`aligner.models.local_spec.unsupported_reason` accepts take
 this path (the local layer spec ``aligner.models.gpt`` builds: pre-norm, RMSNorm/LayerNorm,
@@ -47,6 +60,8 @@ a full-recompute forward, and owned weights with the module's own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,14 +71,14 @@ from aligner.generation.weights import ModuleWeights, OwnedWeights
 from aligner.models.attention import causal_attention, grouped_attention, heads_last
 from aligner.models.rope import apply_rope, rotary_tables
 
-__all__ = [
-    "LeanDecoder",
-    "CudaGraphDecodeStep",
-    "CompiledDecodeStep",
-    "onednn_linear_available",
-]
+__all__ = ["LeanDecoder", "attention_spans", "onednn_linear_available"]
 
 _ONEDNN_OK: bool | None = None
+
+#: A span of the eager decode step (:func:`attention_spans`): rows ``[l0, l1)`` of the batch,
+#: cache rows ``[c0, c0 + l1 - l0)``, attend over slots ``[0, end)``, under a per-row mask when
+#: ``masked`` (some row of it ends before ``end``).
+Span = tuple[int, int, int, int, bool]
 
 
 def onednn_linear_available() -> bool:
@@ -92,6 +107,42 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
+def attention_spans(
+    ends: Sequence[int], rows: Sequence[int] | None = None, ratio: float = 0.9, max_spans: int = 16
+) -> list[Span] | None:
+    """Cut a batch into spans of consecutive rows for the eager decode step: ``ends[i]`` is how
+    many slots row ``i`` attends over, ``rows[i]`` its row in the cache (increasing; None: row
+    ``i``). A span is rows ``[l0, l1)`` of the batch, cache rows ``[c0, c0 + l1 - l0)``, and
+    attends over its longest row's range, masking the rest: ``(l0, l1, c0, end, masked)``.
+
+    A span grows while every row in it reads at least ``ratio`` of the span's range (so at most
+    ``1 - ratio`` of what it reads is masked out) and its cache rows follow one another; the
+    last of ``max_spans`` takes the remaining rows (each span is one attention call per layer).
+    Returns None when gaps between cache rows alone need more than ``max_spans`` spans (the
+    caller gathers its rows together first: :meth:`LeanDecoder.compact`). Rows sorted by
+    length, longest first, give the fewest spans; any order is correct."""
+    spans: list[Span] = []
+    n, i = len(ends), 0
+    while i < n:
+        hi = lo = ends[i]
+        j = i + 1
+        last = len(spans) == max_spans - 1
+        while j < n:
+            if rows is not None and rows[j] != rows[j - 1] + 1:
+                if last:
+                    return None
+                break
+            e = ends[j]
+            new_hi, new_lo = max(hi, e), min(lo, e)
+            if not last and new_lo < ratio * new_hi:
+                break
+            hi, lo = new_hi, new_lo
+            j += 1
+        spans.append((i, j, i if rows is None else rows[i], hi, lo != hi))
+        i = j
+    return spans
+
+
 class _Layer:
     __slots__ = (
         "norm1",
@@ -114,19 +165,20 @@ class _Layer:
 
 
 class LeanDecoder:
-    """Prefill + one-token decode steps of a ``GPTModel``'s weights with a private KV cache.
+    """Prefill + one-token decode steps of a ``GPTModel``'s weights with a private KV cache,
+    each row of the batch at its own position.
 
     Usage per generation call: :meth:`begin` (binds the current weights, makes the cache ready
-    for ``[b, T]``), :meth:`prefill` for positions ``[0, n)``, then :meth:`decode` (or
-    :meth:`decode_static`) one position at a time, :meth:`end` (unbinds; frees the cache
-    unless it is kept).
+    for ``batch`` rows of up to ``max_len`` positions), :meth:`prefill` of each row's prompt,
+    then :meth:`decode` (or :meth:`decode_static`) one position per row at a time, optionally
+    :meth:`compact` to drop rows, :meth:`end` (unbinds; frees the cache unless it is kept).
 
-    The cache of a layer holds keys and values as ``[b, groups, capacity, d]``, contiguous.
-    ``capacity`` grows in steps of ``chunk`` positions as the sequence does (re-laid out into
-    the other half of a double buffer, a fraction of a step's reading every ``chunk`` steps).
-    :meth:`decode` attends over the filled positions; :meth:`decode_static` over the whole
-    capacity reserved so far (all of ``max_len`` unless told otherwise), the unfilled tail
-    masked out.
+    A row's cache slot is its position. The cache of a layer holds keys and values as
+    ``[b, groups, capacity, d]``, contiguous. ``capacity`` grows in steps of ``chunk`` positions
+    as the sequence does (re-laid out into the other half of a double buffer, a fraction of a
+    step's reading every ``chunk`` steps). :meth:`decode` attends each row over its filled
+    positions; :meth:`decode_static` over the whole capacity reserved so far (all of
+    ``max_len`` unless told otherwise), each row's unfilled tail masked out.
 
     Args:
         source: where the weights come from: a whole ``GPTModel`` (its own parameters, see
@@ -210,7 +262,7 @@ class LeanDecoder:
         self.batch, self.max_len, self.capacity = batch, max_len, 0
         self._allocate(batch * self.groups * max_len * self.d)
         T = max_len
-        # decode_static's mask: 0 at the positions up to the current one, -inf after.
+        # The decode steps' masks: 0 at the positions up to a row's current one, -inf after.
         self._t_index = torch.arange(T, device=dev)
         self._open = torch.zeros((), dtype=dtype, device=dev)
         self._shut = torch.full((), float("-inf"), dtype=dtype, device=dev)
@@ -245,20 +297,37 @@ class LeanDecoder:
             return
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is beyond the cache's max_len {self.max_len}")
-        new = min(self.max_len, -(-end // self.chunk) * self.chunk)
-        b, g, d, old = self.batch, self.groups, self.d, self.capacity
+        self._relayout(None, self.batch, min(self.max_len, -(-end // self.chunk) * self.chunk))
+
+    def compact(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (``[b']`` int64 on the cache's device, ``b' <= batch``; a row may
+        appear twice) as rows ``0..b'-1``: each layer's cache is gathered into the other half of
+        the double buffer, a read of the kept rows' filled capacity, once."""
+        b = int(index.numel())
+        if b > self.batch:
+            raise ValueError(f"compact: {b} rows asked for, the cache holds {self.batch}")
+        self._relayout(index, b, self.capacity)
+
+    def _relayout(self, index: torch.Tensor | None, batch: int, capacity: int) -> None:
+        """Move the cache into the other half as ``[batch, groups, capacity, d]``: rows
+        ``index`` of it (None: every row), the filled capacity copied, the rest zeroed."""
+        g, d, old = self.groups, self.d, self.capacity
         half = 1 - self._half
-        n = b * g * new * d
+        n = batch * g * capacity * d
         for i, L in enumerate(self.layers):
-            k = self._buffer(i, 0, half)[:n].view(b, g, new, d)
-            v = self._buffer(i, 1, half)[:n].view(b, g, new, d)
-            if old:
-                k[:, :, :old].copy_(L.k)
-                v[:, :, :old].copy_(L.v)
-            k[:, :, old:].zero_()
-            v[:, :, old:].zero_()
-            L.k, L.v = k, v
-        self._half, self.capacity = half, new
+            moved = []
+            for kv, cur in enumerate((L.k, L.v) if old else (None, None)):
+                new = self._buffer(i, kv, half)[:n].view(batch, g, capacity, d)
+                if cur is None:
+                    new.zero_()
+                elif index is not None:  # same capacity: a gather straight into the new half
+                    torch.index_select(cur, 0, index, out=new)
+                else:  # grown: the filled part moves, the tail starts at zero
+                    new[:, :, :old].copy_(cur)
+                    new[:, :, old:].zero_()
+                moved.append(new)
+            L.k, L.v = moved
+        self._half, self.batch, self.capacity = half, batch, capacity
 
     def end(self) -> None:
         """Unbind the weights; free the cache unless it is kept (see ``keep_cache``)."""
@@ -293,17 +362,30 @@ class LeanDecoder:
             return self._reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
         return F.embedding(tokens, self.w_emb)
 
+    def _embed_at(self, tokens: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """Token embeddings at positions ``pos`` (same shape as ``tokens``, ``[b, n]``): ``x``
+        ``[b, n, h]`` (learned positions added) and RoPE's ``(cos, sin)`` ``[b, n, 1, 1, d]``
+        (None without RoPE)."""
+        x = self._embed(tokens)
+        if not self.rope:
+            return x + F.embedding(pos, self.pos_weight), None, None
+        shape = (*pos.shape, 1, 1, self.d)
+        flat = pos.reshape(-1)
+        return x, self.cos.index_select(1, flat).view(shape), self.sin.index_select(1, flat).view(shape)
+
     @staticmethod
     def _attention_reduced(
         q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor
     ) -> torch.Tensor:
         """:func:`~aligner.models.attention.grouped_attention` (``q`` ``[b, g, m, d]``, ``keys``,
-        ``values`` ``[b, g, t, d]``, ``mask`` ``[t]`` added to the scores) written as products
-        and sums, accumulated in fp32 as the attention kernels do. Eagerly it materialises
-        ``[b, g, m, t, d]`` products; compiled, each sum is one fused loop reading the cache
-        once, which for a decode step's few query rows beats many tiny batched matmuls."""
+        ``values`` ``[b, g, t, d]``, ``mask`` ``[b, t]`` added to each row's scores) written as
+        products and sums, accumulated in fp32 as the attention kernels do. Eagerly it
+        materialises ``[b, g, m, t, d]`` products; compiled, each sum is one fused loop reading
+        the cache once, which for a decode step's few query rows beats many tiny batched
+        matmuls."""
+        b, t = mask.shape
         scores = (q.float().unsqueeze(3) * keys.float().unsqueeze(2)).sum(-1) * scale  # [b, g, m, t]
-        probs = torch.softmax(scores + mask.float(), dim=-1)
+        probs = torch.softmax(scores + mask.float().view(b, 1, 1, t), dim=-1)
         return (probs.unsqueeze(-1) * values.float().unsqueeze(2)).sum(3).to(values.dtype)
 
     def _queries_keys(self, qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
@@ -348,203 +430,153 @@ class LeanDecoder:
             logits = torch.cat(parts, dim=-1)
         return logits
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Positions ``[0, n)`` (``tokens`` [b, n]) into the cache; the last position's logits [b, v]."""
+    def prefill(
+        self, tokens: torch.Tensor, lengths: Sequence[int] | None = None, first_row: int = 0
+    ) -> torch.Tensor:
+        """Each row's prompt into the cache: ``tokens`` ``[b, n]`` right-padded, row ``i``'s
+        prompt its first ``lengths[i]`` tokens (None: all ``n``), written to cache rows
+        ``first_row + i`` at slots ``[0, lengths[i])``. Returns the logits ``[b, v]`` at each
+        row's last prompt position.
+
+        The prompts are packed into one sequence of ``sum(lengths)`` tokens, so the linears
+        never see padding; attention is causal within each prompt, one kernel call per run of
+        consecutive rows of equal length (a sorted batch of equal prompts is one call)."""
         b, n = tokens.shape
+        lens = [n] * b if lengths is None else [int(p) for p in lengths]
+        if len(lens) != b or min(lens) < 1 or max(lens) > n:
+            raise ValueError(f"prefill: lengths {lens} do not fit tokens of shape {tuple(tokens.shape)}")
         g, r, d = self.groups, self.r, self.d
-        self.reserve(n)
-        x = self._embed(tokens)
-        if not self.rope:
-            x = x + self.pos_weight[:n]
-        cos = self.cos[:, :n] if self.rope else None
-        sin = self.sin[:, :n] if self.rope else None
+        self.reserve(max(lens))
+        dev = tokens.device
+        N = sum(lens)
+        # Packed index of every prompt token: row, position, offset in `tokens` (no host sync:
+        # the sizes are host values).
+        lens_t = torch.tensor(lens, device=dev)
+        row = torch.repeat_interleave(torch.arange(b, device=dev), lens_t, output_size=N)
+        start = torch.cumsum(lens_t, 0) - lens_t  # [b]: where each prompt starts in the packing
+        pos = torch.arange(N, device=dev) - start[row]  # [N]
+        flat = tokens.reshape(-1)[row * n + pos] if N != b * n else tokens.reshape(-1)
+        x, cos, sin = self._embed_at(flat.unsqueeze(0), pos.unsqueeze(0))  # [1, N, h]
+        # Runs of consecutive rows with one length: (first row, end row, length, packed start).
+        runs, i, s = [], 0, 0
+        while i < b:
+            j = i + 1
+            while j < b and lens[j] == lens[i]:
+                j += 1
+            runs.append((i, j, lens[i], s))
+            s += (j - i) * lens[i]
+            i = j
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = self._queries_keys(qkv, L)  # queries and key of each group
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
-            k, v = qk[:, :, :, r].transpose(1, 2), qkv[:, :, :, r + 1].transpose(1, 2)  # [b, g, n, d]
-            L.k[:, :, :n].copy_(k)
-            L.v[:, :, :n].copy_(v)
-            # Causal attention over [0, n) from the fresh keys/values, heads ordered (group, r).
-            q = qk[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(b, g * r, n, d)
-            return heads_last(causal_attention(q, k, v, L.scale), g * r)
+            out = []
+            for i0, i1, p, s0 in runs:
+                m = i1 - i0
+                part = qk[0, s0 : s0 + m * p].view(m, p, g, r + 1, d)
+                k = part[:, :, :, r].transpose(1, 2)  # [m, g, p, d]
+                v = qkv[0, s0 : s0 + m * p, :, r + 1].view(m, p, g, d).transpose(1, 2)
+                L.k[first_row + i0 : first_row + i1, :, :p].copy_(k)
+                L.v[first_row + i0 : first_row + i1, :, :p].copy_(v)
+                # Causal attention within each prompt, heads ordered (group, r).
+                q = part[:, :, :, :r].permute(0, 2, 3, 1, 4).reshape(m, g * r, p, d)
+                out.append(heads_last(causal_attention(q, k, v, L.scale), g * r).reshape(m * p, g * r * d))
+            return (out[0] if len(out) == 1 else torch.cat(out)).unsqueeze(0)
 
-        return self._logits(self._layer_stack(x, attend)[:, -1])
+        x = self._layer_stack(x, attend)
+        return self._logits(x[0].index_select(0, start + lens_t - 1))
 
-    def decode(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Position ``start`` (``tokens`` [b, 1]) into the cache, attending to ``[0, start]``;
-        its logits [b, v]."""
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor | int,
+        spans: Sequence[Span] | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One position per row: row ``i``'s token ``tokens[i]`` (``[b, 1]``) at position
+        ``pos[i]`` (``[b]`` int64 on the device, or an int for every row) into its cache row
+        ``rows[i]`` (``[b]`` int64 on the device, increasing; None: row ``i``, ``b`` the whole
+        cache), attending to its slots ``[0, pos[i]]``; the logits ``[b, v]``.
+
+        Cache rows left out (rows that stopped) cost nothing: no copy, no reading. ``spans``
+        (:func:`attention_spans` of ``pos + 1`` and the cache rows, made on the host where the
+        positions are known) cut the rows into groups attended separately, each over its
+        longest row's range under a per-row mask; None: made here from ``pos`` (a host sync;
+        only without ``rows``)."""
         b = tokens.shape[0]
         g, r, d = self.groups, self.r, self.d
-        end = start + 1
-        self.reserve(end)
-        x = self._embed(tokens)
-        if not self.rope:
-            x = x + self.pos_weight[start:end]
-        cos = self.cos[:, start:end] if self.rope else None
-        sin = self.sin[:, start:end] if self.rope else None
+        if isinstance(pos, int):
+            spans = [(0, b, 0, pos + 1, False)] if spans is None else spans
+            pos = torch.full((b,), pos, dtype=torch.int64, device=tokens.device)
+        if spans is None:
+            spans = attention_spans([p + 1 for p in pos.tolist()], max_spans=b)
+        self.reserve(max(s[3] for s in spans))
+        x, cos, sin = self._embed_at(tokens, pos.view(b, 1))
+        # Where each row's new key goes in a layer's cache viewed as [batch * g * capacity, d]:
+        # one index_copy_ per layer (2.5x faster than scatter_ on a CPU).
+        row = torch.arange(b, device=pos.device) if rows is None else rows
+        at = ((row * g).view(b, 1) + torch.arange(g, device=pos.device)) * self.capacity + pos.view(b, 1)
+        at = at.view(-1)
+        masks = [
+            torch.where(self._t_index[:end] <= pos[l0:l1, None], self._open, self._shut).view(
+                l1 - l0, 1, 1, end
+            )
+            if masked
+            else None
+            for l0, l1, _, end, masked in spans
+        ]
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = self._queries_keys(qkv, L)
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
-            L.k[:, :, start].copy_(qk[:, 0, :, r])
-            L.v[:, :, start].copy_(qkv[:, 0, :, r + 1])
+            L.k.view(-1, d).index_copy_(0, at, qk[:, 0, :, r].reshape(b * g, d))  # slot pos[i] of row i
+            L.v.view(-1, d).index_copy_(0, at, qkv[:, 0, :, r + 1].reshape(b * g, d))
             # One query position: the r query heads of a group attend to the same cached keys,
-            # so they are the rows of one query per group (grouped-query for free), over the
-            # filled positions [0, end).
+            # so they are the rows of one query per group (grouped-query for free).
             q = qk[:, 0, :, :r]  # [b, g, r, d]
-            ctx = grouped_attention(q, L.k[:, :, :end], L.v[:, :, :end], L.scale)
-            return ctx.reshape(b, 1, g * r * d)
+            out = [
+                grouped_attention(
+                    q[l0:l1], L.k[c0 : c0 + l1 - l0, :, :end], L.v[c0 : c0 + l1 - l0, :, :end], L.scale, mask
+                )
+                for (l0, l1, c0, end, _), mask in zip(spans, masks)
+            ]
+            return (out[0] if len(out) == 1 else torch.cat(out)).reshape(b, 1, g * r * d)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
 
     def decode_static(
         self, tokens: torch.Tensor, pos: torch.Tensor, reduced: bool = False, grow: bool = True
     ) -> torch.Tensor:
-        """:meth:`decode` with every shape fixed: ``pos`` is a one-element int64 tensor on the
-        model's device, the new key/value are written with ``index_copy_`` and attention runs
-        over the whole capacity under a mask. Nothing in it depends on host values, so a CUDA
-        graph can capture it once and replay it for every position, and a compiled version
-        serves every position of a capacity. ``reduced``: attention as products and sums
-        (:meth:`_attention_reduced`, for compiled code). ``grow``: first grow the capacity to
-        ``max_len`` (a CUDA graph needs the cache's final addresses); False: attend over the
-        capacity reserved so far, which the caller has made cover ``pos``."""
+        """:meth:`decode` with every shape fixed: ``pos`` (``[b]`` int64 on the model's device,
+        or ``[1]`` for every row) as a tensor, the new keys/values written with ``scatter_`` and
+        attention over the whole capacity under a per-row mask. Nothing in it depends on host
+        values, so a CUDA graph can capture it once and replay it for every position, and a
+        compiled version serves every position of a capacity. ``reduced``: attention as products
+        and sums (:meth:`_attention_reduced`, for compiled code). ``grow``: first grow the
+        capacity to ``max_len`` (a CUDA graph needs the cache's final addresses); False: attend
+        over the capacity reserved so far, which the caller has made cover ``pos``."""
         b = tokens.shape[0]
         if grow:
             self.reserve(self.max_len)
         g, r, d, T = self.groups, self.r, self.d, self.capacity
-        x = self._embed(tokens)
-        if not self.rope:
-            x = x + self.pos_weight.index_select(0, pos)
-        cos = self.cos.index_select(1, pos) if self.rope else None
-        sin = self.sin.index_select(1, pos) if self.rope else None
-        mask = torch.where(self._t_index[:T] <= pos, self._open, self._shut)  # [T]: 0 / -inf
+        pos = pos.expand(b)
+        x, cos, sin = self._embed_at(tokens, pos.view(b, 1))
+        at = pos.view(b, 1, 1, 1).expand(b, g, 1, d)
+        mask = torch.where(self._t_index[:T] <= pos.view(b, 1), self._open, self._shut)  # [b, T]: 0 / -inf
 
         def attend(qkv: torch.Tensor, L: _Layer) -> torch.Tensor:
             qk = self._queries_keys(qkv, L)
             if self.rope:
                 qk = apply_rope(qk, cos, sin)
-            L.k.index_copy_(2, pos, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
-            L.v.index_copy_(2, pos, qkv[:, :, :, r + 1].transpose(1, 2))
+            L.k.scatter_(2, at, qk[:, :, :, r].transpose(1, 2))  # [b, g, 1, d]
+            L.v.scatter_(2, at, qkv[:, :, :, r + 1].transpose(1, 2))
             q = qk[:, 0, :, :r]  # [b, g, r, d]
             if reduced:
                 ctx = self._attention_reduced(q, L.k, L.v, L.scale, mask)
             else:
-                ctx = grouped_attention(q, L.k, L.v, L.scale, mask.view(1, 1, 1, T))
+                ctx = grouped_attention(q, L.k, L.v, L.scale, mask.view(b, 1, 1, T))
             return ctx.reshape(b, 1, g * r * d)
 
         return self._logits(self._layer_stack(x, attend)[:, -1])
-
-    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """:meth:`prefill` at ``start == 0``, else :meth:`decode` (one position)."""
-        if start == 0:
-            return self.prefill(tokens)
-        if tokens.shape[1] != 1:
-            raise ValueError("multi-token forward is only supported from position 0")
-        return self.decode(tokens, start)
-
-
-class CudaGraphDecodeStep:
-    """:meth:`LeanDecoder.decode_static` captured once in a CUDA graph and replayed per step.
-
-    A decode step of a small model on a GPU is a few hundred kernel launches whose launch cost
-    exceeds their work; a replayed graph launches them all at once. Inputs are copied into
-    static buffers (the token column, the position) and the logits come back in a static
-    buffer, valid until the next replay. Build it after :meth:`LeanDecoder.begin` and before the
-    prefill: the warm-up runs write position 0 of the cache, which the prefill then overwrites.
-    """
-
-    def __init__(self, lean: LeanDecoder, batch: int) -> None:
-        dev = lean.device
-        if dev.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {dev}")
-        lean.reserve(lean.max_len)  # the graph reads the cache's final addresses
-        self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, kernel selection)
-            for _ in range(2):
-                lean.decode_static(self.tokens, self.pos)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = lean.decode_static(self.tokens, self.pos)
-
-    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.pos.fill_(start)
-        self.graph.replay()
-        return self.logits
-
-
-_COMPILED_STEP = None
-_RECOMPILE_LIMIT = 64
-
-
-def _static_step(lean: LeanDecoder, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    return lean.decode_static(tokens, pos, reduced=True, grow=False)
-
-
-class CompiledDecodeStep:
-    """:meth:`LeanDecoder.decode_static` under ``torch.compile(fullgraph=True)``.
-
-    On a CPU a decode step of a small model is a few hundred small kernels whose dispatch and
-    memory passes outweigh their arithmetic; inductor fuses the norms, RoPE, cache writes,
-    attention and SwiGLU into a few loops around the matrix products. One compiled function
-    per process serves every decoder: the decoder is an argument, so its weights, cache and
-    tables are guarded by shape and dtype only, and a new batch size or cache capacity is one
-    more compile (seconds, cached on disk between processes). TP=1 only.
-
-    Attention reads the whole cache at every step, so the cache grows as the sequence does:
-    its capacity doubles from ``bucket`` positions (64, 128, 256, ... up to ``max_len``), and a
-    step attends over the capacity that covers its position. At 208 positions a step over all
-    of them took 2.5-2.8 ms and one over 64 took 1.5-1.7 ms (64 rows, bf16, two threads), and
-    a whole 192-token generation 0.45 s instead of 0.50-0.61 s. Doubling keeps the compiles to
-    a few per batch size; past the first bucket no step reads more than twice the positions it
-    needs.
-
-    The first call compiles, so it is made here, before the prefill: it writes position 0 of
-    the cache, which the prefill then overwrites. Logits are a fresh tensor per call.
-    """
-
-    def __init__(self, lean: LeanDecoder, batch: int, bucket: int = 64) -> None:
-        global _COMPILED_STEP
-        if lean.tp_size > 1:
-            raise ValueError("a compiled decode step needs tensor_parallel_size 1")
-        if not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket={bucket!r}: expected an integer >= 1")
-        if _COMPILED_STEP is None:
-            _COMPILED_STEP = torch.compile(_static_step, fullgraph=True, dynamic=False)
-            # Every (batch size, capacity, architecture) is one more compiled entry of this one
-            # function; dynamo's default of 8 would send the rest back to eager, silently.
-            cfg = torch._dynamo.config
-            cfg.recompile_limit = max(cfg.recompile_limit, _RECOMPILE_LIMIT)
-        # Plain linears: inductor chooses the fp32 GEMM itself (it cannot lower the direct
-        # oneDNN call the eager path makes).
-        lean.linear = F.linear
-        self.lean = lean
-        self.bucket = bucket
-        self.fn = _COMPILED_STEP
-        self.pos = torch.zeros(1, dtype=torch.int64, device=lean.device)
-        self(torch.zeros(batch, 1, dtype=torch.int64, device=lean.device), 0)
-
-    def capacity_for(self, start: int) -> int:
-        """The capacity a step at position ``start`` attends over: ``bucket`` doubled until it
-        covers ``start``, at most ``max_len``."""
-        c = self.bucket
-        while c <= start:
-            c *= 2
-        return min(c, self.lean.max_len)
-
-    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        lean = self.lean
-        need = self.capacity_for(start)
-        if lean.capacity < need:
-            # reserve() rounds up to its chunk; a bucket boundary is reached exactly when the
-            # chunk divides it (a capacity that overshoots just compiles once more).
-            lean.reserve(need)
-        self.pos.fill_(start)
-        return self.fn(lean, tokens, self.pos)

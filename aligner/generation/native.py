@@ -3,21 +3,57 @@ weights it owns in a generation layout of its own.
 
 Design
 ------
-*Prefill, then teacher-forced decode* (what Megatron's static engine does). The batch's
-prompts are written, right-padded, into one token buffer ``[b, T]`` with
-``T = min(max_seq_len, longest prompt + max_new_tokens)``. The first forward encodes
-positions ``[0, min_prompt_len)`` of every row at once into the KV cache; after that every
-step feeds one position ``j`` for the whole batch: row ``i``'s own prompt token while
-``j < prompt_len[i]`` (the token sampled for it is discarded: teacher forcing), its sampled
-token once ``j >= prompt_len[i]``. Every row therefore attends to exactly its own prefix:
-no left padding, no attention mask, no per-row position offsets, and the result equals
-decoding each prompt on its own (the tests check this against a full recompute and against
-one-prompt batches). A row that has stopped keeps stepping (its outputs are ignored, its
-tokens are pad) until all rows have stopped: the "all done?" check is a host sync, made every
+*Ragged batches* (the lean backend; :mod:`aligner.generation.ragged`). Prompts of any mix of
+lengths are encoded in one prefill forward, and every row starts generating at the first
+step. A row's KV-cache slot is its position: row ``i``'s prompt fills slots
+``[0, prompt_len[i])`` and its response token ``k`` goes to slot ``prompt_len[i] + k``, with
+the RoPE angle (or learned position) of that position. No row ever attends to padding and no
+position offsets exist, so the result equals decoding each prompt on its own (the tests check
+this against a full recompute and against one-prompt batches, on prompts of 1 to 40 tokens).
+The prefill packs the prompts end to end (the linears see only real tokens) and runs causal
+attention per run of equally long rows; more than
+:data:`~aligner.generation.steppers.PREFILL_TOKENS` (32768) prompt tokens are prefilled in
+several forwards of whole rows, to bound the activations. Then each step feeds one token per
+row at its own position. The rows are sorted by prompt length, longest first, for the whole
+call: the eager step attends each *span* of rows of similar length
+(:func:`~aligner.generation.decoder.attention_spans`: every row reads at least 90% of its
+span's range, at most 16 spans) over that span's range under a per-row mask, so a short row
+does not read the long rows' positions; the fixed-shape step (static, graph, compiled) attends
+over the whole capacity under a per-row mask. Outputs go back in the caller's order.
+
+*Stopped rows leave the batch.* Per step, on the device: every row samples, the live rows'
+tokens and log-probs are written out, and the rows that just stopped (eos or a stop token,
+their last allowed token) are marked. Which rows are live is read on the host (a sync) every
 step on a CPU (nothing to overlap there) and every ``check_every`` (8) steps on a GPU, where
-the loop otherwise never waits on the device. Stop strings are checked on the host every few
-steps to stop early, and applied exactly at the end. Sampling is one batched call per step
-for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
+the loop otherwise never waits on the device: the loop ends when none is, and otherwise the
+stopped rows leave the batch (:meth:`~aligner.generation.steppers.LeanStepper.compact`). The
+eager step just stops computing them: their cache rows stay where they are, unread, each live
+row writing its own; the live rows' cache is gathered together (a copy) only when the gaps
+would cut the batch into more than 16 attention spans. Fixed-shape steps need the rows
+together: they run at power-of-two batch sizes and halve when the live rows fit in half,
+gathering the live rows' cache into the other half of its double buffer and padding with a
+repeated row that writes nothing out, so a call captures a CUDA graph (sharing one memory pool)
+or compiles a step at most ``log2(b)`` more times. Between checks a stopped row keeps stepping
+at its last slot, its outputs dropped. Stop strings are looked for on the host every few steps
+to stop rows early, and applied exactly at the end.
+
+*Sampling* is one batched call per step (:func:`~aligner.generation.sampling.sample_next`).
+The random numbers are drawn once per call, up front:
+:func:`~aligner.generation.sampling.row_uniforms` ``[max_new_tokens, b]`` from the generator of
+``(seed, data-parallel rank)``, prompt ``i``'s response token ``k`` drawn with element
+``[k, i]``. What a row samples thus depends on the seed, its index and the batch size, never
+on the other prompts, the sorting or the compaction, and the megatron backend and the no-cache
+reference sample the same tokens from the same logits. (Step-major, the order in which a draw
+per step consumed the generator before: a batch of equally long prompts samples, on a CPU,
+exactly what it did then.)
+
+*The megatron backend keeps teacher forcing* (what Megatron's static engine does; its
+``StaticInferenceContext`` holds one sequence offset for the whole batch, so per-row positions
+would mean rewriting its attention, and it is the reference, not the fast path):
+:func:`~aligner.generation.steppers.teacher_forced_decode` prefills positions
+``[0, min_prompt_len)`` and then feeds one position ``j`` per step to the whole batch, row
+``i``'s own prompt token while ``j < prompt_len[i]`` (the token sampled for it is discarded),
+its sampled token after; a row that has stopped keeps stepping until every row has.
 
 *Two forward backends* (the steppers of :mod:`aligner.generation.steppers`):
 
@@ -25,14 +61,14 @@ for the whole batch (:func:`~aligner.generation.sampling.sample_next`).
   the same function as Megatron's forward in the fewest ops (plain linears on the module's
   weight tensors or the engine's own, RoPE on the new token only, attention by SDPA over a
   private cache kept across calls on a CPU), so log-probs equal the training forward's to
-  round-off. On a GPU (TP=1) its decode step is captured once per call in a CUDA graph and
-  replayed for every position; on a CPU it can run compiled (``decode_step``).
+  round-off. On a GPU (TP=1) its decode step is captured in a CUDA graph, once per batch size
+  of a call, and replayed for every position; on a CPU it can run compiled (``decode_step``).
 - ``megatron``: ``GPTModel.forward`` with a ``StaticInferenceContext`` (sized exactly
   ``[T, b]``, one per call) and ``runtime_gather_output=True``; only the last position goes
   through the LM head (``materialize_only_last_token_logits``). It re-applies RoPE to the whole
   cached prefix at every step and pays Megatron's per-layer Python, so it is 2-3x slower on a
-  CPU; it is the reference for the lean path and the fallback for other architectures, in
-  the training layout only.
+  CPU, and more on ragged batches (teacher forcing); it is the reference for the lean path and
+  the fallback for other architectures, in the training layout only.
 
 *Layouts.* The engine generates in its generation layout
 (:class:`~aligner.generation.layout.GenerationLayout`): tensor parallel over ``generation_tp``
@@ -64,7 +100,6 @@ embedding for TP divisibility) are dropped before sampling and before the log-so
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,8 +110,9 @@ from aligner.generation.decoder import LeanDecoder
 from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams
 from aligner.generation.layout import GenerationLayout
 from aligner.generation.policy import EvalMode, model_vocab
-from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
-from aligner.generation.steppers import COMPILED_BUCKET, LeanStepper, MegatronStepper
+from aligner.generation.ragged import ragged_decode, ragged_length
+from aligner.generation.sampling import build_output, check_prompts, rank_generator, row_uniforms
+from aligner.generation.steppers import COMPILED_BUCKET, LeanStepper, MegatronStepper, teacher_forced_decode
 from aligner.generation.weights import OwnedWeights
 from aligner.models.fused import compile_available
 from aligner.models.gpt import unwrap
@@ -137,8 +173,8 @@ class NativeEngine:
             the data-parallel rank); None means Megatron's parallel state, or a single process.
         vocab_size: real vocabulary (logit columns beyond it are never sampled); default
             ``model.aligner_config.vocab_size``, else the tokenizer's.
-        check_every: steps between "have all samples stopped?" checks (a host sync);
-            default 1 on CPU, 8 on GPU.
+        check_every: steps between "which samples are still generating?" checks (a host sync,
+            where the loop ends or compacts the batch); default 1 on CPU, 8 on GPU.
         backend: ``"lean"`` (:class:`~aligner.generation.decoder.LeanDecoder`: the fewest ops per
             step, a private KV cache), ``"megatron"`` (Megatron's own forward with a
             ``StaticInferenceContext``; the training layout only), or ``"auto"``: lean when the
@@ -147,12 +183,13 @@ class NativeEngine:
             through oneDNN (about 2x MKL's fp32 GEMM on the project's AMD CPUs; same weight
             tensors), ``"default"`` uses ``F.linear``.
         decode_step: lean backend: ``"eager"`` (shapes follow the filled positions: fewest
-            operations), ``"static"`` (fixed shapes, the position as a tensor: what a CUDA graph
-            replays, run eagerly), ``"graph"`` (static, captured in a CUDA graph once per call;
-            CUDA only), ``"compiled"`` (static under ``torch.compile``, generation TP=1, needs a
-            C++ compiler on a CPU: about 1.5x the eager step's speed on a CPU; a step attends
-            over a cache capacity that doubles from 64 positions as the sequence grows, the last
-            one rounded up to a multiple of 64, so that few shapes compile), or ``"auto"``:
+            operations), ``"static"`` (fixed shapes, the positions as a tensor: what a CUDA graph
+            replays, run eagerly), ``"graph"`` (static, captured in a CUDA graph once per batch
+            size of a call; CUDA only), ``"compiled"`` (static under ``torch.compile``,
+            generation TP=1, needs a C++ compiler on a CPU: about 1.5x the eager step's speed on
+            a CPU; a step attends over a cache capacity that doubles from 64 positions as the
+            sequence grows, the last one rounded up to a multiple of 64, so that few shapes
+            compile; one compile per batch size of a call), or ``"auto"``:
             graph on a GPU with generation TP=1, eager elsewhere. A graph that fails to
             capture, or a step that fails to compile, falls back to eager with a warning.
         keep_cache: lean backend: keep the KV cache between calls (None: on a CPU yes, where a
@@ -296,10 +333,10 @@ class NativeEngine:
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError("sampling.stop_strings needs a tokenizer: pass tokenizer= to NativeEngine")
         prompts = check_prompts(prompts, self.max_seq_len, self.vocab_size)
-        prompt_lens = [len(p) for p in prompts]
         generator = None if sampling.greedy else self._generator(sampling.seed)
         with EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
-            tokens, lengths, logprobs, ended, plen = self._decode(prompts, prompt_lens, sampling, generator)
+            uniforms = row_uniforms(generator, len(prompts), sampling.max_new_tokens, self._device)
+            tokens, lengths, logprobs, ended, plen = self._decode(prompts, sampling, uniforms)
         out = build_output(
             tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
         )
@@ -344,8 +381,8 @@ class NativeEngine:
                 seed = int(t.item())
         return rank_generator(seed, lay.dp_rank, self._device)
 
-    def _stepper(self, b: int, T: int):
-        if self._use_lean():
+    def _stepper(self, b: int, T: int, lean: bool):
+        if lean:
             mode = self._lean_decode_step()
             if mode == "compiled":
                 T = min(self.max_seq_len, -(-T // COMPILED_BUCKET) * COMPILED_BUCKET)
@@ -396,85 +433,53 @@ class NativeEngine:
             )
         return True
 
-    def _decode(
-        self,
-        prompts: Sequence[Sequence[int]],
-        prompt_lens: list[int],
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ):
+    def _decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor | None):
+        """The lean backend's ragged loop or the megatron backend's teacher-forced one (module
+        docstring, *Design*). ``uniforms``: ``[max_new_tokens, b]`` (None: greedy). Returns
+        ``(tokens [b, T], lengths [b], logprobs [b, T-1], ended [b], prompt_lengths [b])`` for
+        :func:`~aligner.generation.sampling.build_output`."""
         dev = self._device
-        b = len(prompts)
-        min_p, max_p = min(prompt_lens), max(prompt_lens)
-        T = min(self.max_seq_len, max_p + sampling.max_new_tokens)
-        pad = self.pad_id
-
-        rows = [p + [pad] * (T - len(p)) for p in prompts]
-        buf = torch.tensor(rows, dtype=torch.int64, device=dev)  # [b, T]
-        plen = torch.tensor(prompt_lens, dtype=torch.int64, device=dev)
-        positions = torch.arange(T, device=dev).unsqueeze(0).expand(b, T)
-        # gen[i, j]: row i samples its token j (prompt_len <= j < prompt_len + max_new).
-        gen = (positions >= plen.unsqueeze(1)) & (positions < (plen + sampling.max_new_tokens).unsqueeze(1))
-        gen_t = gen.t().contiguous()  # [T, b]: one contiguous row per step
         stop_ids = torch.tensor(
             sorted({self.eos_id, *sampling.stop_token_ids}), dtype=torch.int64, device=dev
         )
-        # Last position each row can fill.
-        row_last = (plen + sampling.max_new_tokens).clamp(max=T) - 1
         check_every = self.check_every or (1 if dev.type == "cpu" else 8)
-
-        step = self._stepper(b, T)
-        if getattr(step, "step_failed", False):
-            self.decode_step = "eager"  # warned once; do not retry every call
+        lean = self._use_lean()
+        plen = [len(p) for p in prompts]
+        if lean:
+            T = ragged_length(plen, sampling.max_new_tokens, self.max_seq_len)
+        else:
+            T = min(self.max_seq_len, max(plen) + sampling.max_new_tokens)
+        step = self._stepper(len(prompts), T, lean)
         try:
-            return self._loop(
-                step, buf, plen, gen_t, row_last, stop_ids, sampling, generator, min_p, check_every
+            if lean:
+                return ragged_decode(
+                    step,
+                    prompts,
+                    sampling,
+                    uniforms,
+                    vocab_size=self.vocab_size,
+                    pad_id=self.pad_id,
+                    stop_ids=stop_ids,
+                    max_seq_len=self.max_seq_len,
+                    check_every=check_every,
+                    tokenizer=self.tokenizer,
+                )
+            return teacher_forced_decode(
+                step,
+                prompts,
+                sampling,
+                uniforms,
+                T=T,
+                vocab_size=self.vocab_size,
+                pad_id=self.pad_id,
+                stop_ids=stop_ids,
+                check_every=check_every,
+                tokenizer=self.tokenizer,
             )
         finally:
+            if getattr(step, "step_failed", False):
+                self.decode_step = "eager"  # warned once; do not retry every call
             step.close()
-
-    def _loop(self, step, buf, plen, gen_t, row_last, stop_ids, sampling, generator, min_p, check_every):
-        b, T = buf.shape
-        V = self.vocab_size
-        logprobs = torch.zeros(b, T - 1, dtype=torch.float32, device=buf.device)
-        done = torch.zeros(b, dtype=torch.bool, device=buf.device)  # stopped by eos / stop token
-        n_gen = torch.zeros(b, dtype=torch.int64, device=buf.device)
-        last_j = int(row_last.max())
-        trim = V is not None
-        stop_every = max(check_every, 4)
-        logits = step(buf[:, :min_p], 0)
-        for j in range(min_p, last_j + 1):
-            # Sample token j of every row from the logits of position j-1.
-            z = (logits[:, :V] if trim else logits).float()
-            tok, lp = sample_next(z, sampling, generator)
-            active = gen_t[j] & ~done
-            buf[:, j] = torch.where(active, tok, buf[:, j])
-            logprobs[:, j - 1] = torch.where(active, lp, 0.0)
-            n_gen += active
-            done |= active & torch.isin(tok, stop_ids)
-            if j == last_j:
-                break
-            k = j - min_p + 1  # steps taken
-            if sampling.stop_strings and k % stop_every == 0:
-                # Decoding on the host is costly: look every few steps. Rows found here stop
-                # generating; build_output cuts each exactly after its stop string.
-                done |= self._stop_string_hits(buf, plen, n_gen, done, sampling.stop_strings)
-            if k % check_every == 0 and bool((done | (row_last <= j)).all()):
-                break  # every row stopped or at its last position
-            logits = step(buf[:, j : j + 1], j)
-        # Rows that stopped hold pad after their end already; build_output pads and trims.
-        return buf, plen + n_gen, logprobs, done, plen
-
-    def _stop_string_hits(self, buf, plen, n_gen, done, stop_strings) -> torch.Tensor:
-        hits = torch.zeros_like(done)
-        rows = buf.tolist()
-        for i, (row, p, n, d) in enumerate(zip(rows, plen.tolist(), n_gen.tolist(), done.tolist())):
-            if d or n == 0:
-                continue
-            text = self.tokenizer.decode(row[p : p + n])
-            if any(s in text for s in stop_strings):
-                hits[i] = True
-        return hits
 
 
 class _Threads:

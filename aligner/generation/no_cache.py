@@ -8,7 +8,7 @@ from torch import nn
 
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.policy import EvalMode, model_vocab
-from aligner.generation.sampling import build_output, check_prompts, rank_generator, sample_next
+from aligner.generation.sampling import build_output, check_prompts, rank_generator, row_uniforms, sample_next
 from aligner.models.gpt import unwrap
 
 __all__ = ["generate_no_cache"]
@@ -36,9 +36,11 @@ def generate_no_cache(
     from position 0 without a cache and reads each row's logits at its own last position.
 
     Deliberately simple and independent of :class:`~aligner.generation.native.NativeEngine`'s bookkeeping (per-row
-    Python lists, no teacher forcing); for tests and benchmarks only. Sampling uses the same
-    :func:`sample_next` and the same per-rank seeding, but consumes the random stream
-    differently, so only greedy outputs are comparable token for token.
+    Python lists, no cache, no compaction); for tests and benchmarks only. Sampling uses the
+    same :func:`sample_next`, per-rank seeding and per-row random numbers
+    (:func:`~aligner.generation.sampling.row_uniforms`: prompt ``i``'s response token ``k`` is
+    drawn with element ``[k, i]``), so sampled outputs are comparable token for token too (up
+    to a round-off difference in the logits that moves a draw across a token boundary).
     """
     if sampling.stop_strings and tokenizer is None:
         raise ValueError("sampling.stop_strings needs a tokenizer")
@@ -51,6 +53,7 @@ def generate_no_cache(
     if not sampling.greedy:
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         generator = rank_generator(seed, parallel_state.dp_rank if parallel_state is not None else 0, dev)
+    uniforms = row_uniforms(generator, len(prompts), sampling.max_new_tokens, dev)
     stops = {eos_id, *sampling.stop_token_ids}
     seqs = [list(p) for p in prompts]
     lps: list[list[float]] = [[] for _ in prompts]
@@ -68,7 +71,11 @@ def generate_no_cache(
             z = logits[torch.arange(len(live), device=dev), last]
             if vocab is not None:
                 z = z[:, :vocab]
-            tok, lp = sample_next(z.float(), sampling, generator)
+            u = None
+            if uniforms is not None:
+                k = torch.tensor([len(seqs[i]) - prompt_lens[i] for i in live], device=dev)
+                u = uniforms[k, torch.tensor(live, device=dev)]
+            tok, lp = sample_next(z.float(), sampling, None, u)
             for k, i in enumerate(live):
                 t = int(tok[k])
                 seqs[i].append(t)

@@ -16,6 +16,7 @@ from aligner.generation.engine import GenerationOutput, SamplingParams
 __all__ = [
     "check_prompts",
     "rank_generator",
+    "row_uniforms",
     "sample_next",
     "stop_string_cut",
 ]
@@ -73,15 +74,39 @@ def rank_generator(seed: int, dp_rank: int, device: torch.device) -> torch.Gener
     return g
 
 
+def row_uniforms(
+    generator: torch.Generator | None, rows: int, max_new_tokens: int, device: torch.device
+) -> torch.Tensor | None:
+    """The random numbers of a generation call: ``[max_new_tokens, rows]`` float64 uniforms in
+    ``[0, 1)``, element ``[k, i]`` the one that picks prompt ``i``'s response token ``k`` (None
+    without a generator: greedy).
+
+    Drawn once, up front, so that what a row samples depends only on the seed, the data-parallel
+    rank, its index and the batch size, never on the other prompts' lengths or contents nor on
+    when the engine steps it: every engine and backend that takes its numbers from here (the
+    native engine's ragged and teacher-forced loops, the no-cache reference) samples the same
+    tokens from the same logits. Step-major, as a draw of ``rows`` numbers per step would take
+    them: a batch of equally long prompts samples what it did when each step drew its own.
+    """
+    if generator is None:
+        return None
+    return torch.rand(max_new_tokens, rows, dtype=torch.float64, device=device, generator=generator)
+
+
 def sample_next(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and return its log-probability.
 
     Args:
         logits: ``[b, v]`` float32 next-token logits over the real vocabulary.
         sampling: temperature / top-k / top-p / greedy.
-        generator: the random stream (unused when greedy).
+        generator: the random stream (unused when greedy or when ``uniforms`` is given).
+        uniforms: ``[b]`` float64 in ``[0, 1)``, one per row (:func:`row_uniforms`); None:
+            drawn from ``generator``.
 
     Returns:
         ``(tokens [b] int64, logprobs [b] float32)``; the log-probability is under
@@ -108,19 +133,25 @@ def sample_next(
                 # Nucleus: keep a candidate while the mass ranked above it is < top_p.
                 mass_before = torch.cumsum(probs, dim=-1) - probs
                 probs = probs.masked_fill(mass_before >= sampling.top_p, 0.0)
-            pick = _inverse_cdf(probs, generator)
+            pick = _inverse_cdf(probs, generator, uniforms)
             tok = ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
         else:
-            tok = _inverse_cdf(logp.exp(), generator)
+            tok = _inverse_cdf(logp.exp(), generator, uniforms)
     lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
     return tok, lp
 
 
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _inverse_cdf(
+    probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[b, v]`` non-negative weights (need not sum to 1) -> ``[b]`` int64 index drawn in
-    proportion to them; zero-weight entries are never drawn."""
+    proportion to them, with ``uniforms`` ``[b]`` (None: drawn from ``generator``); zero-weight
+    entries are never drawn."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    if uniforms is None:
+        u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    else:
+        u = uniforms.to(torch.float64).view(-1, 1)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 

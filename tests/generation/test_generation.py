@@ -20,7 +20,8 @@ import torch
 
 from aligner import distributed
 from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, generate_no_cache
-from aligner.generation.decoder import CompiledDecodeStep, LeanDecoder
+from aligner.generation.decode_steps import CompiledDecodeStep
+from aligner.generation.decoder import LeanDecoder
 from aligner.generation.sampling import sample_next
 from aligner.models.config import ModelConfig
 from aligner.models.forward import policy_logits
@@ -113,7 +114,8 @@ def test_greedy_kv_cache_equals_full_recompute(model, ps, backend):
     assert out.prompt_lengths.tolist() == [len(p) for p in PROMPTS]
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     _check_layout(out)
-    # Batching (teacher-forced prompts of different lengths) changes nothing per sample.
+    # Batching prompts of different lengths (ragged on lean, teacher-forced on megatron)
+    # changes nothing per sample.
     for i, p in enumerate(PROMPTS):
         alone = _engine(model, ps, backend).generate([p], sp)
         assert alone.tokens[0].tolist() == out.tokens[i, : alone.tokens.shape[1]].tolist()
@@ -617,7 +619,7 @@ def test_loop_exits_when_every_row_has_stopped(model, ps):
     engine.generate(prompts, SamplingParams(max_new_tokens=2, greedy=True))  # builds the decoder
     calls = []
     decode = engine._lean.decode
-    engine._lean.decode = lambda tokens, start: calls.append(start) or decode(tokens, start)
+    engine._lean.decode = lambda *a: calls.append(a) or decode(*a)
     every_token_stops = tuple(range(TOK.vocab_size))
     out = engine.generate(
         prompts, SamplingParams(max_new_tokens=20, stop_token_ids=every_token_stops, seed=0)
@@ -636,7 +638,7 @@ def test_num_threads_applies_to_generation_only(model, ps):
     engine = _engine(model, ps, num_threads=before + 1)
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, greedy=True))
     decode = engine._lean.decode
-    engine._lean.decode = lambda tokens, start: seen.append(torch.get_num_threads()) or decode(tokens, start)
+    engine._lean.decode = lambda *a: seen.append(torch.get_num_threads()) or decode(*a)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, greedy=True))
     assert seen and set(seen) == {before + 1}
     assert torch.get_num_threads() == before

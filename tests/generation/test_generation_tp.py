@@ -4,8 +4,10 @@ Each worker first builds the policy at TP=1 (a data-parallel world of two) and r
 greedy generations and full logits, then re-initialises Megatron at TP=2, builds the policy
 with the same seed and checks: the TP=2 logits equal the TP=1 ones (models built from one
 seed are TP-invariant because ``use_cpu_initialization`` initialises the full weight and
-slices it), greedy generation at TP=2 equals TP=1 token for token (both backends), and both
-TP ranks return identical outputs, also when sampling (seeded or not). An assertion in a
+slices it), greedy generation at TP=2 equals TP=1 token for token (both backends, also on a
+ragged batch whose rows stop at different steps), the lean backend's ragged loop equals
+Megatron's teacher-forced one (greedy and sampled), and both TP ranks return identical outputs,
+also when sampling (seeded or not). An assertion in a
 worker makes ``torch.multiprocessing.spawn`` raise, which fails the test.
 """
 
@@ -24,6 +26,8 @@ from aligner import distributed
 pytestmark = pytest.mark.multiprocess
 WORLD = 2
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [3, 3, 3, 3, 13]]
+# Very mixed lengths (a ragged batch), some long enough to run into max_seq_len (48).
+MIXED = [[2 + (i * 7 + j) % 12 for j in range(n)] for i, n in enumerate([1, 17, 5, 40, 9, 3, 30, 12, 2, 38])]
 
 
 def _cfg():
@@ -56,6 +60,14 @@ def _generate_all(model, ps):
     for backend in ("lean", "megatron"):
         engine = NativeEngine(model, pad_id=0, eos_id=1, max_seq_len=48, parallel_state=ps, backend=backend)
         out[backend] = engine.generate(PROMPTS, greedy)
+        # Stop tokens end some responses early: rows leave the batch at different steps.
+        stops = (6,)
+        out[f"mixed_{backend}"] = engine.generate(
+            MIXED, SamplingParams(max_new_tokens=16, greedy=True, stop_token_ids=stops)
+        )
+        out[f"mixed_sampled_{backend}"] = engine.generate(
+            MIXED, SamplingParams(max_new_tokens=16, seed=5, stop_token_ids=stops)
+        )
     engine = NativeEngine(model, pad_id=0, eos_id=1, max_seq_len=48, parallel_state=ps)
     out["seeded"] = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, top_p=0.9, seed=7))
     # Unseeded: each rank's torch generator is desynchronised on purpose; TP rank 0's seed wins.
@@ -104,11 +116,18 @@ def _worker(rank: int, port: int) -> None:
             msg="TP=2 model differs from the TP=1 model of the same seed",
         )
         got = _generate_all(m2, ps2)
-        for backend in ("lean", "megatron"):
+        for backend in ("lean", "megatron", "mixed_lean", "mixed_megatron"):
             a, b = got[backend], ref[backend]
             assert torch.equal(a.tokens, b.tokens), (backend, a.tokens, b.tokens)
             assert torch.equal(a.lengths, b.lengths) and torch.equal(a.ended, b.ended)
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        # The ragged lean loop and Megatron's teacher-forced one agree, greedy and sampled.
+        for kind in ("mixed_", "mixed_sampled_"):
+            a, b = got[kind + "lean"], got[kind + "megatron"]
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.ended, b.ended), kind
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        n = got["mixed_lean"].response_lengths
+        assert got["mixed_lean"].ended.any() and (n == 16).any() and (got["mixed_lean"].lengths == 48).any()
         for out in got.values():
             for t in (out.tokens, out.lengths, out.logprobs, out.ended.long()):
                 assert _all_same(t, ps2.tp_group), "TP ranks returned different outputs"

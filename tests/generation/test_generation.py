@@ -17,40 +17,25 @@ import warnings
 
 import pytest
 import torch
+from _generation_parts import MAX_LEN, TOK, tiny_cfg, tiny_model
+from _generation_parts import engine as _engine
 
 from aligner import distributed
 from aligner.generation import GenerationEngine, NativeEngine, SamplingParams, generate_no_cache
 from aligner.generation.decode_steps import CompiledDecodeStep
 from aligner.generation.decoder import LeanDecoder
 from aligner.generation.sampling import sample_next
-from aligner.models.config import ModelConfig
 from aligner.models.forward import policy_logits
 from aligner.models.fused import compile_available
 from aligner.models.gpt import build_policy
 from aligner.models.local_spec import unsupported_reason
-from aligner.tokenizers import CharTokenizer
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
-MAX_LEN = 48
-TOK = CharTokenizer()  # vocab 14: <pad>=0, <eos>=1, digits, ':' and ','
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [3, 3, 3, 3, 13]]
 BACKENDS = ["lean", "megatron"]
 LOGIT_TOL = 3e-5  # fp32 logits of the lean decoder against the full forward's
 BF16_LOGPROB_TOL = 0.15  # bf16 log-probs of generation against the bf16 training forward's
-
-
-def _cfg(**kw) -> ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        vocab_size=TOK.vocab_size,
-        max_seq_len=MAX_LEN,
-        init_method_std=0.2,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +45,9 @@ def ps():
     distributed.destroy()
 
 
-def _model(seed: int = 0, **kw):
-    torch.manual_seed(seed)
-    return build_policy(_cfg(**kw))
-
-
 @pytest.fixture(scope="module")
 def model(ps):
-    return _model(0)
-
-
-def _engine(model, ps, backend="lean", **kw):
-    kw.setdefault("pad_id", TOK.pad_id)
-    kw.setdefault("eos_id", TOK.eos_id)
-    return NativeEngine(model, TOK, max_seq_len=MAX_LEN, parallel_state=ps, backend=backend, **kw)
+    return tiny_model(0)
 
 
 def _reference(model, prompts, sampling, eos_id=TOK.eos_id):
@@ -155,7 +129,7 @@ def _with_qk_norms_moved(m):
     ids=["gqa", "mqa_qkv_bias", "gpt2_like", "qwen3", "llama3_rope"],
 )
 def test_lean_path_matches_recompute_on_other_architectures(ps, arch):
-    m = _with_qk_norms_moved(_model(1, **arch))
+    m = _with_qk_norms_moved(tiny_model(1, **arch))
     assert unsupported_reason(m) is None
     sp = SamplingParams(max_new_tokens=16, greedy=True)
     out = _engine(m, ps, "lean").generate(PROMPTS, sp)
@@ -174,7 +148,7 @@ def test_lean_decoder_logits_equal_the_full_forward(ps, arch, device):
     from aligner.models.forward import set_forward
     from aligner.models.layout import ParallelLayout, iter_megatron_tensors
 
-    m = _with_qk_norms_moved(_model(2, **arch)).eval().to(device)
+    m = _with_qk_norms_moved(tiny_model(2, **arch)).eval().to(device)
     b, n = 2, 5
     tokens = torch.randint(2, TOK.vocab_size, (b, 40), generator=torch.Generator().manual_seed(0)).to(device)
     full = _full_logits(m, tokens)  # [b, 40, v]
@@ -206,7 +180,7 @@ def test_decode_attends_only_to_the_filled_positions(ps, static, device):
     """A decode step reads the cache's positions up to its own and nothing past them (the eager
     step a slice, the fixed-shape one the whole capacity under a mask): large keys and values
     written past that position change nothing."""
-    m = _model(3, num_query_groups=2).eval().to(device)
+    m = tiny_model(3, num_query_groups=2).eval().to(device)
     b, n, steps = 2, 4, 6
     tokens = torch.randint(2, TOK.vocab_size, (b, n + steps), generator=torch.Generator().manual_seed(1)).to(
         device
@@ -250,7 +224,7 @@ def test_engine_options_do_not_change_results(model, ps):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_logprobs_match_the_bf16_training_forward(ps, backend):
     torch.manual_seed(6)
-    m = build_policy(_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
+    m = build_policy(tiny_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
     from aligner.models.forward import set_forward
 
     out = _engine(m, ps, backend).generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=0))
@@ -329,7 +303,7 @@ def _response_positions(out):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sampled_tokens_lie_in_top_k_and_nucleus(ps, backend):
-    m = _model(2, init_method_std=0.05)  # flatter distributions: truncation matters
+    m = tiny_model(2, init_method_std=0.05)  # flatter distributions: truncation matters
     engine = _engine(m, ps, backend, eos_id=TOK.vocab_size + 5)  # no eos: long responses
     prompts = PROMPTS * 4
     k, temperature = 3, 0.9
@@ -437,7 +411,7 @@ def test_max_new_tokens_and_max_seq_len(model, ps):
 
 
 def test_padded_vocabulary_is_never_sampled(ps):
-    m = _model(3, make_vocab_size_divisible_by=8)  # 14 -> 16 rows
+    m = tiny_model(3, make_vocab_size_divisible_by=8)  # 14 -> 16 rows
     assert m.output_layer.weight.shape[0] == 16
     with torch.no_grad():
         m.output_layer.weight[14:] = 5.0 * m.output_layer.weight[:2].abs().sum(0)  # huge padded logits
@@ -494,7 +468,7 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_refit_sees_new_weights(ps, backend):
-    m = _model(4)
+    m = tiny_model(4)
     engine = _engine(m, ps, backend)
     assert isinstance(engine, GenerationEngine)
     sp = SamplingParams(max_new_tokens=12, greedy=True)
@@ -506,7 +480,7 @@ def test_refit_sees_new_weights(ps, backend):
     after = engine.generate(PROMPTS, sp)
     assert not torch.equal(before.tokens, after.tokens)
     assert torch.equal(after.tokens, _reference(m, PROMPTS, sp).tokens)
-    other = _model(5)  # a different module object
+    other = tiny_model(5)  # a different module object
     engine.refit(other)
     assert engine.model is other
     assert torch.equal(engine.generate(PROMPTS, sp).tokens, _reference(other, PROMPTS, sp).tokens)
@@ -537,7 +511,7 @@ def test_compiled_decode_step_equals_eager(ps):
     """The compiled step (fixed shapes, attention as fused sums) computes what the eager step
     does: the same greedy tokens as the full recompute, the same samples, log-probs to fp32
     round-off; a second call with another batch size compiles again and is still right."""
-    m = _model(12, num_query_groups=2)
+    m = tiny_model(12, num_query_groups=2)
     engine = _engine(m, ps, decode_step="compiled")
     for greedy in (True, False):
         sp = SamplingParams(max_new_tokens=20, greedy=greedy, seed=3)
@@ -557,7 +531,7 @@ def test_compiled_step_grows_its_capacity_with_the_sequence(ps):
     """The compiled step attends over a capacity that doubles from ``bucket`` as positions
     fill (8, 16, 32, then max_len 48), each its own compile; at every position its logits are
     the eager step's, across every growth of the cache."""
-    m = _model(13, num_query_groups=2)
+    m = tiny_model(13, num_query_groups=2)
     b, n = 3, 5
     prompt = torch.randint(2, TOK.vocab_size, (b, n), generator=torch.Generator().manual_seed(0))
     steps = torch.randint(2, TOK.vocab_size, (b, MAX_LEN - n), generator=torch.Generator().manual_seed(1))
@@ -585,7 +559,7 @@ def test_compiled_step_grows_its_capacity_with_the_sequence(ps):
     ids=["gqa", "learned_pos"],
 )
 def test_static_decode_step_on_other_architectures(ps, arch):
-    m = _model(8, **arch)
+    m = tiny_model(8, **arch)
     sp = SamplingParams(max_new_tokens=12, greedy=True)
     out = _engine(m, ps, decode_step="static").generate(PROMPTS, sp)
     assert torch.equal(out.tokens, _reference(m, PROMPTS, sp).tokens)
@@ -594,7 +568,7 @@ def test_static_decode_step_on_other_architectures(ps, arch):
 def test_cache_is_kept_across_calls_and_grows(ps):
     """On a CPU the cache storage outlives a call (reused when large enough, grown when not),
     and what a call leaves in it never changes the next call's results."""
-    m = _model(9)
+    m = tiny_model(9)
     engine = _engine(m, ps, eos_id=TOK.vocab_size + 5)
     sp = SamplingParams(max_new_tokens=30, greedy=True)  # the capacity grows past one chunk
     first = engine.generate(PROMPTS, sp)
@@ -654,7 +628,7 @@ def test_bf16_greedy_follows_the_bf16_recompute(ps, decode_step):
     """bf16 greedy decoding with the cache picks the argmax of the bf16 full forward at every
     step, up to near ties (cache and full forward add in different orders)."""
     torch.manual_seed(10)
-    m = build_policy(_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
+    m = build_policy(tiny_cfg(num_query_groups=2), params_dtype=torch.bfloat16)
     sp = SamplingParams(max_new_tokens=16, greedy=True)
     out = _engine(m, ps, decode_step=decode_step).generate(PROMPTS, sp)
     ref = _reference(m, PROMPTS, sp)
@@ -687,7 +661,7 @@ def test_decode_step_errors(model, ps):
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager(ps):
     torch.manual_seed(11)
-    m = build_policy(_cfg(num_query_groups=2)).cuda()
+    m = build_policy(tiny_cfg(num_query_groups=2)).cuda()
     sp = SamplingParams(max_new_tokens=20, greedy=True)
     eager = _engine(m, ps, decode_step="eager").generate(PROMPTS, sp)
     with warnings.catch_warnings():

@@ -11,9 +11,11 @@ import warnings
 
 import pytest
 import torch
+from _generation_parts import MAX_LEN, TOK, tiny_cfg, tiny_model
+from _generation_parts import engine as _engine
 
 from aligner import distributed
-from aligner.generation import NativeEngine, SamplingParams, generate_no_cache
+from aligner.generation import SamplingParams, generate_no_cache
 from aligner.generation import steppers as steppers_mod
 from aligner.generation.decoder import LeanDecoder, attention_spans
 from aligner.generation.steppers import LeanStepper
@@ -21,12 +23,9 @@ from aligner.models.config import ModelConfig
 from aligner.models.forward import policy_logits, set_forward
 from aligner.models.fused import compile_available
 from aligner.models.gpt import build_policy
-from aligner.tokenizers import CharTokenizer
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
-MAX_LEN = 48
-TOK = CharTokenizer()  # vocab 14: <pad>=0, <eos>=1, then 12 characters
 LOGIT_TOL = 3e-5
 BF16_LOGPROB_TOL = 0.15
 NEW = 12
@@ -44,17 +43,7 @@ MIXED = _mixed()
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=TOK.vocab_size,
-        max_seq_len=MAX_LEN,
-        init_method_std=0.2,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_cfg(**{"num_query_groups": 2, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +54,12 @@ def ps():
 
 
 def _model(seed: int = 0, **kw):
-    torch.manual_seed(seed)
-    return build_policy(_cfg(**kw))
+    return tiny_model(seed, **{"num_query_groups": 2, **kw})
 
 
 @pytest.fixture(scope="module")
 def model(ps):
     return _model(20)
-
-
-def _engine(model, ps, backend="lean", **kw):
-    kw.setdefault("pad_id", TOK.pad_id)
-    kw.setdefault("eos_id", TOK.eos_id)
-    return NativeEngine(model, TOK, max_seq_len=MAX_LEN, parallel_state=ps, backend=backend, **kw)
 
 
 def _reference(model, prompts, sampling, eos_id):

@@ -26,32 +26,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _model_archs import ARCHS, HEADS
 
 from aligner import distributed
 from aligner.models import forward, fused, gpt, lora
 from aligner.models.config import ModelConfig
 
-ARCHS = {
-    "llama": dict(),
-    "gqa": dict(num_query_groups=2),
-    "gpt2": dict(
-        normalization="LayerNorm",
-        activation="gelu",
-        position_embedding="learned_absolute",
-        add_bias_linear=True,
-        tie_embeddings=True,
-    ),
-    # Qwen3-style: heads 32 wide (not 64 / 4), per-head q/k RMSNorm, and Llama 3.1's RoPE
-    # scaling with an original context of 8 (the tokens run past it).
-    "qwen3": dict(
-        num_query_groups=2,
-        kv_channels=32,
-        qk_layernorm=True,
-        rope_scaling="llama3",
-        rope_original_max_position=8,
-    ),
-}
-HEADS = {"lm": gpt.build_policy, "value": gpt.build_critic, "reward": gpt.build_reward_model}
 TOKENS = torch.randint(0, 40, (3, 17), generator=torch.Generator().manual_seed(0))
 LENGTHS = torch.tensor([5, 17, 9])
 #: Largest difference allowed between the fused forward's outputs and Megatron's (absolute).

@@ -24,31 +24,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _model_archs import ARCHS, HEADS
 
 from aligner import distributed
 from aligner.models import attention, forward, fused, gpt, lora
 from aligner.models.config import ModelConfig
 from aligner.models.packing import pack, plan_micro_batches
 
-ARCHS = {
-    "llama": dict(),
-    "gqa": dict(num_query_groups=2),
-    "gpt2": dict(
-        normalization="LayerNorm",
-        activation="gelu",
-        position_embedding="learned_absolute",
-        add_bias_linear=True,
-        tie_embeddings=True,
-    ),
-    "qwen3": dict(
-        num_query_groups=2,
-        kv_channels=32,
-        qk_layernorm=True,
-        rope_scaling="llama3",
-        rope_original_max_position=8,
-    ),
-}
-HEADS = {"lm": gpt.build_policy, "value": gpt.build_critic, "reward": gpt.build_reward_model}
 S = 19
 TOKENS = torch.randint(0, 40, (4, S), generator=torch.Generator().manual_seed(0))
 LENGTHS = torch.tensor([5, 19, 1, 11])

@@ -5,6 +5,7 @@ check that no process a test module started outlives it (tests/_leftovers.py).""
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,6 +53,10 @@ def no_process_outlives_its_module(request):
         os.environ.pop(_leftovers.MARK, None)
     else:
         os.environ[_leftovers.MARK] = before
+    if "wandb" in sys.modules:
+        # W&B keeps one service process (wandb-core) per client process until that exits: a module
+        # that ran W&B stops it here, so the next module's runs start a fresh one.
+        sys.modules["wandb"].teardown()
     left = _leftovers.reap(mark)
     if left:
         pytest.fail(

@@ -33,15 +33,6 @@ BLOCK = 32 * 1024
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def wandb_service_stops():
-    """W&B runs a service process per client process (wandb-core), which outlives its runs until
-    the client exits: stopped with the module, as nothing a test starts may outlive it."""
-    yield
-    if "wandb" in sys.modules:
-        sys.modules["wandb"].teardown()
-
-
 def read_wandb_records(path: str) -> list:
     """Every ``Record`` of a ``.wandb`` transaction log, in order."""
     from wandb.proto import wandb_internal_pb2

@@ -65,6 +65,7 @@ class ServerProcess:
         self.ports: dict[str, int] = {}
         self._lines: list[str] = []
         self._ready = threading.Event()
+        self._groups: set[int] = set()
         self._reader = threading.Thread(target=self._read_stdout, daemon=True, name="critic-server-stdout")
         self._reader.start()
 
@@ -114,6 +115,7 @@ class ServerProcess:
                     f"critic server printed no READY line within {timeout_s:.0f} s:\n{self.output_tail()}"
                 )
         wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()), abort=self._exit_reason)
+        self._note_groups()
 
     def _exit_reason(self) -> str | None:
         code = self.proc.poll()
@@ -122,11 +124,18 @@ class ServerProcess:
         self._reader.join(timeout=2)
         return f"the server process exited with code {code}:\n{self.output_tail()}"
 
+    def _note_groups(self) -> None:
+        """Remember the process groups of the server's descendants. torchrun starts each worker
+        in a session of its own, with Triton and its stubs under it: signalling the launcher's
+        group alone would leave those running once torchrun is gone."""
+        self._groups |= _descendant_groups(self.proc.pid) - {os.getpgrp()}
+
     def _signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        for group in {self.proc.pid, *self._groups}:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (clean shutdown, save-on-sigterm), then SIGKILL after ``timeout``; the exit code.
@@ -135,6 +144,7 @@ class ServerProcess:
         shuts down cleanly and releases its peers, and torchrun then exits 0. (torchrun itself
         answers SIGTERM by terminating its workers, which also shut down cleanly, but exits 1.)
         """
+        self._note_groups()
         if self.proc.poll() is None:
             target = self.ports.get("pid", self.proc.pid) if self.nproc > 1 else self.proc.pid
             try:
@@ -152,6 +162,7 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group (server, Triton, Python backend stubs) at once."""
+        self._note_groups()
         self._signal_group(signal.SIGKILL)
         try:
             self.proc.wait(10)
@@ -163,6 +174,31 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _descendant_groups(root: int) -> set[int]:
+    """The process groups of ``root``'s live descendants (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return set()
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        pid, ppid, pgid = int(name), int(fields[1]), int(fields[2])
+        children.setdefault(ppid, []).append(pid)
+        groups[pid] = pgid
+    found, todo = set(), list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.add(groups[pid])
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def start_server(

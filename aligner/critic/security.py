@@ -66,10 +66,11 @@ PUBLIC_INFO_FIELDS = (
     "run_token_required",
     "infer_inputs",
     "critic",
+    "infer_wait_s",
 )
 """What ``server_info`` tells a caller without the run token (when the server has one): what the
 client checks before it sends anything (protocol, limits, tokenizer fingerprint, critic step,
-instance, inputs, mode). The rest (reward paths, model, parallel sizes, checkpoint steps,
+instance, inputs, mode, the infer wait). The rest (reward paths, model, parallel sizes, checkpoint steps,
 batching, pid, start time, optimizer) goes only to a caller that sends the token."""
 
 

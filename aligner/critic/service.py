@@ -252,6 +252,7 @@ class CriticService:
                 "max_queue_delay_us": c.server.max_queue_delay_us,
                 **self.request_stats.batching(INFER),
             },
+            infer_wait_s=float(c.server.infer_wait_s),
             extra={
                 "mode": self.cfg.mode,
                 "init_source": self.init_source,

@@ -274,10 +274,17 @@ class RemoteCriticClient:
             )
 
     def _call(
-        self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], *, step: int | None = None
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        *,
+        step: int | None = None,
+        attempt_s: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """One request with retries, all within ``wait_timeout_s``; raises a
-        :class:`~aligner.wire.errors.CriticError` subclass (or ``UnauthorizedError``)."""
+        """One request with retries, all within ``wait_timeout_s``, each attempt within
+        ``attempt_s`` (default ``timeout_s``); raises a :class:`~aligner.wire.errors.CriticError`
+        subclass (or ``UnauthorizedError``)."""
         deadline = time.monotonic() + self.wait_timeout_s
         attempt = 0
         peers = 0  # batch-peer refusals: someone else's bad request, no sign of trouble here
@@ -288,7 +295,7 @@ class RemoteCriticClient:
             try:
                 if left <= 0:
                     raise TimeoutError(f"{model}: no time left")
-                return self._conn().infer(model, inputs, outputs, timeout_s=left)
+                return self._conn().infer(model, inputs, outputs, timeout_s=left, attempt_s=attempt_s)
             except Exception as e:
                 kind = classify(e)
                 detail = error_detail(e)
@@ -315,7 +322,7 @@ class RemoteCriticClient:
                     time.sleep(min(0.01 * (peers - 1), 0.5, max(deadline - time.monotonic(), 0.0)))
                     continue
                 if ran_out or (attempt >= self.retries and timed_out(e)):  # a hung server, not a lost one
-                    limit = self.wait_timeout_s if ran_out else self.timeout_s
+                    limit = self.wait_timeout_s if ran_out else (attempt_s or self.timeout_s)
                     what = f"{attempt + 1} attempt(s), the last: {detail}"
                     raise CriticTimeoutError(model, self.url, limit, step=step, what=what) from None
                 if attempt >= self.retries:
@@ -488,9 +495,13 @@ class RemoteCriticClient:
                     what=f"waiting for the critic_train of step {after.step} submitted before it",
                 )
         self._check_restarted(INFER)
+        # A request naming its critic step may wait on the server (up to its infer_wait_s) for
+        # that step's train: each attempt gets that long on top of timeout_s, so the server's
+        # answer (the values, or an error naming the step) comes before the client would resend.
+        attempt_s = self.timeout_s + self._info.infer_wait_s if req.after_step >= 0 else None
         values, rewards = [], []
         for chunk in infer_chunks(req, self.limits.max_batch):
-            out = self._call(INFER, chunk.to_wire(), INFER_OUTPUTS, step=step)
+            out = self._call(INFER, chunk.to_wire(), INFER_OUTPUTS, step=step, attempt_s=attempt_s)
             v, r = infer_result(out, self.url)
             values.append(v)
             rewards.append(r)

@@ -44,9 +44,15 @@ class Connection:
         self.mod = mod
 
     def infer(
-        self, model: str, inputs: dict[str, np.ndarray], outputs: list[str], timeout_s: float | None = None
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        outputs: list[str],
+        timeout_s: float | None = None,
+        attempt_s: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """One request; ``timeout_s`` (gRPC: at most the per-request timeout) bounds it."""
+        """One request; ``timeout_s`` bounds it (gRPC: at most ``attempt_s``, by default the
+        connection's per-request timeout)."""
         mod = self.mod
         binary = {} if self.scheme == "grpc" else {"binary_data": True}
         ins = []
@@ -56,7 +62,8 @@ class Connection:
             ins.append(i)
         outs = [mod.InferRequestedOutput(n, **binary) for n in outputs]
         if self.scheme == "grpc":
-            limit = self.timeout_s if timeout_s is None else min(self.timeout_s, timeout_s)
+            limit = self.timeout_s if attempt_s is None else attempt_s
+            limit = limit if timeout_s is None else min(limit, timeout_s)
             r = self.client.infer(model, ins, outputs=outs, client_timeout=max(limit, 0.001))
         else:
             r = self.client.infer(model, ins, outputs=outs)

@@ -550,6 +550,27 @@ def test_an_infer_sent_before_its_train_waits_for_it_and_gets_the_values_after_i
     assert stats["waited"] == waited + 1 and stats["waiting"] == 0 and stats["infer_wait_s"] == WAIT_S
 
 
+def test_an_infer_waiting_longer_than_the_client_timeout_is_not_resent(env):
+    """The server may hold an infer for its step up to server.infer_wait_s, which it tells every
+    caller (with or without the token): a client whose own per-request timeout is shorter gives
+    such a request that much more, so it is sent once and answered, not resent while held."""
+    url = env["server"].url
+    assert raw_info(url).infer_wait_s == WAIT_S
+    tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=6)
+    returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=6)
+    with RemoteCriticClient(url, timeout_s=1.0, retries=0) as short:  # infer-only: no token
+        assert short.server_info().infer_wait_s == WAIT_S
+        held = raw_info(url).critic_step
+        waited = raw_info(url).extra["infer_after_step"]["waited"]
+        future = short.infer(tokens, lengths, pl, after_step=held + 1)
+        _until(lambda: raw_info(url).extra["infer_after_step"]["waiting"] == 1, "the infer to wait")
+        time.sleep(1.5)  # past the client's 1 s timeout: without the server's wait added, it fails
+        _train(env, tokens, lengths, returns, old_values, mask, held + 1)
+        values, _ = future.result()
+    assert values.shape == (2, tokens.shape[1] - 1)
+    assert raw_info(url).extra["infer_after_step"]["waited"] == waited + 1  # one request, no resend
+
+
 def test_an_infer_whose_step_never_comes_or_is_past_fails_naming_both_steps(env, client):
     url = env["server"].url
     tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=9)

@@ -273,6 +273,11 @@ class ServerInfo:
     (requests in one execution, as a string -> executions that merged that many)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else (pid, start time, optimizer settings)."""
+    infer_wait_s: float = 0.0
+    """How long a critic_infer waits on the server for the critic step it names (``after_step``,
+    ``server.infer_wait_s``) before it fails: a client gives such a request this much on top of
+    its own per-request timeout, so that it never resends one the server still holds. 0 from a
+    server older than the field."""
     full: bool = True
     """False: the view a caller without the run token gets from a server that has one (only what a
     client checks; ``tokenizer`` empty, the dicts and ``checkpoint_steps`` empty, ``last_saved_step``

@@ -66,6 +66,7 @@ class ServerProcess:
         self._lines: list[str] = []
         self._ready = threading.Event()
         self._groups: set[int] = set()
+        self._signalled_out = False
         self._reader = threading.Thread(target=self._read_stdout, daemon=True, name="critic-server-stdout")
         self._reader.start()
 
@@ -115,7 +116,7 @@ class ServerProcess:
                     f"critic server printed no READY line within {timeout_s:.0f} s:\n{self.output_tail()}"
                 )
         wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()), abort=self._exit_reason)
-        self._note_groups()
+        self._note_groups()  # the workers' groups, should torchrun exit before stop() is called
 
     def _exit_reason(self) -> str | None:
         code = self.proc.poll()
@@ -125,12 +126,17 @@ class ServerProcess:
         return f"the server process exited with code {code}:\n{self.output_tail()}"
 
     def _note_groups(self) -> None:
-        """Remember the process groups of the server's descendants. torchrun starts each worker
-        in a session of its own, with Triton and its stubs under it: signalling the launcher's
-        group alone would leave those running once torchrun is gone."""
-        self._groups |= _descendant_groups(self.proc.pid) - {os.getpgrp()}
+        """Remember the process groups of the server's descendants, while it runs. torchrun
+        starts each worker in a session of its own, with Triton and its stubs under it:
+        signalling the launcher's group alone would leave those running once torchrun is gone."""
+        if self.proc.poll() is None:
+            self._groups |= _descendant_groups(self.proc.pid) - {os.getpgrp()}
 
     def _signal_group(self, sig: int) -> None:
+        """Signal the server's group and its descendants' (once: after that the numbers may
+        belong to other processes)."""
+        if self._signalled_out:
+            return
         for group in {self.proc.pid, *self._groups}:
             try:
                 os.killpg(group, sig)
@@ -157,6 +163,7 @@ class ServerProcess:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait(10)
         self._signal_group(signal.SIGKILL)  # stray children (Triton, stubs) if any
+        self._signalled_out = True
         self._reader.join(timeout=2)
         return self.proc.returncode
 
@@ -167,7 +174,8 @@ class ServerProcess:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            pass
+            return
+        self._signalled_out = True
 
     def __enter__(self) -> ServerProcess:
         return self

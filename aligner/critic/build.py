@@ -114,7 +114,9 @@ def build_parts(cfg: CriticServerConfig, state: ParallelState, lock: threading.L
     tokenizer = build_tokenizer(cfg.tokenizer)
     reward_only = cfg.mode == "reward_only"
     r = cfg.reward
-    reward_fn = load_reward_fn(r.fn, dict(r.fn_kwargs), list(r.python_path)) if r.fn else None
+    reward_fn = (
+        load_reward_fn(r.fn, dict(r.fn_kwargs), list(r.python_path), **r.fn_options()) if r.fn else None
+    )
     # Every loader below is collective under TP (each rank takes its shard of full tensors).
     reward_model, rm_cfg = load_reward_model(r.model_path, r.hf_path)
     reward_tokens = _reward_tokens(cfg, tokenizer, reward_model, rm_cfg)

@@ -13,6 +13,7 @@ from typing import Any
 
 from aligner.config_checks import ConfigError, Problems
 from aligner.critic.config_limits import LimitsConfig
+from aligner.critic.reward_conventions import reward_options_problems
 from aligner.critic.reward_fn import reward_fn_problem
 from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_folder
 from aligner.models.config import FORWARD_MODES, ModelConfig
@@ -167,10 +168,11 @@ class RewardConfig:
     """Where the per-sample reward comes from: a Python function, a reward model, or both (summed)."""
 
     fn: str | None = "aligner.tasks.digits:sort_reward"
-    """Reward function 'module:function': fn(prompts, responses, **kwargs), or trlx's
-    fn(samples, prompts, outputs, **kwargs) when its first parameter is named samples; it gets
-    prompt_ids, response_ids, each extra data-set column (a list over the batch) and fn_kwargs
-    where it accepts them (aligner.critic.reward_fn.RewardFn)."""
+    """Reward function 'module:function', its convention told by its parameters' names: ours
+    fn(prompts, responses, **kwargs), trlx's fn(samples, prompts, outputs, **kwargs), TRL's
+    fn(completions, **kwargs), OpenRLHF's reward_func(queries, prompts, labels), or verl's per-sample
+    compute_score(data_source, solution_str, ground_truth, extra_info=None)
+    (aligner.critic.reward_conventions); async def ones are awaited."""
     fn_kwargs: dict[str, Any] = field(default_factory=dict)
     """Constant keyword arguments of every call of fn (e.g. a classifier's path; the function
     caches what it loads)."""
@@ -178,6 +180,17 @@ class RewardConfig:
     """Folders put at the front of sys.path (in this order) before fn is imported; the server's
     working directory always goes there too, so reward.fn=my_reward:score works from the folder
     that holds my_reward.py, without PYTHONPATH."""
+    label_column: str | None = None
+    """The extras column of each sample's label (OpenRLHF's labels, verl's ground_truth; 'a.b': key
+    b of a dict column a); null: the first of label, labels, ground_truth, answer,
+    reward_model.ground_truth that the sample has."""
+    workers: int = 1
+    """Threads that call a per-sample (verl) function over a batch; 1: in order, in the caller's thread."""
+    concurrency: int = 8
+    """A per-sample async def function's calls in flight at once."""
+    timeout_s: float | None = None
+    """The longest one call of fn (a batch's, or a sample's) may take before it fails that
+    request naming the sample; null: no limit. A timed-out sync call's thread finishes unwaited."""
     model_path: str | None = None
     """Reward model: this project's checkpoint folder (meta.json + model.safetensors, e.g. from aligner-convert)."""
     hf_path: str | None = None
@@ -197,6 +210,11 @@ class RewardConfig:
     """Subtracted from the reward model's score (reward standardisation, as NeMo-Aligner)."""
     model_std: float = 1.0
     """Divides the reward model's score after the mean is subtracted."""
+
+    def fn_options(self) -> dict[str, Any]:
+        """How fn is called: the keyword options of aligner.critic.reward_fn.load_reward_fn."""
+        keys = ("workers", "concurrency", "timeout_s", "label_column")
+        return {k: getattr(self, k) for k in keys}
 
     @property
     def has_model(self) -> bool:
@@ -391,8 +409,11 @@ class CriticServerConfig:
             )
         if r.model_path and r.hf_path:
             e.append(f"reward.model_path={r.model_path!r} and reward.hf_path={r.hf_path!r}: set only one")
+        options = reward_options_problems(r.workers, r.concurrency, r.timeout_s, r.label_column)
+        e += options
         if r.fn:
-            problem = reward_fn_problem(r.fn, list(r.python_path), dict(r.fn_kwargs))
+            fn_options = r.fn_options() if not options else {}
+            problem = reward_fn_problem(r.fn, list(r.python_path), dict(r.fn_kwargs), **fn_options)
             if problem:
                 e.append(f"reward.fn={r.fn!r}: {problem}")
         elif r.fn_kwargs:

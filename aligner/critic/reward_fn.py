@@ -1,29 +1,45 @@
 """Reward functions of the critic server: a function named by import path
-(``aligner.tasks.digits:sort_reward``), loaded as a :class:`RewardFn`, which reads the function's
-signature once to decide how it is called: this project's form ``fn(prompts, responses, **kwargs)``,
-or trlx's ``fn(samples, prompts, outputs, **kwargs)`` (its first parameter named ``samples``:
-prompt + response strings). Keyword arguments go only to a function that accepts them (by name, or
-``**kwargs``): ``prompt_ids``, ``response_ids``, each of the request's extra data-set columns as a
-list over the batch (critic_infer's ``extras``), and the constant ``reward.fn_kwargs``. A failure on
-one request's samples is that request's alone (:func:`score_requests`).
+(``aligner.tasks.digits:sort_reward``), loaded as a :class:`RewardFn`, which reads the NAMES of the
+function's parameters once to decide how it is called (:mod:`aligner.critic.reward_conventions`):
+this project's ``fn(prompts, responses, **kwargs)``, trlx's ``fn(samples, prompts, outputs,
+**kwargs)``, TRL's ``fn(completions, **kwargs)``, OpenRLHF's ``reward_func(queries, prompts,
+labels)``, or verl's per-sample ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None)`` (or its batched form). A signature that matches none, or several, is refused when
+it is loaded, naming the parameters seen and the conventions it could be. Keyword arguments go only to
+a function that accepts them (by name, or ``**kwargs``): ``prompt_ids``, ``response_ids``, each of the
+request's extra data-set columns as a list over the batch (critic_infer's ``extras``), and the
+constant ``reward.fn_kwargs``.
+
+verl's per-sample functions are batched by the server: called over the batch in order in the
+caller's thread (``reward.workers=1``), or on a pool of ``reward.workers`` threads. ``async def``
+functions are awaited, per-sample ones up to ``reward.concurrency`` at a time. Every call honours
+``reward.timeout_s`` (a timed-out thread cannot be stopped: it is left to finish, unwaited). A
+failure on one request's samples (the function raised, timed out, or answered a bad score) is that
+request's alone, and names the function and the sample (:func:`score_requests`).
 
 The other reward source, a reward model, is :mod:`aligner.critic.reward_model`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import inspect
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aligner.critic.errors import RequestRewardError
+from aligner.critic.reward_conventions import FORMS, Binding
 from aligner.wire.protocol import neutralize
 
 __all__ = [
@@ -39,16 +55,10 @@ __all__ = [
 ]
 
 KNOWN_KWARGS = ("prompt_ids", "response_ids")
-"""Keyword arguments every call offers (a function gets those it accepts): each sample's prompt and
-response token ids (the policy's tokenizer; the response up to its end-of-sequence)."""
+"""Keyword arguments every batch call offers (a function gets those it accepts): each sample's
+prompt and response token ids (the policy's tokenizer; the response up to its end-of-sequence)."""
 
-_FORMS = (
-    "fn(prompts, responses, **kwargs) -> list[float] (the prompts and the responses, lists of "
-    "strings), or trlx's fn(samples, prompts, outputs, **kwargs) (the first parameter named "
-    "'samples': prompt + response strings); keyword arguments prompt_ids, response_ids, each extra "
-    "data-set column (a list over the batch) and reward.fn_kwargs go to a function that accepts them "
-    "by name or **kwargs"
-)
+_FORMS = FORMS
 
 
 def _import_path(python_path: Sequence[str]) -> None:
@@ -86,109 +96,84 @@ def _resolve(path: str, python_path: Sequence[str] = ()) -> Callable[..., Any]:
     return obj
 
 
-class RewardFn:
-    """A reward function and how to call it, decided once from its signature.
+class _TimedOut(Exception):
+    """A call ran past ``reward.timeout_s``."""
 
-    The convention: trlx's when the first parameter is named ``samples`` (the batch is
-    ``samples``, ``prompts``, ``outputs``), this project's otherwise (``prompts``,
-    ``responses``). The batch goes positionally into the function's positional parameters (all
-    of them with ``*args``), the rest by name where the function takes that name (or
-    ``**kwargs``); ``samples`` (trlx) or ``prompts`` and ``responses`` (ours) must be taken. Then,
-    where accepted: ``prompt_ids`` and ``response_ids``, ``fn_kwargs``, and each extra column of
-    the request (a list over the batch, None where a row lacks it). A column whose name is
-    already taken by one of those is not passed. A required parameter left over must be a
-    column of the request (else :class:`RewardArgumentError`).
+
+class _Failed:
+    """One per-sample call's failure (kept in the outcome list in place of its score)."""
+
+    def __init__(self, detail: str, *, timed_out: bool = False, argument: bool = False) -> None:
+        self.detail, self.timed_out, self.argument = detail, timed_out, argument
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or (
+        not inspect.isroutine(fn) and inspect.iscoroutinefunction(type(fn).__call__)
+    )
+
+
+def _run_coro(coro: Any) -> Any:
+    """Run ``coro`` to its end from synchronous code (on a thread of its own when this thread
+    already runs an event loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
+
+
+async def _awaited(x: Any) -> Any:
+    return await x
+
+
+class RewardFn(Binding):
+    """A reward function and how to call it: its :class:`~aligner.critic.reward_conventions.Binding`
+    (the convention, decided once from its parameters' names), and how calls run.
 
     Args:
-        fn: the callable.
+        fn: the callable (``async def`` ones are awaited).
         name: how messages name it (its ``module:function`` path).
-        fn_kwargs: constant keyword arguments for every call (``reward.fn_kwargs``).
+        fn_kwargs: constant keyword arguments for every call (``reward.fn_kwargs``); for verl,
+            ``data_source`` is the default of samples without a ``data_source`` column.
+        workers: threads that call a per-sample function (1: in order, in the caller's thread,
+            unless ``timeout_s`` is set: a call is timed on a thread of its own).
+        concurrency: per-sample ``async`` calls in flight at once.
+        timeout_s: the longest one call (a batch's, or a sample's) may take; None: no limit.
+        label_column: the extras column of each sample's label (OpenRLHF's labels, verl's
+            ground_truth); None: the first of :data:`~aligner.critic.reward_conventions.LABEL_COLUMNS`.
 
     Raises:
-        ValueError: the signature cannot take a batch, or does not accept a ``fn_kwargs`` key; the
-            message names the function, its signature and the accepted forms.
+        ValueError: no convention, or several, match the parameters; or a ``fn_kwargs`` key the
+            function does not accept; the message names the function, its signature, the
+            parameters seen and the accepted forms.
     """
 
-    def __init__(self, fn: Callable[..., Any], name: str, fn_kwargs: dict[str, Any] | None = None) -> None:
-        self.fn, self.name = fn, name
-        self.fn_kwargs = dict(fn_kwargs or {})
-        try:
-            sig: inspect.Signature | None = inspect.signature(fn)
-        except (TypeError, ValueError):  # some builtins have none: take them as (*args, **kwargs)
-            sig = None
-        self.signature = f"{getattr(fn, '__name__', type(fn).__name__)}{sig if sig is not None else '(...)'}"
-        params = list(sig.parameters.values()) if sig is not None else []
-        P = inspect.Parameter
-        self.convention = "trlx" if params and params[0].name == "samples" else "aligner"
-        batch = ("samples", "prompts", "outputs") if self.convention == "trlx" else ("prompts", "responses")
-        needed = 1 if self.convention == "trlx" else 2
-        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-        var_positional = sig is None or any(p.kind == P.VAR_POSITIONAL for p in params)
-        self.var_keyword = sig is None or any(p.kind == P.VAR_KEYWORD for p in params)
-        slots = len(batch) if var_positional else len(positional)
-        self._positional = list(batch[: min(slots, len(batch))])
-        taken_params = {p.name for p in positional[: len(self._positional)]}
-        self._named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
-        self._named -= taken_params
-        self._by_keyword = [n for n in batch[len(self._positional) :] if self.accepts(n)]
-        given = len(self._positional) + sum(
-            1 for n in batch[len(self._positional) : needed] if self.accepts(n)
-        )
-        if given < needed:
-            raise ValueError(
-                f"reward function {name!r} with signature {self.signature} cannot take a batch: expected {_FORMS}"
-            )
-        self._taken = set(batch) | taken_params | set(KNOWN_KWARGS) | set(self.fn_kwargs)
-        for key in self.fn_kwargs:
-            if key in batch or key in KNOWN_KWARGS or key in taken_params:
-                raise ValueError(
-                    f"reward.fn_kwargs key {key!r}: the reward function {name!r} gets {key!r} from the "
-                    "batch; choose another name"
-                )
-            if not self.accepts(key):
-                raise ValueError(
-                    f"reward.fn_kwargs key {key!r} is not a parameter of reward function {name!r} "
-                    f"(signature {self.signature}, no **kwargs)"
-                )
-        covered = set(self._by_keyword) | set(self.fn_kwargs) | {k for k in KNOWN_KWARGS if self.accepts(k)}
-        self.required_columns: list[str] = []
-        """Required parameters that only a column of the request's extras can fill."""
-        for p in params:
-            if (
-                p.name in taken_params
-                or p.default is not P.empty
-                or p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
-            ):
-                continue
-            if p.name in covered:
-                continue
-            if p.kind == P.POSITIONAL_ONLY:
-                raise ValueError(
-                    f"reward function {name!r} with signature {self.signature}: its positional-only "
-                    f"parameter {p.name!r} cannot be given; expected {_FORMS}"
-                )
-            self.required_columns.append(p.name)
-
-    def accepts(self, name: str) -> bool:
-        """Whether ``name`` can be given as a keyword argument."""
-        return self.var_keyword or name in self._named
-
-    def missing_columns(self, columns: Sequence[str]) -> list[str]:
-        """Required parameters that neither the call nor ``columns`` fill."""
-        return [c for c in self.required_columns if c not in columns]
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        fn_kwargs: dict[str, Any] | None = None,
+        *,
+        workers: int = 1,
+        concurrency: int = 8,
+        timeout_s: float | None = None,
+        label_column: str | None = None,
+    ) -> None:
+        super().__init__(fn, name, fn_kwargs, label_column)
+        self.workers, self.concurrency, self.timeout_s = workers, concurrency, timeout_s
+        self.is_async = _is_async(fn)
+        self.calls = self.failures = self.timeouts = 0
+        """Calls made (one per batch, or per sample), and how many raised or timed out."""
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
 
     def argument_error(self, columns: Sequence[str]) -> RewardArgumentError | None:
         """The error of a request whose extras have only ``columns``, when a required parameter
-        is left without a value; None when every one has one."""
-        missing = self.missing_columns(columns)
-        if not missing:
-            return None
-        return RewardArgumentError(
-            self.name,
-            f"its required parameter {missing[0]!r} (signature {self.signature}) is neither a batch "
-            f"argument, {' nor '.join(KNOWN_KWARGS)}, a reward.fn_kwargs key, nor a column of the "
-            f"request's extras (columns: {list(columns) or 'none'})",
-        )
+        (or the label it needs) is left without a value; None when every one has one."""
+        problem = self.argument_problem(columns)
+        return None if problem is None else RewardArgumentError(self.name, problem)
 
     def __call__(
         self,
@@ -198,37 +183,170 @@ class RewardFn:
         response_ids: list[list[int]],
         extras: list[dict[str, Any]] | None = None,
     ) -> Any:
-        """Call the function on one batch (``extras``: each sample's extra columns, or None).
+        """Call the function on one batch (``extras``: each sample's extra columns, or None): its
+        answer (a per-sample function's: the list of its answers).
 
         Raises:
-            RewardArgumentError: a required parameter that no column of ``extras`` fills.
+            RewardArgumentError: a required parameter (or label) that no column of ``extras``
+                fills; RewardFunctionError: a call timed out, or a per-sample call failed (naming
+                the sample); whatever a batch function raised.
         """
+        out = self.outcomes(prompts, responses, prompt_ids, response_ids, extras)
+        for i, o in enumerate(out if self.per_sample else ()):
+            if isinstance(o, _Failed):
+                raise _error(self.name, o, i)
+        return out
+
+    def outcomes(self, prompts, responses, prompt_ids, response_ids, extras=None) -> Any:
+        """The batch function's answer, or a per-sample function's list of answers, each one a
+        :class:`_Failed` where that call failed (see :meth:`__call__`)."""
         columns = _columns(extras)
         error = self.argument_error(columns)
         if error is not None:
             raise error
-        if self.convention == "trlx":
-            values = {
-                "samples": [p + r for p, r in zip(prompts, responses)],
-                "prompts": prompts,
-                "outputs": responses,
-            }
-        else:
-            values = {"prompts": prompts, "responses": responses}
-        args = [values[n] for n in self._positional]
-        kwargs: dict[str, Any] = {n: values[n] for n in self._by_keyword}
-        for key, value in (("prompt_ids", prompt_ids), ("response_ids", response_ids)):
-            if self.accepts(key):
-                kwargs[key] = value
-        kwargs.update(self.fn_kwargs)
         rows = extras or [{} for _ in prompts]
-        for c in columns:
-            if c not in self._taken and self.accepts(c):
-                kwargs[c] = [row.get(c) for row in rows]
-        return self.fn(*args, **kwargs)
+        values, unlabelled = self.values(prompts, responses, prompt_ids, response_ids, rows)
+        missing = unlabelled if self.needs_label else []
+        no_label = [
+            _Failed(self.label_problem(f"its columns: {list(rows[i]) or 'none'}"), argument=True)
+            for i in missing
+        ]
+        if not self.per_sample:
+            if missing:
+                raise _error(self.name, no_label[0], missing[0])
+            return self._call_batch(*self.call_args(values, rows, columns))
+        skip, unlabelled_set = set(missing), set(unlabelled)
+        todo = [i for i in range(len(prompts)) if i not in skip]
+        calls = [self.call_args(values, rows, columns, i, no_label=i in unlabelled_set) for i in todo]
+        done = dict(zip(todo, self._call_each(calls)))
+        done.update(zip(missing, no_label))
+        return [done[i] for i in range(len(prompts))]
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            setattr(self, key, getattr(self, key) + 1)
+
+    def stats(self) -> dict[str, int]:
+        """Calls made, and how many failed (raised) or timed out, since it was loaded."""
+        with self._lock:
+            return {"calls": self.calls, "failures": self.failures, "timeouts": self.timeouts}
+
+    def _timeout_detail(self) -> str:
+        return f"it timed out after {self.timeout_s:g} s (reward.timeout_s)"
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """The threads of per-sample calls without a time limit."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="reward-fn")
+            return self._executor
+
+    @staticmethod
+    def _on_thread(call: Callable[[], Any]) -> Future:
+        """Start ``call`` on a daemon thread of its own (so its time is its own, and a call that
+        hangs past its timeout is left behind without holding up the process's exit)."""
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as e:  # handed to the waiter
+                    future.set_exception(e)
+
+        threading.Thread(target=run, name="reward-fn-timed", daemon=True).start()
+        return future
+
+    async def _timed(self, awaitable: Any) -> Any:
+        """``awaitable``'s result; :class:`_TimedOut` past ``timeout_s`` (a TimeoutError the
+        function raises itself is its own failure, not a timeout)."""
+        if self.timeout_s is None:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        if not done:
+            task.cancel()
+            raise _TimedOut
+        return task.result()
+
+    def _call_batch(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        self._count("calls")
+        try:
+            if self.is_async:
+                return _run_coro(self._timed(self.fn(*args, **kwargs)))
+            if self.timeout_s is None:
+                answer = self.fn(*args, **kwargs)
+            else:
+                future = self._on_thread(functools.partial(self.fn, *args, **kwargs))
+                if not wait_futures([future], self.timeout_s).done:
+                    raise _TimedOut
+                answer = future.result()
+            return _run_coro(self._timed(answer)) if inspect.isawaitable(answer) else answer
+        except _TimedOut:
+            self._count("timeouts")
+            raise RewardFunctionError(self.name, self._timeout_detail(), timed_out=True) from None
+        except Exception:
+            self._count("failures")
+            raise
+
+    def _one_sync(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """One per-sample call on this thread; its failure as a :class:`_Failed`."""
+        self._count("calls")
+        try:
+            answer = self.fn(*args, **kwargs)
+            return asyncio.run(_awaited(answer)) if inspect.isawaitable(answer) else answer
+        except Exception as e:
+            self._count("failures")
+            return _Failed(f"{type(e).__name__}: {e}")
+
+    def _call_each(self, calls: list[tuple[list[Any], dict[str, Any]]]) -> list[Any]:
+        if not calls:
+            return []
+        if not self.is_async and self.workers == 1 and self.timeout_s is None:
+            return [self._one_sync(a, k) for a, k in calls]
+        return _run_coro(self._each_async(calls) if self.is_async else self._each_threads(calls))
+
+    async def _each_async(self, calls) -> list[Any]:
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(args, kwargs):
+            async with limit:
+                self._count("calls")
+                try:
+                    return await self._timed(self.fn(*args, **kwargs))
+                except _TimedOut:
+                    self._count("timeouts")
+                    return _Failed(self._timeout_detail(), timed_out=True)
+                except Exception as e:
+                    self._count("failures")
+                    return _Failed(f"{type(e).__name__}: {e}")
+
+        return list(await asyncio.gather(*(one(a, k) for a, k in calls)))
+
+    async def _each_threads(self, calls) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        limit = asyncio.Semaphore(self.workers)  # reward.workers threads at a time
+
+        async def one(args, kwargs):
+            async with limit:
+                call = functools.partial(self._one_sync, args, kwargs)
+                if self.timeout_s is None:
+                    return await loop.run_in_executor(self._pool(), call)
+                try:
+                    return await self._timed(asyncio.wrap_future(self._on_thread(call)))
+                except _TimedOut:
+                    self._count("timeouts")
+                    return _Failed(self._timeout_detail(), timed_out=True)
+
+        return list(await asyncio.gather(*(one(a, k) for a, k in calls)))
 
     def __repr__(self) -> str:
         return f"RewardFn({self.name!r}, {self.convention}, {self.signature})"
+
+
+def _error(name: str, failed: _Failed, sample: int | None) -> RewardFunctionError:
+    cls = RewardArgumentError if failed.argument else RewardFunctionError
+    return cls(name, failed.detail, sample=sample, timed_out=failed.timed_out)
 
 
 def _columns(extras: list[dict[str, Any]] | None) -> list[str]:
@@ -240,24 +358,26 @@ def _columns(extras: list[dict[str, Any]] | None) -> list[str]:
 
 
 def reward_fn_problem(
-    path: str, python_path: Sequence[str] = (), fn_kwargs: dict[str, Any] | None = None
+    path: str, python_path: Sequence[str] = (), fn_kwargs: dict[str, Any] | None = None, **options: Any
 ) -> str | None:
     """Why ``path`` cannot be used as a reward function (it does not import, is no callable, or its
-    signature cannot take a batch), or None when it can."""
+    parameters match no convention, or several), or None when it can. ``options``: those of
+    :class:`RewardFn` (workers, concurrency, timeout_s, label_column)."""
     try:
-        RewardFn(_resolve(path, python_path), path, fn_kwargs)
+        RewardFn(_resolve(path, python_path), path, fn_kwargs, **options)
     except ValueError as e:
         return str(e)
     return None
 
 
 def load_reward_fn(
-    path: str, fn_kwargs: dict[str, Any] | None = None, python_path: Sequence[str] = ()
+    path: str, fn_kwargs: dict[str, Any] | None = None, python_path: Sequence[str] = (), **options: Any
 ) -> RewardFn:
     """The reward function named by ``'module:function'`` (``python_path`` and the working
-    directory searched first); ValueError naming the path otherwise."""
+    directory searched first); ValueError naming the path otherwise. ``options``: those of
+    :class:`RewardFn` (workers, concurrency, timeout_s, label_column: ``RewardConfig.fn_options()``)."""
     try:
-        return RewardFn(_resolve(path, python_path), path, fn_kwargs)
+        return RewardFn(_resolve(path, python_path), path, fn_kwargs, **options)
     except ValueError as e:
         raise ValueError(f"reward.fn={path!r}: {e}") from None
 
@@ -286,10 +406,10 @@ class RewardFunctionError(RequestRewardError):
     number of scores or one that is not a finite number. The message names the function and,
     when one sample is to blame, its index in the request (``sample``)."""
 
-    def __init__(self, fn_name: str, detail: str, sample: int | None = None) -> None:
+    def __init__(self, fn_name: str, detail: str, sample: int | None = None, timed_out: bool = False) -> None:
         # The function's own words may echo the samples (a request's text): neutralized and cut.
         detail = neutralize(detail, 1000)
-        self.fn_name, self.detail, self.sample = fn_name, detail, sample
+        self.fn_name, self.detail, self.sample, self.timed_out = fn_name, detail, sample, timed_out
         where = "on the request's samples" if sample is None else f"on sample {sample} of the request"
         super().__init__(f"reward function {fn_name!r} failed {where}: {detail}")
 
@@ -309,6 +429,53 @@ def parse_extras(extras: Sequence[str] | None, b: int) -> list[dict[str, Any]]:
     if extras is None:
         return [{} for _ in range(b)]
     return [json.loads(x) for x in extras]
+
+
+def _decode(tokenizer, tokens, lengths, prompt_lengths):
+    """``(prompts, responses, prompt_ids, response_ids)`` of the samples."""
+    prompt_ids, response_ids = split_samples(tokens, lengths, prompt_lengths, tokenizer.eos_id)
+    return (
+        [tokenizer.decode(ids) for ids in prompt_ids],
+        [tokenizer.decode(ids) for ids in response_ids],
+        prompt_ids,
+        response_ids,
+    )
+
+
+def _score(name: str, x: Any, i: int) -> float:
+    """One answer as a finite float (a dict's ``'score'``, as verl's functions answer)."""
+    if isinstance(x, dict):
+        if "score" not in x:
+            raise RewardFunctionError(
+                name, f"it answered a dict without a 'score' key: {sorted(x)}", sample=i
+            )
+        x = x["score"]
+    try:
+        score = float(x)
+    except (TypeError, ValueError):
+        raise RewardFunctionError(name, f"its score {x!r} is not a number", sample=i) from None
+    if not np.isfinite(score):
+        raise RewardFunctionError(name, f"its score is {score}, not a finite number", sample=i)
+    return score
+
+
+def _scores(name: str, answer: Any, b: int) -> np.ndarray:
+    """A batch's answer (a sequence of numbers or dicts with a 'score', or OpenRLHF's dict with
+    'rewards') as ``[b]`` finite float64 scores; per-sample failures raise naming the sample."""
+    if isinstance(answer, dict) and "rewards" in answer:
+        answer = answer["rewards"]
+    try:
+        answer = list(answer)
+    except TypeError:
+        raise RewardFunctionError(
+            name, f"it returned a {type(answer).__name__}, not a list of scores"
+        ) from None
+    if len(answer) != b:
+        raise RewardFunctionError(name, f"it returned {len(answer)} scores for {b} samples")
+    for i, x in enumerate(answer):
+        if isinstance(x, _Failed):
+            raise _error(name, x, i)
+    return np.array([_score(name, x, i) for i, x in enumerate(answer)], dtype=np.float64).reshape(b)
 
 
 def call_reward_fn(
@@ -331,31 +498,19 @@ def call_reward_fn(
         ``[b]`` float64 scores, every one finite.
 
     Raises:
-        RewardFunctionError: ``fn`` raised, or answered other than ``b`` finite numbers (with the
-            sample's index when one is to blame); RewardArgumentError: a required parameter no
-            column fills.
+        RewardFunctionError: ``fn`` raised or timed out, or answered other than ``b`` finite numbers
+            (with the sample's index when one is to blame); RewardArgumentError: a required
+            parameter no column fills.
     """
     fn = _as_reward_fn(fn, name)
-    prompt_ids, response_ids = split_samples(tokens, lengths, prompt_lengths, tokenizer.eos_id)
-    prompts = [tokenizer.decode(ids) for ids in prompt_ids]
-    responses = [tokenizer.decode(ids) for ids in response_ids]
+    decoded = _decode(tokenizer, tokens, lengths, prompt_lengths)
     try:
-        answer = list(fn(prompts, responses, prompt_ids, response_ids, extras))
-    except RewardArgumentError:
+        answer = fn.outcomes(*decoded, extras)
+    except RewardFunctionError:
         raise
     except Exception as e:  # the function's own error, whatever it is, is the message
         raise RewardFunctionError(name, f"{type(e).__name__}: {e}") from e
-    if len(answer) != len(prompts):
-        raise RewardFunctionError(name, f"it returned {len(answer)} scores for {len(prompts)} samples")
-    scores = np.zeros(len(answer), dtype=np.float64)
-    for i, x in enumerate(answer):
-        try:
-            scores[i] = float(x)
-        except (TypeError, ValueError):
-            raise RewardFunctionError(name, f"its score {x!r} is not a number", sample=i) from None
-        if not np.isfinite(scores[i]):
-            raise RewardFunctionError(name, f"its score is {scores[i]}, not a finite number", sample=i)
-    return scores
+    return _scores(name, answer, len(decoded[0]))
 
 
 def score_requests(
@@ -364,11 +519,12 @@ def score_requests(
     """Score the samples of several requests (merged into one execution) so that one request's
     failure never touches another's scores.
 
-    One call scores them all (when they carry the same extra columns, so that each sample gets
-    the arguments it gets alone); when it fails, each request is scored alone, and in a request
-    that fails alone each sample, to name the one to blame. Every request thus gets what an
-    unmerged call would give it: its ``[b_i]`` float64 scores, or its
-    :class:`RewardFunctionError`.
+    A batch function is called once for them all (when they carry the same extra columns, so that
+    each sample gets the arguments it gets alone); when it fails, each request is scored alone,
+    and in a request that fails alone (not by a timeout) each sample, to name the one to blame. A
+    per-sample function (verl's) is called once per sample of them all, and a request fails on its
+    first failing sample. Every request thus gets what an unmerged call would give it: its
+    ``[b_i]`` float64 scores, or its :class:`RewardFunctionError`.
 
     Args:
         requests: ``(tokens [b_i, s], lengths [b_i], prompt_lengths [b_i])`` per request, all of
@@ -381,6 +537,19 @@ def score_requests(
     for i, (_, _, _, extras) in enumerate(parts):
         out[i] = fn.argument_error(_columns(extras))  # a request that cannot call it fails alone
     todo = [i for i, o in enumerate(out) if o is None]
+    if fn.per_sample and todo:
+        decoded = [_decode(tokenizer, *parts[i][:3]) for i in todo]
+        rows = [parts[i][3] or [{} for _ in parts[i][1]] for i in todo]
+        merged = [sum((list(d[k]) for d in decoded), []) for k in range(4)]
+        answers = fn.outcomes(*merged, [row for r in rows for row in r])
+        start = 0
+        for i, d in zip(todo, decoded):
+            try:
+                out[i] = _scores(name, answers[start : start + len(d[0])], len(d[0]))
+            except RewardFunctionError as e:
+                out[i] = e
+            start += len(d[0])
+        return out  # type: ignore[return-value]
     same_columns = len({tuple(sorted(_columns(parts[i][3]))) for i in todo}) == 1
     if len(todo) > 1 and same_columns:
         try:
@@ -405,7 +574,7 @@ def score_requests(
         except RewardFunctionError as e:
             out[i] = (
                 e
-                if e.sample is not None or isinstance(e, RewardArgumentError)
+                if e.sample is not None or e.timed_out or isinstance(e, RewardArgumentError)
                 else _blame_one(fn, name, tokenizer, tokens, lengths, prompt_lengths, extras, e)
             )
     return out  # type: ignore[return-value]
@@ -413,7 +582,7 @@ def score_requests(
 
 def _blame_one(fn, name: str, tokenizer, tokens, lengths, prompt_lengths, extras, err: RewardFunctionError):
     """``err`` (what the request's call answered) with the index of the first sample that fails
-    alone; ``err`` itself when none does."""
+    alone; ``err`` itself when none does (or one times out: the request's error stands)."""
     if len(lengths) == 1:
         return RewardFunctionError(name, err.detail, sample=0)
     for i in range(len(lengths)):
@@ -427,6 +596,6 @@ def _blame_one(fn, name: str, tokenizer, tokens, lengths, prompt_lengths, extras
                 prompt_lengths[i : i + 1],
                 None if extras is None else extras[i : i + 1],
             )
-        except RewardFunctionError:
-            return RewardFunctionError(name, err.detail, sample=i)
+        except RewardFunctionError as e:
+            return err if e.timed_out else RewardFunctionError(name, err.detail, sample=i)
     return err

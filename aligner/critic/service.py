@@ -216,6 +216,7 @@ class CriticService:
             reward={
                 "fn": c.reward.fn,
                 "fn_convention": self.reward_fn.convention if self.reward_fn is not None else None,
+                "fn_calls": self.reward_fn.stats() if self.reward_fn is not None else None,
                 "fn_kwargs": sorted(c.reward.fn_kwargs),
                 "model_path": c.reward.model_path,
                 "hf_path": c.reward.hf_path,

@@ -95,13 +95,11 @@ def test_summarize_reads_the_floor_ratio_and_mfu_off_the_steady_steps():
         {"timers/step": 3.0, "timers/generate": 2.0, "timers/refit": 0.1, "throughput/tokens_per_s": 3.0},
     ]
     call = {"seconds": 2.0, "rows": 2.0, "prompt_min": 3.0, "prompt_max": 5.0, "length_max": 9.0}
-    calls = [
-        {**call, "seconds": 8.0, "tokens": 14.0, "response_tokens": 6.0},
-        {**call, "tokens": 14.0, "response_tokens": 6.0},
-    ]
+    call.update(response_max=7.0, tokens=14.0, response_tokens=6.0)
+    calls = [{**call, "seconds": 8.0}, call]
     # 56 fp32 weights = 224 bytes a step; at 2.24e-6 GB/s a step's floor is 0.1 s.
     sticks = {"copy_bandwidth_gb_s": 2.24e-6, "matmul_tflops": 6 * 56 * 14 / 0.5 / 1e12, "datasheet": None}
-    engine = SimpleNamespace(dtype=None, owns_weights=False)
+    engine = SimpleNamespace(dtype=None, owns_weights=False, backend="megatron")
     out = summarize(
         rows,
         calls,
@@ -116,11 +114,12 @@ def test_summarize_reads_the_floor_ratio_and_mfu_off_the_steady_steps():
     assert out["steady_steps"] == 1  # the first step is left out of the means
     assert out["phases_s"]["timers/step"] == {"first": 9.0, "mean": 3.0}
     g = out["generation"]
-    # Steady call: 6 response tokens in 2 s; forward steps 9 - 3 = 6 decode steps + 1 prefill = 7,
-    # floor 7 x 0.1 = 0.7 s: 6 / 0.7 = 8.571 tokens/s at the floor (8.6 to one decimal), a ratio
-    # of 0.7 / 2 = 0.35.
+    # The megatron backend teacher-forces. Steady call: 6 response tokens in 2 s; forward steps
+    # 9 - 3 = 6 decode steps + 1 prefill = 7, floor 7 x 0.1 = 0.7 s: 6 / 0.7 = 8.571 tokens/s at
+    # the floor (8.6 to one decimal), a ratio of 0.7 / 2 = 0.35.
+    assert g["decode"] == "teacher_forced"
     assert g["tokens_per_s"] == 3.0 and g["forward_steps_per_call"] == 7.0
-    assert g["teacher_forced_steps_per_call"] == 2.0
+    assert g["teacher_forced_steps_per_call"] == 2.0 and "live_rows_per_step" not in g
     assert g["floor_tokens_per_s"] == 8.6 and g["ratio_to_floor"] == 0.35
     # 6 x 56 parameters x 14 tokens in 0.5 s, against a peak of exactly that: an MFU of 1.
     assert out["training"]["mfu"] == 1.0 and out["training"]["tokens_per_step"] == 14.0
@@ -131,6 +130,38 @@ def test_summarize_reads_the_floor_ratio_and_mfu_off_the_steady_steps():
         "mbytes_mean": 0.0,
     }
     assert out["critic"] == {"infer_s_mean": 0.2, "train_s_mean": 0.4}
+
+
+def test_a_ragged_call_takes_as_many_forward_steps_as_its_longest_response():
+    # The lean backend: one prefill (the first response token) and a decode step per further token
+    # of the longest response, whatever the prompts' lengths: 3 steps for responses of 3 and 1.
+    rows = [{"timers/step": 1.0, "throughput/tokens_per_s": 1.0}]
+    call = {"seconds": 0.3, "rows": 2.0, "prompt_min": 3.0, "prompt_max": 50.0, "length_max": 53.0}
+    call.update(response_max=3.0, tokens=57.0, response_tokens=4.0)
+    sticks = {"copy_bandwidth_gb_s": 2.24e-6, "matmul_tflops": None, "datasheet": None}
+    # "auto" runs the lean backend where it can: always with weights of the engine's own (not
+    # on this toy model, which falls back to the megatron backend's teacher forcing).
+    for backend, owns in (("lean", False), ("auto", True)):
+        g = summarize(
+            rows,
+            [call],
+            [0.1],
+            {},
+            policy=_Tiny(),
+            tied=True,
+            engine=SimpleNamespace(dtype=None, owns_weights=owns, backend=backend),
+            ppo_epochs=1,
+            yardsticks=sticks,
+        )["generation"]
+        assert g["decode"] == "ragged" and g["forward_steps_per_call"] == 3.0
+        assert "teacher_forced_steps_per_call" not in g
+        # 4 tokens over 3 steps: the batch shrank from 2 rows to 1; floor 3 x 0.1 s = the call.
+        assert g["live_rows_per_step"] == 1.3 and g["ratio_to_floor"] == 1.0
+    fallback = SimpleNamespace(dtype=None, owns_weights=False, backend="auto")
+    g = summarize(
+        rows, [call], [0.1], {}, policy=_Tiny(), tied=True, engine=fallback, ppo_epochs=1, yardsticks=sticks
+    )["generation"]
+    assert g["decode"] == "teacher_forced" and g["forward_steps_per_call"] == 51.0  # 53 - 3 + 1
 
 
 def test_datasheets_are_found_by_the_device_name():

@@ -21,6 +21,11 @@ the ranks all-gather the weights (:class:`aligner.precision.ShardedAdamW`): the 
 the same numbers. The first pass may be the rollout's log-prob forward
 (:meth:`PolicyUpdate.first_forward`, ``ppo.reuse_rollout_forward``), which changes no number.
 
+A padded micro-batch runs only up to its longest row (the positions past it are padding in
+every one of its rows, outside every mask, and right padding is never attended to by a real
+position): its log-probs, masks and advantages are cut to that width, which changes no number
+but float rounding. Not under PP > 1, whose schedule sends activations of one shape.
+
 With ``ppo.max_tokens_per_micro_batch`` the micro-batches are packed (:mod:`aligner.models.packing`):
 consecutive rows of the minibatch (in its order) of at most that many real tokens, laid end to
 end without their padding. The loss being the global minibatch's whatever the cut, the step is
@@ -162,8 +167,9 @@ class PolicyUpdate:
         per_rank_mini = self.ppo.mini_batch_size // self.state.dp_size
         minibatches = [order[i : i + per_rank_mini] for order in orders for i in range(0, b, per_rank_mini)]
         normalisers = self._normalisers(r.mask, minibatches)
-        # Packed: the rows' lengths on the host, read once (plans and packs read them there).
-        lengths = r.lengths.detach().to("cpu", torch.int64) if self.max_tokens is not None else None
+        # The rows' lengths on the host, read once: the micro-batches' widths, plans and packs
+        # read them there (not under PP: its schedule cuts the micro-batches itself).
+        lengths = r.lengths.detach().to("cpu", torch.int64) if self.pipeline is None else None
         sums, norms = [], []
         self.policy.train()
         for idx, normaliser in zip(minibatches, normalisers):
@@ -227,20 +233,20 @@ class PolicyUpdate:
     ) -> tuple[dict[str, torch.Tensor], float]:
         """One optimizer step on the rollout rows ``idx`` (this rank's share of a global minibatch
         whose loss ``normaliser`` is given), accumulated over micro-batches of
-        ``ppo.micro_batch_size`` rows, or packed ones under the token budget (``lengths``: the
-        rows' lengths on the host). Returns this rank's sums of the minibatch's statistics and
-        the gradient norm."""
+        ``ppo.micro_batch_size`` rows (each cut to its longest row), or packed ones under the
+        token budget (``lengths``: the rows' lengths on the host; None under PP). Returns this
+        rank's sums of the minibatch's statistics and the gradient norm."""
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, Any] = {}
         if self.pipeline is not None:
             acc = self._pipeline_backward(r, idx, normaliser)
         else:
-            for micro, packed in self._micro_batches(r, idx, lengths):
+            for micro, packed, width in self._micro_batches(r, idx, lengths):
                 if first is not None:  # this pass's forward was run for the rollout log-probs
                     (logits, logp), first = first, None
                     entropy = self._entropy_of(logits, r.start)
                 else:
-                    logp, entropy = self._forward(r, micro, packed)
+                    logp, entropy = self._forward(r, micro, packed, width)
                 loss, stats = self._micro_loss(r, micro, normaliser, logp, entropy)
                 loss.backward()  # the micro-batch's share of the global minibatch's loss
                 for k, v in stats.items():
@@ -261,28 +267,36 @@ class PolicyUpdate:
         return acc, norm
 
     def _micro_batches(
-        self, r: Rollout, idx: torch.Tensor, lengths: torch.Tensor | None
-    ) -> list[tuple[torch.Tensor, PackedRows | None]]:
-        """The micro-batches of the rows ``idx``: ``(rows, None)`` of ``ppo.micro_batch_size``
-        rows, or, packed (``lengths`` given), ``(rows, their PackedRows)``: consecutive rows of
-        ``idx`` of at most ``ppo.max_tokens_per_micro_batch`` real tokens."""
-        if lengths is None:
-            return [(micro, None) for micro in idx.split(self.ppo.micro_batch_size)]
-        host = idx.cpu()
+        self, r: Rollout, idx: torch.Tensor, lengths: torch.Tensor
+    ) -> list[tuple[torch.Tensor, PackedRows | None, int]]:
+        """The micro-batches of the rows ``idx`` (``lengths``: every rollout row's length, on the
+        host): ``(rows, None, width)`` of ``ppo.micro_batch_size`` rows, ``width`` their longest
+        row's length (at least ``r.start + 1``: the forward computes positions from ``start``),
+        past which every one of them is padding; or, packed (``ppo.max_tokens_per_micro_batch``),
+        ``(rows, their PackedRows, s)``: consecutive rows of ``idx`` of at most that many real
+        tokens."""
+        host, s = idx.cpu(), r.tokens.shape[1]
+        if self.max_tokens is None:
+            size = self.ppo.micro_batch_size
+            return [
+                (micro, None, min(max(int(lengths[rows].max()), r.start + 1), s))
+                for rows, micro in zip(host.split(size), idx.split(size))
+            ]
         out = []
         for part in plan_micro_batches(lengths[host], self.max_tokens):
             rows = host[part]
             micro = rows.to(idx.device)
-            out.append((micro, pack(r.tokens[micro], lengths[rows])))
+            out.append((micro, pack(r.tokens[micro], lengths[rows]), s))
         return out
 
     def _forward(
-        self, r: Rollout, micro: torch.Tensor, packed: PackedRows | None
+        self, r: Rollout, micro: torch.Tensor, packed: PackedRows | None, width: int
     ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-        """The training forward of the rollout rows ``micro`` (``packed``: laid end to end):
-        their log-probs ``[m, s-1]`` and a function giving their entropy ``[m, s-1]``."""
+        """The training forward of the rollout rows ``micro`` (``packed``: laid end to end; else
+        padded, cut to ``width`` positions): their log-probs ``[m, w-1]`` and a function giving
+        their entropy ``[m, w-1]`` (``w``: ``width`` padded, ``s`` packed)."""
         if packed is None:
-            tokens = r.tokens[micro]
+            tokens = r.tokens[micro, :width]
             logits = self.logprobs.logits(self.policy, tokens, r.start)
             logp = self.logprobs.sequence_logprobs(logits, tokens, r.start)
             return logp, self._entropy_of(logits, r.start)
@@ -304,16 +318,18 @@ class PolicyUpdate:
         entropy: Callable[[], torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped surrogate (minus the entropy bonus) of the rollout rows ``micro`` from
-        their log-probs ``logp [m, s-1]`` (and their ``entropy()``, computed only for a bonus):
+        their log-probs ``logp [m, w-1]`` (and their ``entropy()``, computed only for a bonus;
+        ``w`` <= ``s``: the rollout's tensors are cut to it, every position past it masked):
         its terms' sum over the global minibatch's ``normaliser``, so that the micro-batches'
         losses (and their gradients) add up to the global minibatch's. With it, the statistics
         as sums that add up likewise (:func:`aligner.rl.policy_stat_sums`; ``loss``: this loss)."""
         p = self.ppo
-        mask = r.mask[micro]
+        w = logp.shape[1]
+        mask = r.mask[micro, :w]
         loss, stats = rl.policy_loss(
             logp,
-            r.old_logprobs[micro],
-            r.advantages[micro],
+            r.old_logprobs[micro, :w],
+            r.advantages[micro, :w],
             mask,
             clip_eps_low=p.clip_eps,
             clip_eps_high=p.clip_eps_high,

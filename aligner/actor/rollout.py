@@ -267,7 +267,10 @@ class StepRecord:
         }
         m["throughput/tokens_per_s"] = float(n_tokens) / max(self.timers["timers/generate"], 1e-9)
         if not self.critic_free:
-            m["critic/explained_variance"] = float(rl.explained_variance(self.values, self.returns, mask))
+            # over every data-parallel rank's rows, not this rank's alone
+            m["critic/explained_variance"] = float(
+                rl.explained_variance(self.values, self.returns, mask, dp_group)
+            )
         if self.loss_mask is not None:
             dropped = (self.loss_mask.sum(1) == 0) & (mask.sum(1) > 0)
             m["rollout/overlong_filtered"] = float(row(dropped.float()))

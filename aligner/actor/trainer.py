@@ -364,10 +364,6 @@ class PPOTrainer:
             loss_mask=loss_mask if p.overlong_filtering else None,
         )
         metrics = record.metrics(self._dp_group)
-        if not self.critic_free:  # over every data-parallel rank's rows, not this rank's alone
-            metrics["critic/explained_variance"] = float(
-                rl.explained_variance(values, returns, mask, self._dp_group)
-            )
         metrics.update(sampled)
         if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
             spread = rl.group_score_std(shaped.scores, p.samples_per_prompt).reshape(1)

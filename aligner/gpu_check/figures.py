@@ -5,11 +5,18 @@ the device's yardsticks measured in the same run.
 - generation: response tokens per second, and its ratio to the weight-bandwidth floor. A decode
   step reads every weight the step multiplies by once (the LM head included, the embedding table
   not: a lookup reads only its rows), so no step can take less than ``weight bytes / bandwidth``.
-  The native engine prefills the batch's shortest prompt and then steps one position at a time
-  until the longest row is done, so a call makes ``longest row - shortest prompt`` decode steps
-  (its teacher-forced prompt positions included) plus the prefill; the floor of a call is that
-  many steps at the floor. The ratio is floor / measured (1.0 would be the bandwidth bound; the
-  KV cache's reads, not counted, lower the ceiling a little further at long contexts).
+  The native engine's lean backend prefills every prompt in one packed forward and then decodes
+  every row from the first step at its own position, stopped rows leaving the batch, so a call
+  makes ``longest response - 1`` decode steps plus the prefill: ``longest response`` forward
+  steps (on a GPU up to ``check_every - 1`` more, the steps between two host checks, are not
+  counted). ``live_rows_per_step`` is response tokens / forward steps: the mean batch a step
+  ran, which shrinks as rows stop. The megatron backend (the fallback for an architecture the
+  lean backend cannot run) still teacher-forces: it prefills the shortest prompt and steps one
+  position at a time until the longest row is done, ``longest row - shortest prompt`` decode
+  steps (the teacher-forced prompt positions, ``teacher_forced_steps_per_call``, included) plus
+  the prefill. The floor of a call is its forward steps at the floor. The ratio is floor /
+  measured (1.0 would be the bandwidth bound; the KV cache's reads, not counted, lower the
+  ceiling a little further at long contexts).
 - training: model FLOP utilisation, ``6 x parameters x tokens / seconds / peak`` over the policy
   update's forward and backward passes (the tokens are the rows' real tokens, pad excluded, times
   the PPO epochs), against the dense matrix-product throughput measured in the same run and,
@@ -25,6 +32,8 @@ from statistics import mean
 from typing import Any
 
 import torch
+
+from aligner.models.local_spec import unsupported_reason
 
 __all__ = ["summarize", "weight_bytes", "STEP_KEYS"]
 
@@ -50,6 +59,15 @@ def weight_bytes(policy: torch.nn.Module, tied: bool, dtype: torch.dtype | None)
         if tied or "word_embeddings" not in name:
             read += p.numel() * torch.empty((), dtype=dtype or p.dtype).element_size()
     return params, read
+
+
+def _teacher_forced(engine: Any, policy: torch.nn.Module) -> bool:
+    """Whether the native engine's calls ran the megatron backend's teacher-forced loop: asked for,
+    or ``auto`` on a policy the lean backend cannot run (an engine owning its weights is lean)."""
+    backend = getattr(engine, "backend", None)
+    if backend != "auto" or getattr(engine, "owns_weights", False):
+        return backend == "megatron"
+    return unsupported_reason(policy) is not None
 
 
 def _steady(xs: list[Any]) -> list[Any]:
@@ -97,7 +115,11 @@ def summarize(
     if gen:
         seconds = sum(c["seconds"] for c in gen)
         tokens = sum(c["response_tokens"] for c in gen)
-        steps = [c["length_max"] - c["prompt_min"] + 1 for c in gen]  # decode steps + the prefill
+        teacher_forced = _teacher_forced(engine, policy)
+        if teacher_forced:  # prefill to the shortest prompt, then one position a step
+            steps = [c["length_max"] - c["prompt_min"] + 1 for c in gen]
+        else:  # ragged: the prefill gives the first token, a decode step each further one
+            steps = [max(c["response_max"], 1.0) for c in gen]
         g: dict[str, Any] = {
             "tokens_per_s": _r(tokens / seconds, 1),
             "trainer_tokens_per_s": _r(mean(r["throughput/tokens_per_s"] for r in _steady(rows)), 1),
@@ -105,9 +127,13 @@ def summarize(
             "rows_per_call": gen[0]["rows"],
             "response_tokens_per_call": _r(tokens / len(gen), 1),
             "forward_steps_per_call": _r(mean(steps), 1),
-            "teacher_forced_steps_per_call": _r(mean(c["prompt_max"] - c["prompt_min"] for c in gen), 1),
+            "decode": "teacher_forced" if teacher_forced else "ragged",
             "ms_per_forward_step": _r(1000 * seconds / sum(steps), 3),
         }
+        if not teacher_forced:
+            g["live_rows_per_step"] = _r(tokens / sum(steps), 1)
+        else:
+            g["teacher_forced_steps_per_call"] = _r(mean(c["prompt_max"] - c["prompt_min"] for c in gen), 1)
         if bandwidth:
             floor_step = wbytes / (bandwidth * 1e9)
             floor = floor_step * sum(steps)

@@ -100,6 +100,7 @@ class MeasuredEngine:
                 "prompt_min": float(plen.min()),
                 "prompt_max": float(plen.max()),
                 "length_max": float(lengths.max()),
+                "response_max": float((lengths - plen).max()),
                 "tokens": float(lengths.sum()),
                 "response_tokens": float((lengths - plen).sum()),
             }

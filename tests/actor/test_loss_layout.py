@@ -207,3 +207,45 @@ def test_the_token_budget_is_checked_and_turns_the_rollout_forward_reuse_off(one
         lay = L.Layout(micro=8, forward="fused", reuse=True, max_tokens=budget)
         _, update = L.build_update(lay, state, weights, L.Result())
         assert update.reuse_rollout_forward is reused and update.max_tokens == budget
+
+
+# -- padded micro-batches cut to their longest row ---------------------------------------------
+
+
+@pytest.mark.parametrize("forward", ["megatron", "fused"])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_padded_micro_batch_runs_its_forward_on_its_longest_row(one_process, monkeypatch, forward, micro):
+    """Each padded micro-batch's training forward runs only up to its longest row (one row each
+    at micro-batch 1: exactly the rows' lengths; never under ``start + 1``), and applies the same
+    gradients, weights and statistics as the same micro-batches run at the rollout's full width."""
+    from aligner.actor.policy_update import PolicyUpdate
+    from aligner.models import forward as fwd
+
+    state, weights, inputs = one_process
+    lay = L.Layout(micro=micro, forward=forward)
+    widths: list[int] = []
+    logits = fwd.policy_logits
+
+    def recorded(model, tokens, start=0):
+        widths.append(tokens.shape[1])
+        return logits(model, tokens, start)
+
+    monkeypatch.setattr(fwd, "policy_logits", recorded)
+    cut = L.run_update(lay, state, weights, inputs)
+    start = int(L.rollout_of(inputs).start)
+    lengths = [max(n, start + 1) for n in L.LENGTHS]
+    if micro == 1:
+        assert sorted(widths) == sorted(lengths * lay.epochs), widths
+    assert len(widths) == lay.epochs * L.ROWS // micro and min(widths) < L.SEQ, widths
+
+    # The same micro-batches at the rollout's full width.
+    micro_batches = PolicyUpdate._micro_batches
+
+    def uncut(self, r, idx, lengths):
+        return [(m, packed, r.tokens.shape[1]) for m, packed, _ in micro_batches(self, r, idx, lengths)]
+
+    monkeypatch.setattr(PolicyUpdate, "_micro_batches", uncut)
+    widths.clear()
+    full = L.run_update(lay, state, weights, inputs)
+    assert set(widths) == {L.SEQ}
+    _check(L.differences(cut, full), lay)

@@ -145,6 +145,10 @@ def test_an_installed_package_serves_without_the_repository(tmp_path):
         [site / "bin" / "aligner-serve-critic", "--help"], capture_output=True, text=True, env=env, cwd=work
     )
     assert helped.returncode == 0 and "grpc_port: 8001" in helped.stdout, helped.stderr[-2000:]
+    helped = subprocess.run(  # the actor's script, from the same installation
+        [site / "bin" / "aligner-train", "--help"], capture_output=True, text=True, env=env, cwd=work
+    )
+    assert helped.returncode == 0 and "mini_batch_size" in helped.stdout, helped.stderr[-2000:]
     run = """
 import sys, aligner
 from aligner.critic.launch import start_server

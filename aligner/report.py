@@ -57,9 +57,13 @@ def format_summary(s: dict[str, float]) -> str:
     return "\n".join([bar, *body, bar])
 
 
-def plot_run(metrics_path: str, out_path: str) -> str:
-    """Reward and KL per step as a PNG; returns the path written."""
-    import matplotlib
+def plot_run(metrics_path: str, out_path: str) -> str | None:
+    """Reward and KL per step as a PNG; returns the path written, or None without matplotlib
+    (the ``plot`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -84,7 +88,7 @@ def plot_run(metrics_path: str, out_path: str) -> str:
         ax1.legend(loc="lower right", fontsize=8)
     ax1.set_xlabel("PPO step")
     ax1.set_ylabel("mean reward", color="tab:blue")
-    ax1.set_ylim(-0.02, 1.02)
+    ax1.set_ylim(*_limits([r["objective/scores"] for r in rows] + [r["val/scores"] for r in val]))
     ax2 = ax1.twinx()
     ax2.plot(steps, [r["objective/kl"] for r in rows], color="tab:red", alpha=0.7, label="KL (objective/kl)")
     ax2.set_ylabel("KL to reference", color="tab:red")
@@ -95,3 +99,14 @@ def plot_run(metrics_path: str, out_path: str) -> str:
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def _limits(values: list[float]) -> tuple[float, float]:
+    """The reward axis: [0, 1] (a little wider) for rewards in it, the data's range otherwise
+    (rewards of any scale: reward models, penalties)."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    lo, hi = min(finite, default=0.0), max(finite, default=1.0)
+    if lo >= 0.0 and hi <= 1.0:
+        return -0.02, 1.02
+    pad = 0.02 * (hi - lo or 1.0)
+    return lo - pad, hi + pad

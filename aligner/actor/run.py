@@ -517,7 +517,7 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None, *, critic: CriticH
             summary["wall_s"] = time.time() - t0
             png = plot_run(metrics_path, os.path.join(cfg.logging.run_dir, "reward_kl.png"))
             print(format_summary(summary), flush=True)
-            print(f"plot: {png}", flush=True)
+            print(f"plot: {png}" if png else "plot: skipped (needs matplotlib: the plot extra)", flush=True)
         if dist.is_initialized():
             dist.barrier()
         return summary

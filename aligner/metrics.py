@@ -49,7 +49,14 @@ SAMPLE_COLUMNS = ("prompt", "response", "score", "step")
 """The columns of the validation samples table (``val/samples``) in W&B."""
 
 # The metrics shown on the console line and progress bar, in this order.
-CONSOLE_KEYS = ("objective/scores", "objective/kl", "policy/clipfrac", "loss/value", "timers/step")
+CONSOLE_KEYS = {
+    "objective/scores": "reward={:.4g}",
+    "objective/kl": "kl={:.4g}",
+    "policy/clipfrac": "clipfrac={:.3g}",
+    "loss/value": "value_loss={:.4g}",
+    "timers/step": "{:.2f}s",
+}
+"""What the console line shows of a step's metrics, and how: ``step 12 reward=0.41 kl=0.031 ...``."""
 
 log = logging.getLogger("aligner.metrics")
 
@@ -503,7 +510,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def format_console(step: int, metrics: dict[str, float]) -> str:
     parts = [f"step {step}"]
-    for k in CONSOLE_KEYS:
+    for k, fmt in CONSOLE_KEYS.items():
         if k in metrics:
-            parts.append(f"{k.split('/')[-1]}={metrics[k]:.4g}")
+            parts.append(fmt.format(metrics[k]))
     return " ".join(parts)

@@ -52,3 +52,11 @@ def test_plot_written_and_skipped_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot_run(str(metrics), str(tmp_path / "again.png")) is None
     assert not (tmp_path / "again.png").exists()
+
+
+def test_the_console_line_names_each_figure_once():
+    from aligner.metrics import format_console
+
+    m = {"objective/scores": 0.4123, "objective/kl": 0.0312, "policy/clipfrac": 0.05, "timers/step": 0.2403}
+    assert format_console(12, m) == "step 12 reward=0.4123 kl=0.0312 clipfrac=0.05 0.24s"
+    assert format_console(3, {"loss/value": 1.5}) == "step 3 value_loss=1.5"

@@ -43,10 +43,12 @@ class MetricsWriter:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._tensorboard = tensorboard
         try:
             self._logger = MetricsLogger(str(self.dir), tensorboard=tensorboard)
         except Exception as e:  # tensorboard missing or broken: JSONL still works
             log.warning("TensorBoard disabled (%s: %s)", type(e).__name__, e)
+            self._tensorboard = False
             self._logger = MetricsLogger(str(self.dir), tensorboard=False)
         # One count and one rate limit for every file of the folder.
         self.failures: WriteFailures = self._logger.failures
@@ -64,6 +66,21 @@ class MetricsWriter:
         with self._lock:
             if not self._closed:
                 self.failures.guard("metrics.jsonl", self._logger.log, int(step), scalars)
+
+    def rewind(self, step: int) -> None:
+        """The critic continues after ``step`` (a checkpoint was loaded; -1: a fresh start): rows
+        of later train steps are dropped from metrics.jsonl and TensorBoard's view, so the steps
+        that are redone replace them, as the actor's metrics do on a resume or a rollback."""
+        with self._lock:
+            if self._closed:
+                return
+            self.failures.guard("metrics.jsonl", self._logger.close)
+            try:
+                self._logger = MetricsLogger(str(self.dir), tensorboard=self._tensorboard, resume_step=step)
+            except Exception as e:  # a full disk, a permission: keep writing where possible
+                self.failures("metrics.jsonl", e)
+                self._logger = MetricsLogger(str(self.dir), tensorboard=False)
+            self._logger.failures = self.failures
 
     def requests(self, critic_step: int, scalars: dict[str, float | int]) -> None:
         """One row of requests.jsonl (request statistics of an interval)."""

@@ -444,6 +444,8 @@ def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
                 "checkpoint.resume=auto: no complete critic checkpoint under %s; starting fresh",
                 cfg.checkpoint.dir,
             )
+    if service.critic_step < 0:  # a fresh start: an earlier run's rows in log.dir are not this run's
+        service.rewind_metrics(-1)
     if cfg.checkpoint.save_initial and service.critic_step < 0:
         service.save(0)
 

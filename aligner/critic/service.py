@@ -26,7 +26,8 @@ reward sources by :func:`aligner.critic.build.build_parts`:
 
 Metrics and logs describe what happened; they never change it: a metrics writer that fails (a
 full disk) after a train is counted and logged (rate-limited), and the applied step's result is
-returned all the same.
+returned all the same. A load (or a fresh start) rewinds them: the steps redone replace the rows
+of the abandoned ones, as in the actor's.
 
 Reward-only mode (``mode: reward_only``, for critic-free actors): no critic, no optimizer and no
 checkpoints are built; ``critic_infer`` answers the rewards with values of zeros ``[b, s-1]`` (the
@@ -169,9 +170,7 @@ class CriticService:
         names = ["extras"] if self.reward_fn is not None else []
         return names + list(self.required_inputs)
 
-    # ------------------------------------------------------------------------------------------
-    # State the collaborators keep
-    # ------------------------------------------------------------------------------------------
+    # -- State the collaborators keep
 
     @property
     def critic_step(self) -> int:
@@ -193,9 +192,7 @@ class CriticService:
         """How many train steps took the kept infer forward as their first pass."""
         return self.update.reused_forwards
 
-    # ------------------------------------------------------------------------------------------
-    # Public API (rank 0)
-    # ------------------------------------------------------------------------------------------
+    # -- Public API (rank 0)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -557,10 +554,14 @@ class CriticService:
         self.update.drop_kept()  # computed with the weights being replaced
         meta = self.checkpoints.apply(loaded)
         self.applied.restore(critic_step_after_load(int(meta["step"])), meta["results"])
+        self.rewind_metrics(self.critic_step)
 
-    # ------------------------------------------------------------------------------------------
-    # Peers (every rank but 0)
-    # ------------------------------------------------------------------------------------------
+    def rewind_metrics(self, step: int) -> None:
+        """Metrics continue after ``step`` (-1: a fresh start; rank 0, never raises)."""
+        if self.metrics is not None:
+            self.metric_failures.guard("rewind", lambda: self.metrics.rewind(step))
+
+    # -- Peers (every rank but 0)
 
     def serve_peers(self) -> None:
         """Run the operations rank 0 broadcasts until it closes the service (ranks > 0 only)."""
@@ -580,9 +581,7 @@ class CriticService:
             elif r.op == Op.LOAD:
                 self._apply(self.checkpoints.receive())
 
-    # ------------------------------------------------------------------------------------------
-    # Rewards
-    # ------------------------------------------------------------------------------------------
+    # -- Rewards
 
     def _combine_rewards(
         self, fn_scores: np.ndarray | None, rm_scores: np.ndarray | None, b: int

@@ -297,11 +297,14 @@ def test_the_recipe_builds_on_the_targeted_release_image_and_installs_the_projec
     copies = [rest for word, rest in steps if word == "COPY"]
     assert "pip install --no-deps ." in runs
     assert any(c.split()[0] == "aligner" for c in copies) and any("pyproject.toml" in c for c in copies)
-    # The dependencies it adds are the project's own pins (never a second torch or transformers,
-    # which the image's TensorRT-LLM is built against), plus Ray for the orchestrator.
+    # The dependencies it adds are the project's own pins, its extras' included (never a second
+    # torch or transformers, which the image's TensorRT-LLM is built against), plus Ray for the
+    # orchestrator.
     tomllib = pytest.importorskip("tomllib")
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]  # the plot and the tests run in the image too
+    deps = project["dependencies"] + extras["plot"] + extras["dev"]
     pins = {re.split(r"[<>=\[; ]", d)[0].lower(): d.split(";")[0].strip() for d in deps}
     installed = re.findall(r'"([A-Za-z0-9_.\-\[\],]+(?:[<>=!~]=?[^"]*)?)"', runs)
     assert installed, runs

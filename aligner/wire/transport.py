@@ -30,6 +30,7 @@ class Connection:
 
     def __init__(self, scheme: str, hostport: str, timeout_s: float) -> None:
         self.scheme = scheme
+        self.hostport = hostport
         self.timeout_s = timeout_s
         if scheme == "grpc":
             import tritonclient.grpc as mod
@@ -51,8 +52,8 @@ class Connection:
         timeout_s: float | None = None,
         attempt_s: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """One request; ``timeout_s`` bounds it (gRPC: at most ``attempt_s``, by default the
-        connection's per-request timeout)."""
+        """One request, bounded by ``timeout_s`` (what is left of the caller's deadline) and by
+        ``attempt_s`` (by default the connection's per-request timeout), over gRPC and HTTP alike."""
         mod = self.mod
         binary = {} if self.scheme == "grpc" else {"binary_data": True}
         ins = []
@@ -61,12 +62,23 @@ class Connection:
             i.set_data_from_numpy(np.ascontiguousarray(a) if a.dtype != np.object_ else a, **binary)
             ins.append(i)
         outs = [mod.InferRequestedOutput(n, **binary) for n in outputs]
+        limit = self.timeout_s if attempt_s is None else attempt_s
+        limit = max(limit if timeout_s is None else min(limit, timeout_s), 0.001)
         if self.scheme == "grpc":
-            limit = self.timeout_s if attempt_s is None else attempt_s
-            limit = limit if timeout_s is None else min(limit, timeout_s)
-            r = self.client.infer(model, ins, outputs=outs, client_timeout=max(limit, 0.001))
-        else:
+            r = self.client.infer(model, ins, outputs=outs, client_timeout=limit)
+        elif abs(limit - self.timeout_s) < 1e-3:
             r = self.client.infer(model, ins, outputs=outs)
+        else:
+            # HTTP's timeout is the client's (its socket's), not the call's: an attempt bounded
+            # otherwise (the run's deadline is nearer, or the server may hold it longer) gets a
+            # client of its own with that timeout.
+            client = self.mod.InferenceServerClient(
+                self.hostport, connection_timeout=min(limit, self.timeout_s), network_timeout=limit
+            )
+            try:
+                r = client.infer(model, ins, outputs=outs)
+            finally:
+                client.close()
         return {n: r.as_numpy(n) for n in outputs}
 
     def close(self) -> None:

@@ -45,7 +45,12 @@ from aligner.tasks.digits import sort_reward
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 from aligner.wire.client import RemoteCriticClient
-from aligner.wire.errors import CriticIncompatibleError, CriticRequestError, CriticServerError
+from aligner.wire.errors import (
+    CriticIncompatibleError,
+    CriticRequestError,
+    CriticServerError,
+    CriticTimeoutError,
+)
 
 pytestmark = pytest.mark.server
 MAX_BATCH = 16
@@ -550,11 +555,12 @@ def test_an_infer_sent_before_its_train_waits_for_it_and_gets_the_values_after_i
     assert stats["waited"] == waited + 1 and stats["waiting"] == 0 and stats["infer_wait_s"] == WAIT_S
 
 
-def test_an_infer_waiting_longer_than_the_client_timeout_is_not_resent(env):
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
+def test_an_infer_waiting_longer_than_the_client_timeout_is_not_resent(env, scheme):
     """The server may hold an infer for its step up to server.infer_wait_s, which it tells every
     caller (with or without the token): a client whose own per-request timeout is shorter gives
     such a request that much more, so it is sent once and answered, not resent while held."""
-    url = env["server"].url
+    url = env["server"].url if scheme == "grpc" else env["server"].http_url
     assert raw_info(url).infer_wait_s == WAIT_S
     tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=6)
     returns, old_values, mask = train_arrays(lengths, pl, tokens.shape[1], seed=6)
@@ -569,6 +575,22 @@ def test_an_infer_waiting_longer_than_the_client_timeout_is_not_resent(env):
         values, _ = future.result()
     assert values.shape == (2, tokens.shape[1] - 1)
     assert raw_info(url).extra["infer_after_step"]["waited"] == waited + 1  # one request, no resend
+
+
+@pytest.mark.parametrize("scheme", ["grpc", "http"])
+def test_a_wait_on_the_server_ends_with_the_clients_deadline(env, scheme):
+    """An attempt never outlasts what is left of the client's wait_timeout_s, over HTTP (whose
+    timeout is its socket's) as over gRPC: a step that never comes costs the deadline (1.5 s),
+    not the server's longer wait (4 s)."""
+    url = env["server"].url if scheme == "grpc" else env["server"].http_url
+    tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=5)
+    with RemoteCriticClient(url, timeout_s=30, wait_timeout_s=1.5, retries=0) as short:
+        held = raw_info(env["server"].url).critic_step
+        t0 = time.monotonic()
+        with pytest.raises(CriticTimeoutError):
+            short.infer(tokens, lengths, pl, after_step=held + 5).result()
+        assert time.monotonic() - t0 < WAIT_S - 0.5
+    _until(lambda: raw_info(env["server"].url).extra["infer_after_step"]["waiting"] == 0, "the wait to end")
 
 
 def test_an_infer_whose_step_never_comes_or_is_past_fails_naming_both_steps(env, client):

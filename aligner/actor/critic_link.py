@@ -53,18 +53,22 @@ _OK, _FAILED, _RESTARTED = 0, 1, 2
 
 
 def sample_texts(
-    tokenizer: Any, tokens: Any, lengths: Any, prompt_lengths: Any
+    tokenizer: Any, tokens: Any, lengths: Any, prompt_lengths: Any, stop_ids: Any = None
 ) -> tuple[list[str], list[str]]:
     """Each sample's prompt and response as text, as critic_infer's ``prompt_text`` and
     ``response_text`` carry them: the prompt ``tokens[:prompt_length]``, the response
-    ``tokens[prompt_length:length]`` up to its first end-of-sequence, both decoded with special
-    tokens skipped. ``tokens [b, s]``, ``lengths`` and ``prompt_lengths [b]`` (torch or NumPy)."""
-    eos = tokenizer.eos_id
+    ``tokens[prompt_length:length]`` up to its first stop id (``stop_ids``; None: the tokenizer's
+    ``stop_ids``, its eos and the other end ids), both decoded with special tokens skipped.
+    ``tokens [b, s]``, ``lengths`` and ``prompt_lengths [b]`` (torch or NumPy)."""
+    if stop_ids is None:
+        stop_ids = getattr(tokenizer, "stop_ids", (tokenizer.eos_id,))
+    stops = {int(t) for t in stop_ids}
     prompts, responses = [], []
     for row, n, p in zip(_rows(tokens), _rows(lengths), _rows(prompt_lengths)):
         response = row[p:n]
-        if eos in response:
-            response = response[: response.index(eos)]
+        cut = next((j for j, t in enumerate(response) if t in stops), None)
+        if cut is not None:
+            response = response[:cut]
         prompts.append(tokenizer.decode(row[:p], skip_special=True))
         responses.append(tokenizer.decode(response, skip_special=True))
     return prompts, responses

@@ -75,6 +75,9 @@ class DataConfig:
     system_prompt, or the row's own messages) up to where the assistant's reply begins."""
     system_prompt: str | None = None
     """A system message put before each prompt (chat_template only; a row's own system message wins)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables the chat template reads, passed to ``apply_chat_template`` (chat_template only),
+    e.g. ``{enable_thinking: false}`` for Qwen3's prompts without a thinking block."""
     max_prompts: int | None = None
     """Keep the first N prompts that fit the context (null: all)."""
     num_prompts: int = 100_000
@@ -101,12 +104,14 @@ class DataConfig:
                 getattr(self, name),
                 f"null with the built-in task (it applies to {prefix}.dataset or {prefix}.prompt_file)",
             )
-        e.expect(
-            not self.chat_template,
-            f"{prefix}.chat_template",
-            self.chat_template,
-            f"false with the built-in task (its prompts are digits; set {prefix}.dataset for chat prompts)",
-        )
+        for name in ("chat_template", "chat_template_kwargs"):
+            e.expect(
+                not getattr(self, name),
+                f"{prefix}.{name}",
+                getattr(self, name),
+                f"{'false' if name == 'chat_template' else '{}'} with the built-in task (its prompts are "
+                f"digits; set {prefix}.dataset for chat prompts)",
+            )
         if self.task not in ("copy", "reverse", "sort"):
             e.append(
                 f"{prefix}.task={self.task!r}: expected 'copy', 'reverse' or 'sort' (or set {prefix}.dataset "
@@ -173,6 +178,19 @@ class DataConfig:
             self.system_prompt,
             f"null without {prefix}.chat_template=true (a system message is part of a chat template)",
         )
+        kw = self.chat_template_kwargs
+        e.expect(
+            isinstance(kw, dict) and all(isinstance(k, str) and k.isidentifier() for k in kw),
+            f"{prefix}.chat_template_kwargs",
+            kw,
+            "a mapping of template variable names to values, e.g. {enable_thinking: false}",
+        )
+        e.expect(
+            not kw or self.chat_template,
+            f"{prefix}.chat_template_kwargs",
+            kw,
+            f"{{}} without {prefix}.chat_template=true (they are the chat template's variables)",
+        )
         n = self.max_prompts
         e.expect(
             n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1),
@@ -237,6 +255,7 @@ def load_prompt_set(
     extra_columns: list[str] | None = None,
     chat_template: bool = False,
     system_prompt: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     max_prompts: int | None = None,
     jsonl: bool = False,
     cache_dir: str | None = None,
@@ -246,7 +265,8 @@ def load_prompt_set(
     ``split``: the split (or slice, ``datasets`` syntax) to read; ``prompt_column``: the column
     that holds each prompt; ``extra_columns``: the columns whose values travel with each prompt
     (None: every column but the prompt column; []: none); ``chat_template``: render each prompt
-    with the tokenizer's chat template, after ``system_prompt`` when set; ``max_prompts``: keep
+    with the tokenizer's chat template, after ``system_prompt`` when set, with
+    ``chat_template_kwargs`` as the template's variables; ``max_prompts``: keep
     the first this many prompts that fit (None: all). Prompts of more than ``max_prompt_tokens``
     tokens are dropped and counted (an error when every prompt is). ``jsonl``: read ``source``
     as JSON Lines whatever its suffix (a ``prompt_file``); ``cache_dir``: the ``datasets`` cache
@@ -269,6 +289,9 @@ def load_prompt_set(
             )
     if system_prompt is not None and not chat_template:
         raise ConfigError(f"data.system_prompt={system_prompt!r} needs data.chat_template=true")
+    if chat_template_kwargs and not chat_template:
+        raise ConfigError(f"data.chat_template_kwargs={chat_template_kwargs!r} needs data.chat_template=true")
+    template = (system_prompt, dict(chat_template_kwargs or {}))
     splits = open_splits(source, what, jsonl=jsonl, dataset_config=dataset_config, cache_dir=cache_dir)
     parts = select_split(splits, split, what)
     columns = parts[0][0].columns
@@ -305,7 +328,7 @@ def load_prompt_set(
     first_dropped: tuple[str, int] | None = None
     for where, row in iter_rows(parts, needed):
         read += 1
-        text = _prompt_text(row, where, prompt_column, tokenizer, chat_template, system_prompt, errors)
+        text = _prompt_text(row, where, prompt_column, tokenizer, chat_template, template, errors)
         if text is None:
             if len(errors) >= MAX_REPORTED:
                 break
@@ -436,6 +459,7 @@ def _source_options(data: DataConfig) -> dict[str, Any]:
         "extra_columns": None if data.extra_columns is None else list(data.extra_columns),
         "chat_template": data.chat_template,
         "system_prompt": data.system_prompt,
+        "chat_template_kwargs": dict(data.chat_template_kwargs or {}),
     }
 
 
@@ -448,10 +472,12 @@ def _prompt_text(
     column: str,
     tokenizer: Tokenizer,
     chat_template: bool,
-    system_prompt: str | None,
+    template: tuple[str | None, dict[str, Any]],
     errors: list[str],
 ) -> str | None:
-    """The prompt of ``row`` as the policy sees it, or None after recording what is wrong."""
+    """The prompt of ``row`` as the policy sees it, or None after recording what is wrong.
+    ``template``: the system prompt (or None) and the chat template's variables."""
+    system_prompt, template_kwargs = template
     value = row[column]
     if isinstance(value, str):
         if not value:
@@ -479,7 +505,7 @@ def _prompt_text(
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
     try:
-        return tokenizer.apply_chat_template(messages)  # type: ignore[attr-defined]
+        return tokenizer.apply_chat_template(messages, **template_kwargs)  # type: ignore[attr-defined]
     except Exception as ex:  # a template raises what its Jinja code raises
         errors.append(f"{where}: the chat template failed on this row's messages: {ex}")
         return None

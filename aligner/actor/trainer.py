@@ -517,8 +517,12 @@ class PPOTrainer:
             return {}
         out: dict[str, Any] = {"extras": extras}
         if self.critic.needs_texts:
+            # The response text ends where generation stopped it: any of the engine's stop ids.
+            tok = self.tokenizer
+            stops = getattr(self.engine, "stop_ids", None) or getattr(tok, "stop_ids", (tok.eos_id,))
+            stops = (*stops, *self.cfg.generation.stop_token_ids)
             decoded, out["response_texts"] = sample_texts(
-                self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths
+                self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths, stops
             )
             raw = self.raw_prompts
             out["prompt_texts"] = (

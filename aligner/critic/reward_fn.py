@@ -382,22 +382,19 @@ def load_reward_fn(
         raise ValueError(f"reward.fn={path!r}: {e}") from None
 
 
-def split_samples(tokens, lengths, prompt_lengths, eos_id: int) -> tuple[list[list[int]], list[list[int]]]:
+def split_samples(tokens, lengths, prompt_lengths, eos_id) -> tuple[list[list[int]], list[list[int]]]:
     """Cut each sample into prompt ids and response ids (stopping at the first end-of-sequence).
 
     Args:
-        tokens: ``[b, s]`` ints; lengths, prompt_lengths: ``[b]``.
+        tokens: ``[b, s]`` ints; lengths, prompt_lengths: ``[b]``; eos_id: an id, or several (a
+            tokenizer's ``stop_ids``): a response stops at the first of them.
 
-    Returns:
-        (prompt_ids, response_ids), lists of ``b`` lists.
-    """
-    prompts, responses = [], []
+    Returns: (prompt_ids, response_ids), lists of ``b`` lists."""
+    stops, prompts, responses = {eos_id} if isinstance(eos_id, int) else set(eos_id), [], []
     for row, n, p in zip(tokens.tolist(), lengths.tolist(), prompt_lengths.tolist()):
         prompts.append(row[:p])
         resp = row[p:n]
-        if eos_id in resp:
-            resp = resp[: resp.index(eos_id)]
-        responses.append(resp)
+        responses.append(resp[: next((j for j, t in enumerate(resp) if t in stops), len(resp))])
     return prompts, responses
 
 
@@ -433,7 +430,8 @@ def parse_extras(extras: Sequence[str] | None, b: int) -> list[dict[str, Any]]:
 
 def _decode(tokenizer, tokens, lengths, prompt_lengths):
     """``(prompts, responses, prompt_ids, response_ids)`` of the samples."""
-    prompt_ids, response_ids = split_samples(tokens, lengths, prompt_lengths, tokenizer.eos_id)
+    stops = getattr(tokenizer, "stop_ids", tokenizer.eos_id)  # a response ends at the first
+    prompt_ids, response_ids = split_samples(tokens, lengths, prompt_lengths, stops)
     return (
         [tokenizer.decode(ids) for ids in prompt_ids],
         [tokenizer.decode(ids) for ids in response_ids],

@@ -15,10 +15,29 @@ from aligner.generation.native import ENGINE_DTYPES
 from aligner.generation.trtllm.config import TrtllmConfig
 from aligner.models.config import ModelConfig
 
-__all__ = ["ENGINES", "GenerationConfig"]
+__all__ = ["ENGINES", "GenerationConfig", "stop_token_problems"]
 
 ENGINES = ("native", "trtllm")
 """The generation engines ``generation.engine`` names."""
+
+
+def stop_token_problems(ids: Any, vocab_size: int | None, key: str) -> Problems:
+    """What is wrong with ``ids`` as the value of ``key`` (a list of token ids, each an integer in
+    ``[0, vocab_size)``; any id >= 0 when ``vocab_size`` is None), each bad id named."""
+    p = Problems()
+    span = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+    if not isinstance(ids, (list, tuple)):
+        p.expect(False, key, ids, f"a list of token ids, each an integer {span}")
+        return p
+    bad = [
+        t
+        for t in ids
+        if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)
+        or (vocab_size is not None and t >= vocab_size)
+    ]
+    where = f"in the tokenizer's vocabulary [0, {vocab_size})" if vocab_size is not None else span
+    p.expect(not bad, key, list(ids), f"token ids {where}; {bad!r} are not")
+    return p
 
 
 @dataclass
@@ -35,6 +54,10 @@ class GenerationConfig:
     """Nucleus sampling mass (1.0 = off)."""
     stop_strings: list[str] = field(default_factory=list)
     """Extra strings that end a response."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (kept as its last token), beside the tokenizer's eos
+    and the other end ids of its ``generation_config.json`` (an instruct model's
+    ``eos_token_id`` list), which always end one."""
     num_threads: int | None = None
     """CPU threads while generating (restored afterwards): decoding is bound by per-step overhead,
     so a CPU actor may generate on more threads than it trains on; None keeps torch's setting.
@@ -69,8 +92,13 @@ class GenerationConfig:
         ``greedy``) on top."""
         return SamplingParams(**{**self._sampling_fields(), **overrides})
 
-    def problems(self, prefix: str = "generation") -> Problems:
-        p = sampling_problems(self._sampling_fields(), prefix=f"{prefix}.")
+    def problems(self, prefix: str = "generation", vocab_size: int | None = None) -> Problems:
+        """Each value on its own; ``stop_token_ids`` against ``vocab_size`` (the tokenizer's
+        ids, else any id >= 0) when given."""
+        shared = self._sampling_fields()
+        stops = shared.pop("stop_token_ids")
+        p = sampling_problems(shared, prefix=f"{prefix}.")
+        p += stop_token_problems(stops, vocab_size, f"{prefix}.stop_token_ids")
         n = self.num_threads
         p.expect(n is None or n >= 1, f"{prefix}.num_threads", n, "an integer >= 1 or null")
         p.expect(

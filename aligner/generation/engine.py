@@ -24,7 +24,7 @@ log-probabilities are not the behaviour policy's exact ones; that is the usual c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,7 +32,14 @@ import torch
 
 from aligner.config_checks import Problems
 
-__all__ = ["SamplingParams", "GenerationOutput", "GenerationEngine", "DECODE_STEPS", "sampling_problems"]
+__all__ = [
+    "SamplingParams",
+    "GenerationOutput",
+    "GenerationEngine",
+    "DECODE_STEPS",
+    "sampling_problems",
+    "engine_stop_ids",
+]
 
 #: The native engine's decode-step modes (``NativeEngine(decode_step=...)``, ``generation.decode_step``).
 DECODE_STEPS = ("auto", "eager", "static", "graph", "compiled")
@@ -73,6 +80,23 @@ def sampling_problems(values: Mapping[str, Any], prefix: str = "") -> Problems:
     )
     check("seed", lambda x: x is None or _is_int(x), "an integer or None")
     return p
+
+
+def engine_stop_ids(
+    eos_id: int, tokenizer: Any = None, stop_ids: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The ids that end every sample of an engine, ``eos_id`` first: then ``stop_ids``, or
+    (None) the tokenizer's ``stop_ids`` when ``eos_id`` is the tokenizer's eos (an instruct
+    model's several end ids: :class:`~aligner.tokenizers.HFTokenizer`); an ``eos_id`` other
+    than the tokenizer's stands alone. A call's ``SamplingParams.stop_token_ids`` add to them."""
+    if stop_ids is None:
+        same = tokenizer is not None and getattr(tokenizer, "eos_id", None) == eos_id
+        stop_ids = getattr(tokenizer, "stop_ids", ()) if same else ()
+    ids = [int(eos_id), *(int(t) for t in stop_ids)]
+    bad = [t for t in ids if t < 0]
+    if bad:
+        raise ValueError(f"stop ids {bad}: expected token ids >= 0")
+    return tuple(dict.fromkeys(ids))
 
 
 @dataclass

@@ -100,6 +100,7 @@ embedding for TP divisibility) are dropped before sampling and before the log-so
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aligner.generation.decoder import LeanDecoder
-from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams
+from aligner.generation.engine import DECODE_STEPS, GenerationOutput, SamplingParams, engine_stop_ids
 from aligner.generation.layout import GenerationLayout
 from aligner.generation.policy import EvalMode, model_vocab
 from aligner.generation.ragged import ragged_decode, ragged_length
@@ -168,6 +169,8 @@ class NativeEngine:
         tokenizer: needed for ``stop_strings``; also supplies pad/eos ids when not given.
         pad_id: written after each sample's end.
         eos_id: ends a sample (kept as its last token).
+        stop_ids: more ids that end every sample (None: the tokenizer's ``stop_ids`` when
+            ``eos_id`` is the tokenizer's: :func:`~aligner.generation.engine.engine_stop_ids`).
         max_seq_len: longest prompt + response; default ``model.aligner_config.max_seq_len``.
         parallel_state: :class:`aligner.distributed.ParallelState` (the training layout and
             the data-parallel rank); None means Megatron's parallel state, or a single process.
@@ -219,6 +222,7 @@ class NativeEngine:
         *,
         pad_id: int | None = None,
         eos_id: int | None = None,
+        stop_ids: Sequence[int] | None = None,
         max_seq_len: int | None = None,
         parallel_state=None,
         vocab_size: int | None = None,
@@ -234,6 +238,7 @@ class NativeEngine:
     ) -> None:
         self.tokenizer = tokenizer
         self.pad_id, self.eos_id = _resolve_ids(tokenizer, pad_id, eos_id)
+        self.stop_ids = engine_stop_ids(self.eos_id, tokenizer, stop_ids)
         self.parallel_state = parallel_state
         if backend not in ("auto", "lean", "megatron"):
             raise ValueError(f"backend={backend!r}: expected 'auto', 'lean' or 'megatron'")
@@ -440,7 +445,7 @@ class NativeEngine:
         :func:`~aligner.generation.sampling.build_output`."""
         dev = self._device
         stop_ids = torch.tensor(
-            sorted({self.eos_id, *sampling.stop_token_ids}), dtype=torch.int64, device=dev
+            sorted({*self.stop_ids, *sampling.stop_token_ids}), dtype=torch.int64, device=dev
         )
         check_every = self.check_every or (1 if dev.type == "cpu" else 8)
         lean = self._use_lean()

@@ -232,7 +232,7 @@ def test_generation_config_builds_the_engines_sampling_params():
     assert g.sampling(greedy=True, seed=0).greedy
     # Every setting the two share by name is carried over, and nothing else is shared by accident.
     shared = set(GenerationConfig.__dataclass_fields__) & set(SamplingParams.__dataclass_fields__)
-    assert shared == {"max_new_tokens", "temperature", "top_k", "top_p", "stop_strings"}
+    assert shared == {"max_new_tokens", "temperature", "top_k", "top_p", "stop_strings", "stop_token_ids"}
     assert GenerationConfig(temperature=math.nan, num_threads=0).problems() == [
         "generation.temperature=nan: expected a finite number > 0",
         "generation.num_threads=0: expected an integer >= 1 or null",

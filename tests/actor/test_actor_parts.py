@@ -293,9 +293,14 @@ def test_a_reward_model_reading_text_gets_the_prompt_as_the_data_set_writes_it()
         critic=SimpleNamespace(needs_texts=True),
         tokenizer=tok,
         raw_prompts={"12:": "12"},  # "3:" was not templated: its decoded tokens stand
+        engine=SimpleNamespace(stop_ids=tok.stop_ids),
+        cfg=SimpleNamespace(generation=SimpleNamespace(stop_token_ids=[])),
     )
     out = PPOTrainer._reward_inputs(trainer, gen, ['{"a":1}', "{}"], ["12:", "3:"])
     assert out == {"extras": ['{"a":1}', "{}"], "prompt_texts": ["12", "3:"], "response_texts": ["12", "3"]}
+    trainer.cfg.generation.stop_token_ids = [tok.encode("2")[0]]  # generation.stop_token_ids end texts too
+    assert PPOTrainer._reward_inputs(trainer, gen, None, ["12:", "3:"])["response_texts"] == ["1", "3"]
+    trainer.cfg.generation.stop_token_ids = []
     trainer.critic.needs_texts = False
     assert PPOTrainer._reward_inputs(trainer, gen, None, ["12:", "3:"]) == {"extras": None}
     trainer.state.tp_rank = 1  # only the replica's first rank sends

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.distributed import all_gather_json
-from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.generation.engine import GenerationOutput, SamplingParams, engine_stop_ids
 from aligner.generation.layout import broadcast_output
 from aligner.generation.sampling import check_prompts
 from aligner.generation.trtllm.boundary import LlmApi, load_llm_api
@@ -61,6 +61,9 @@ class TrtllmEngine:
         model_config: the policy's architecture (the weight stream's shapes).
         pad_id: written after each sample's end.
         eos_id: ends a sample (kept as its last token).
+        stop_ids: more ids that end every sample, sent with eos as ``stop_token_ids`` (None: the
+            tokenizer's ``stop_ids`` when ``eos_id`` is the tokenizer's:
+            :func:`~aligner.generation.engine.engine_stop_ids`).
         max_seq_len: longest prompt + response; default ``model_config.max_seq_len``.
         dp_rank: this rank's data-parallel rank (part of every request's seed).
         tensor_parallel_size: GPUs the engine spans (generation TP): 1, or the size of ``group``.
@@ -84,6 +87,7 @@ class TrtllmEngine:
         *,
         pad_id: int,
         eos_id: int,
+        stop_ids: Sequence[int] | None = None,
         max_seq_len: int | None = None,
         dp_rank: int = 0,
         tensor_parallel_size: int = 1,
@@ -102,6 +106,7 @@ class TrtllmEngine:
         self.max_seq_len = int(max_seq_len if max_seq_len is not None else model_config.max_seq_len)
         self.dp_rank = int(dp_rank)
         self.tokenizer = tokenizer
+        self.stop_ids = engine_stop_ids(self.eos_id, tokenizer, stop_ids)
         self.vocab_size = int(model_config.vocab_size)
         sv = self.vocab_size if sample_vocab_size is None else int(sample_vocab_size)
         if not 1 <= sv <= self.vocab_size:
@@ -322,7 +327,7 @@ class TrtllmEngine:
         assert self._api is not None
         self._wake({"weights", "kv_cache"})
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        stop_ids = frozenset({self.eos_id, *sampling.stop_token_ids})
+        stop_ids = frozenset({*self.stop_ids, *sampling.stop_token_ids})
         max_tokens = [min(sampling.max_new_tokens, self.max_seq_len - len(p)) for p in prompts]
         params = [
             self._api.SamplingParams(
@@ -332,6 +337,7 @@ class TrtllmEngine:
                     max_tokens=max_tokens[i],
                     eos_id=self.eos_id,
                     pad_id=self.pad_id,
+                    stop_ids=self.stop_ids,
                     banned_ids=self.banned_ids,
                 )
             )

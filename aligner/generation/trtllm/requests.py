@@ -39,12 +39,15 @@ def sampling_kwargs(
     eos_id: int,
     pad_id: int,
     banned_ids: Sequence[int] = (),
+    stop_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The keyword arguments of TensorRT-LLM's ``SamplingParams`` for one request.
 
     Greedy is ``top_k=1`` (the tempered distribution still defines the log-probs); top-k 0 and
     top-p 1.0 mean "off" in both APIs. ``logprobs=1``: the sampled token's log-prob, read by its
     id (the C++ sampler returns at most one candidate; 0 would read as "none" in some paths).
+    ``stop_token_ids``: eos, the engine's ``stop_ids`` (a tokenizer's several end ids) and the
+    call's, with ``end_id`` off (:data:`NO_END_ID`): the one ``end_id`` could not hold them all.
     """
     if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r}: expected an integer >= 1")
@@ -52,7 +55,7 @@ def sampling_kwargs(
         max_tokens=int(max_tokens),
         end_id=NO_END_ID,
         pad_id=int(pad_id),
-        stop_token_ids=sorted({int(eos_id), *(int(t) for t in sampling.stop_token_ids)}),
+        stop_token_ids=sorted({int(eos_id), *(int(t) for t in (*stop_ids, *sampling.stop_token_ids))}),
         include_stop_str_in_output=True,
         detokenize=False,
         seed=int(seed),

@@ -43,7 +43,10 @@ __all__ = [
 WANDB_MODES = ("online", "offline", "disabled")
 """What ``logging.wandb.mode`` may say."""
 WANDB_ID_FILE = "wandb_run_id.txt"
-"""The W&B run id of a run directory (``<run_dir>/wandb_run_id.txt``): a resumed run continues it."""
+"""The W&B run id of a run directory (``<run_dir>/wandb_run_id.txt``): a resumed run continues it.
+The actor resumes into a run directory (``resume_step`` >= 0) only when the directory is the
+resumed run's own (:func:`aligner.actor.fingerprint.run_dir_continues`); else it passes -1: a new
+W&B run."""
 WANDB_INSTALL = "pip install 'aligner[wandb]'"
 SAMPLE_COLUMNS = ("prompt", "response", "score", "step")
 """The columns of the validation samples table (``val/samples``) in W&B."""

@@ -17,7 +17,8 @@ Layout under the run's checkpoint root (shared with the critic server when both 
         rng_tp00_pp00_dp000.safetensors
                                     every RNG state of the rank at (tp 0, pp 0, dp 0)
         trainer_state.json          step, KL controller, score normaliser, data position, LR
-                                    schedule position, the config it was made with, checks
+                                    schedule position, the config it was made with and its
+                                    fingerprint, the run id, checks
     <root>/step_00000040/critic/    written by the server (``critic_save``)
     <root>/best -> step_000000NN    the step with the best validation score (``best.json``)
 
@@ -71,6 +72,7 @@ import torch.distributed as dist
 
 from aligner import faults
 from aligner.actor.config import ActorConfig, PolicyOptimConfig
+from aligner.actor.fingerprint import config_dict, config_fingerprint
 from aligner.checkpoint import (
     CheckpointError,
     clean_leftovers_at_start,
@@ -242,6 +244,9 @@ class ActorCheckpointer:
         self.abandoned: set[int] = set()
         """Actor steps after the one last loaded (rank 0): the continuation given up, removed at
         the next save."""
+        self.run_id: str | None = None
+        """The run's id (:mod:`aligner.actor.fingerprint`), recorded in every checkpoint: drawn at a
+        fresh start, the checkpoint's on a resume (None: one from before run ids)."""
         if state.rank == 0:
             clean_leftovers_at_start(self.root, ROLE, log)  # of saves killed before this start
         self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
@@ -341,15 +346,16 @@ class ActorCheckpointer:
         return shard_file("rng", tp=st.tp_rank, pp=st.pp_rank, dp=st.dp_rank)
 
     def _state_json(self, state: ActorState) -> dict[str, Any]:
-        from omegaconf import OmegaConf
-
         cfg, st = self.cfg, self.state
+        config = config_dict(cfg)
         return {
             "format_version": FORMAT_VERSION,
             "role": ROLE,
             "trainer": state.training,
             "best": self.best,
-            "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+            "config": config,
+            "config_fingerprint": config_fingerprint(config),  # checked by checkpoint.resume=auto
+            "run_id": self.run_id,
             "model_config": cfg.model.to_dict(),
             "tokenizer": cfg.tokenizer,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),

@@ -352,7 +352,8 @@ class LoggingConfig:
     """Where and how often the run reports."""
 
     run_dir: str = "runs/actor"
-    """Directory for metrics.jsonl, TensorBoard events and plots."""
+    """Directory for metrics.jsonl, TensorBoard events, plots and run_config.json (the run's id,
+    config and fingerprint); one run's: a command with another config does not resume into it."""
     log_interval: int = 1
     """Print a console line every N steps (the progress bar updates every step)."""
     tensorboard: bool = True
@@ -385,8 +386,9 @@ class ActorCheckpointConfig:
     """When validation reaches a new best val/scores, save that step and keep it as 'best'
     (never pruned; <dir>/best links to it)."""
     resume: str = "auto"
-    """'auto': continue from the newest step both roles completed (fresh if none); 'none': start
-    fresh; or a checkpoint folder (<dir>/step_XXXXXXXX) to continue from."""
+    """'auto': continue from the newest step both roles completed (fresh if none), only when it was
+    made with this config (``aligner.actor.fingerprint``); 'force': the same, whatever its config;
+    'none': start fresh; or a checkpoint folder (<dir>/step_XXXXXXXX) to continue from."""
     export_hf: str | None = None
     """At the end, export the policy as a Hugging Face folder here (None = no export)."""
     export_arch: str | None = None
@@ -396,10 +398,10 @@ class ActorCheckpointConfig:
         e = Problems()
         e.non_negative_ints(self, prefix, ("save_interval", "keep_last"))
         e.expect(
-            self.resume in ("auto", "none") or os.path.isdir(self.resume),
+            self.resume in ("auto", "force", "none") or os.path.isdir(self.resume),
             f"{prefix}.resume",
             self.resume,
-            f"'auto', 'none' or an existing checkpoint folder (<{prefix}.dir>/step_XXXXXXXX)",
+            f"'auto', 'force', 'none' or an existing checkpoint folder (<{prefix}.dir>/step_XXXXXXXX)",
         )
         return e
 
@@ -481,7 +483,7 @@ class ActorConfig:
         ``vocab_size`` ids: each section's own, then what the sections demand of each other."""
         e = self.ppo.problems("ppo", max_new_tokens=self.generation.max_new_tokens)
         e += self.parallel_problems(world_size)
-        e += self.generation.problems("generation")
+        e += self.generation.problems("generation", vocab_size or self.model.vocab_size)
         e.expect(
             self.precision in ("auto", "bf16", "fp32"),
             "precision",

@@ -7,7 +7,9 @@ At start-up:
 - ``none``: a fresh start, refused when the checkpoint root already holds this role's checkpoints
   of a run (a fresh run would mix with them);
 - ``auto``: the newest step both roles completed (critic-free: the actor's newest step), or a
-  fresh start when the actor has none;
+  fresh start when the actor has none; a checkpoint made with another config has stopped the run
+  before anything was built (:func:`check_resume`, :mod:`aligner.actor.fingerprint`);
+- ``force``: as ``auto``, whatever the checkpoint's config;
 - a path: that step's folder (or its ``actor/`` folder), which must hold a complete actor
   checkpoint of a step the server holds too (critic-free: the actor's folder alone).
 
@@ -24,21 +26,96 @@ rolls both roles back to the newest step both still hold.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
-from aligner.actor.checkpointing import ROLE, ActorCheckpointer
-from aligner.actor.config import CriticClientConfig
+from aligner.actor import fingerprint as fp
+from aligner.actor.checkpointing import ROLE, ActorCheckpointer, checkpoint_root
+from aligner.actor.config import ActorConfig, CriticClientConfig
 from aligner.actor.critic_link import server_mode_problem
 from aligner.checkpoint import COMPLETE_MARKER, CheckpointError, complete_steps, read_json, step_dir_name
+from aligner.config_checks import ConfigError
 from aligner.distributed import on_rank0
 from aligner.wire.handle import CriticError, CriticRestartedError
 from aligner.wire.protocol import ServerInfo
 
-__all__ = ["check_restart", "resolve_resume", "rollback_dir", "rolled_back"]
+__all__ = ["check_resume", "check_restart", "resolve_resume", "rollback_dir", "rolled_back"]
+
+log = logging.getLogger(__name__)
 
 
 # -- at start-up -------------------------------------------------------------------------------
+
+
+def _resumed_state(cfg: ActorConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The actor folder and ``trainer_state.json`` that ``checkpoint.resume`` points at before the
+    server is asked: auto and force, the newest complete actor step of the checkpoint root; a path,
+    that step. None when there is none or it cannot be read (:func:`resolve_resume` says why)."""
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return None
+    if mode in ("auto", "force"):
+        root = checkpoint_root(cfg)
+        steps = [s for s in complete_steps(root, role=ROLE) if s > 0]
+        if not steps:
+            return None
+        folder = root / step_dir_name(steps[-1]) / ROLE
+    else:
+        path = Path(mode)
+        folder = path if path.name == ROLE else path / ROLE
+    try:
+        return folder, read_json(folder / "trainer_state.json")
+    except CheckpointError:
+        return None
+
+
+def check_resume(cfg: ActorConfig, say: Any = print) -> None:
+    """Before anything is built: with ``checkpoint.resume=auto``, a :class:`ConfigError` when the
+    newest actor checkpoint was made with another config (``fp.FINGERPRINT_IGNORES`` aside),
+    naming the run dir, the keys that differ (old -> new) and how to go on. A checkpoint from
+    before fingerprints resumes with a warning; ``force`` and a named step resume whatever the
+    config, saying what differs. ``say``: the console (None: the log alone)."""
+    found = _resumed_state(cfg)
+    if found is None:
+        return
+    folder, saved = found
+    mode = cfg.checkpoint.resume
+
+    def tell(msg: str) -> None:
+        log.warning("%s", msg)
+        if say is not None:
+            say(msg, flush=True)
+
+    new = fp.config_dict(cfg)
+    changes = fp.config_changes(saved.get("config") or {}, new)
+    differs = f"; its config differs from this one in:\n{fp.changes_listed(changes)}" if changes else ""
+    if saved.get("config_fingerprint") is None:
+        tell(
+            f"{folder} is a checkpoint from before config fingerprints: resuming it without checking "
+            f"that it is this command's run{differs}"
+        )
+        return
+    if saved["config_fingerprint"] == fp.config_fingerprint(new) or not changes:
+        return
+    if mode != "auto":
+        tell(f"checkpoint.resume={mode}: resuming {folder} whatever its config{differs}")
+        return
+    c = cfg.checkpoint
+    new_dir = (
+        "another logging.run_dir (its checkpoints go to <run_dir>/checkpoints)"
+        if c.dir is None
+        else f"another checkpoint.dir (this one, {c.dir}, holds that run's checkpoints) and logging.run_dir"
+    )
+    raise ConfigError(
+        f"checkpoint.resume=auto: cannot resume the run in {cfg.logging.run_dir} (its newest checkpoint "
+        f"{folder}) with this command: it was made with another config. Keys that differ (old -> new):\n"
+        f"{fp.changes_listed(changes)}\n"
+        f"To start a new run, give it {new_dir}. To continue that run with this config, pass "
+        f"checkpoint.resume=force (the newest step, whatever the config) or "
+        f"checkpoint.resume={folder.parent} (that step). Keys a resume may change freely: "
+        f"{', '.join(fp.FINGERPRINT_IGNORES)}"
+    )
 
 
 def resolve_resume(checkpointer: ActorCheckpointer) -> Path | None:
@@ -75,16 +152,16 @@ def _decide(ck: ActorCheckpointer) -> str | None:
             )
         _reset_critic(ck, info, server_steps, "checkpoint.resume=none")
         return None
-    if mode == "auto":
+    if mode in ("auto", "force"):
         mine = [s for s in complete_steps(ck.root, role=ROLE) if s > 0]
         common = sorted(set(mine) & set(server_steps))
         if not mine:
-            ck.say(f"resume=auto: no actor checkpoint under {ck.root}; starting fresh")
+            ck.say(f"resume={mode}: no actor checkpoint under {ck.root}; starting fresh")
             _reset_critic(ck, info, server_steps, "a fresh start")
             return None
         if not common:
             raise CheckpointError(
-                f"resume=auto: actor checkpoints under {ck.root} are at steps {mine}, but the critic "
+                f"resume={mode}: actor checkpoints under {ck.root} are at steps {mine}, but the critic "
                 f"server at {ck.critic.url} has critic checkpoints at {server_steps or 'no steps'}; "
                 "no step is complete for both roles. Point the server's checkpoint.dir at this run's "
                 "checkpoints, resume from a folder with checkpoint.resume=PATH, or start over with "
@@ -94,7 +171,7 @@ def _decide(ck: ActorCheckpointer) -> str | None:
         path = ck.root / step_dir_name(step)
         skipped = [s for s in mine if s > step]
         note = f" (newer actor steps {skipped} have no critic checkpoint)" if skipped else ""
-        ck.say(f"resume=auto: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
+        ck.say(f"resume={mode}: resuming from step {step}: {path / ROLE}, critic step {step}{note}")
         return str(path)
     step_dir = _named_step_dir(mode)
     step = int(read_json(step_dir / ROLE / "trainer_state.json")["trainer"]["step"])
@@ -132,12 +209,12 @@ def _decide_critic_free(ck: ActorCheckpointer, mode: str) -> str | None:
                 "checkpoint.resume=auto, or give the fresh run another checkpoint.dir (or delete them)"
             )
         return None
-    if mode == "auto":
+    if mode in ("auto", "force"):
         if not mine:
-            ck.say(f"resume=auto: no actor checkpoint under {ck.root}; starting fresh")
+            ck.say(f"resume={mode}: no actor checkpoint under {ck.root}; starting fresh")
             return None
         path = ck.root / step_dir_name(mine[-1])
-        ck.say(f"resume=auto: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)")
+        ck.say(f"resume={mode}: resuming from step {mine[-1]}: {path / ROLE} (critic-free: no server state)")
         return str(path)
     step_dir = _named_step_dir(mode)
     ck.say(f"resuming from {step_dir / ROLE} (critic-free: no server state)")

@@ -36,12 +36,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from aligner import distributed
+from aligner.actor import fingerprint
 from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
 from aligner.actor.config import ActorConfig, validate_actor_config
 from aligner.actor.datasets import PromptSet, training_prompt_set, validation_prompt_set
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.actor.prompts import PromptSampler
-from aligner.actor.resume import resolve_resume
+from aligner.actor.resume import check_resume, resolve_resume
 from aligner.actor.trainer import PPOTrainer
 from aligner.checkpoint import read_json, write_json
 from aligner.config_checks import ConfigError
@@ -108,9 +109,11 @@ def read_inputs(cfg: ActorConfig, model_keys: set[str] | None = None) -> Inputs:
     reads the prompts. Every rank reads them; the first one says what it kept."""
     cfg.model, applied = resolve_model_config(cfg.model, cfg.init_from, model_keys or ())
     cfg.tokenizer = resolve_tokenizer_spec(cfg.tokenizer, cfg.init_from)
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.init_from)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_actor_config(cfg, world_size=world, vocab_size=tokenizer.vocab_size)
+    # checkpoint.resume=auto continues only a run of this config: refused before anything is read.
+    check_resume(cfg, say=print if int(os.environ.get("RANK", "0")) == 0 else None)
     inputs = Inputs(
         tokenizer=tokenizer,
         url=resolve_critic_url(cfg.critic.url),
@@ -420,11 +423,28 @@ def build_actor(
         engine = build_engine(cfg, policy, inputs.tokenizer, state)  # 6
         sampler = build_sampler(cfg, inputs, state)  # 7
         # 8. W&B (logging.wandb): the same metrics, with the whole config as the run's config.
-        resume_step = -1
+        resume_step, checkpointer.run_id = -1, fingerprint.new_run_id()
         if resume_dir is not None:
-            resume_step = int(read_json(resume_dir / "actor" / "trainer_state.json")["trainer"]["step"])
+            saved = read_json(resume_dir / "actor" / "trainer_state.json")
+            resume_step, checkpointer.run_id = int(saved["trainer"]["step"]), saved.get("run_id")
         log = state.is_logging_rank
-        run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True) if log else None
+        run_config = fingerprint.config_dict(cfg) if log else None
+        log_from = resume_step  # the run dir's rows and W&B run go on only when they are this run's
+        if (
+            log
+            and resume_step >= 0
+            and not fingerprint.run_dir_continues(cfg.logging.run_dir, checkpointer.run_id)
+        ):
+            log_from = -1
+            print(
+                f"{cfg.logging.run_dir} is not the run dir of the run resumed (run id {checkpointer.run_id}): "
+                "its log starts anew there (earlier rows dropped, a new W&B run)",
+                flush=True,
+            )
+        if log:
+            fingerprint.write_run_record(
+                cfg.logging.run_dir, run_config, checkpointer.run_id, resume_dir and str(resume_dir)
+            )
         actor = Actor(
             cfg,
             state,
@@ -439,7 +459,7 @@ def build_actor(
             run_config,
             resume_step,
         )
-        actor.logger = actor.open_logger(resume_step)
+        actor.logger = actor.open_logger(log_from)
         if log:
             OmegaConf.save(OmegaConf.structured(cfg), os.path.join(cfg.logging.run_dir, "config.yaml"))
             _print_header(cfg, inputs, state, policy)

@@ -225,9 +225,17 @@ def test_resume_refuses_a_changed_model_and_allows_a_changed_lr(server, continuo
     out = _run(server, run_dir, "model.hidden_size=32", ok=False)
     assert out.returncode != 0
     assert "cannot resume" in out.stderr and "hidden_size" in out.stderr, out.stderr[-2000:]
-    # A larger step budget with another learning rate continues from the saved step.
-    out = _run(server, run_dir, f"ppo.num_steps={STEPS + 1}", "optim.lr=5e-4", "optim.min_lr=5e-5")
-    assert f"resuming from step {STEPS}" in out.stdout
+    # A larger step budget with another learning rate continues from the saved step when asked to
+    # (checkpoint.resume=auto refuses another config: tests/actor/test_run_fingerprint.py).
+    out = _run(
+        server,
+        run_dir,
+        f"ppo.num_steps={STEPS + 1}",
+        "optim.lr=5e-4",
+        "optim.min_lr=5e-5",
+        "checkpoint.resume=force",
+    )
+    assert f"resuming from step {STEPS}" in out.stdout and "optim.lr: 0.002 -> 0.0005" in out.stdout
     rows = read_metrics(str(run_dir / "metrics.jsonl"))
     assert rows[-1]["step"] == STEPS + 1
 
@@ -305,8 +313,9 @@ def test_two_rank_run_resumes_exactly(server, tmp_path, layout):
         assert "(DP=2), this run has 1 (DP=1): random states are not restored" in out.stdout
         assert read_metrics(str(run_dir / "metrics.jsonl"))[-1]["step"] == 5
     if layout == "pp2":
-        # The optimizer state is cut by stage: another pipeline size is refused, naming both.
-        out = _run(server, run_dir, "ppo.num_steps=5", ok=False)
+        # The optimizer state is cut by stage: another pipeline size is refused, naming both, even
+        # with checkpoint.resume=force (which passes over the config's other differences).
+        out = _run(server, run_dir, "ppo.num_steps=5", "checkpoint.resume=force", ok=False)
         assert out.returncode != 0
         assert "pipeline_model_parallel_size" in out.stderr and "2 stage(s)" in out.stderr, out.stderr[-2000:]
 

@@ -30,12 +30,14 @@ def server(tmp_path_factory):
         s.stop()
 
 
+@pytest.mark.server
 def test_probe_answers_for_a_serving_server(server, capsys):
     assert probe.main(["--url", server.url, "--timeout", "10"]) == 0
     assert probe.main(["--url", server.url, "--timeout", "10", "--ready"]) == 0
     assert probe.check_alive(server.http_url, 10) is None
 
 
+@pytest.mark.server
 def test_probe_fails_when_the_python_service_hangs_though_triton_is_live(server, capsys):
     os.kill(server.pid, signal.SIGSTOP)  # the Python service stops; its Triton child runs on
     try:

@@ -157,6 +157,7 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
+@pytest.mark.server
 def test_the_server_makes_a_0600_token_file_and_logs_its_path_not_the_token(env):
     assert stat.S_IMODE(env["file"].stat().st_mode) == 0o600 and len(env["token"]) >= 40
     log = (env["root"] / "log" / "server.log").read_text()
@@ -164,12 +165,14 @@ def test_the_server_makes_a_0600_token_file_and_logs_its_path_not_the_token(env)
     assert env["token"] not in (env["root"] / "server.stderr").read_text()
 
 
+@pytest.mark.server
 def test_http_is_off_only_grpc_listens(env):
     server = env["server"]
     assert server.ports["http"] == 0 and server.http_url == ""
     assert _listening_ports(_tritonserver(server.pid)) == {server.ports["grpc"]}
 
 
+@pytest.mark.server
 def test_the_token_variable_is_not_in_the_environment_of_the_servers_children(env):
     kids = _descendants(env["server"].pid)
     assert kids
@@ -181,6 +184,7 @@ def test_the_token_variable_is_not_in_the_environment_of_the_servers_children(en
         assert f"{P.RUN_TOKEN_ENV}=".encode() not in environ and env["token"].encode() not in environ
 
 
+@pytest.mark.server
 def test_an_untokened_critic_train_is_refused_with_one_log_line_and_no_traceback(env):
     url = env["server"].url
     tokens, lengths, pl, *_ = digit_batch(TOK, 2, seed=3)
@@ -196,6 +200,7 @@ def test_an_untokened_critic_train_is_refused_with_one_log_line_and_no_traceback
     assert "Traceback" not in (env["root"] / "server.stderr").read_text()
 
 
+@pytest.mark.server
 def test_server_info_is_public_without_the_token_and_full_with_it(env):
     url = env["server"].url
     public = raw_info(url)

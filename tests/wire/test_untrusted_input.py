@@ -227,7 +227,7 @@ class _PeerRefusals:
     def __init__(self, n: int) -> None:
         self.n, self.calls = n, 0
 
-    def infer(self, model, inputs, outputs, timeout_s=None):
+    def infer(self, model, inputs, outputs, timeout_s=None, attempt_s=None):
         self.calls += 1
         if self.calls <= self.n:
             text = triton_text(

@@ -15,7 +15,8 @@ Layers, lowest first:
 3. ``aligner.generation``: the engines;
 4. ``aligner.actor`` and ``aligner.critic`` (the server), side by side: each reaches the other
    only through ``aligner.wire``;
-5. ``aligner.gpu_check``: the GPU check, which composes both roles in one process.
+5. ``aligner.gpu_check``: the GPU check, which composes both roles in one process, and
+   ``aligner.node``: both roles' processes on one node (``aligner-launch``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ LAYERS = {
     "aligner.actor": 4,
     "aligner.critic": 4,
     "aligner.gpu_check": 5,
+    "aligner.node": 5,
 }
 ROLES = ("aligner.actor", "aligner.critic")
 WIRE = "aligner.wire"

@@ -58,6 +58,10 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "ppo.reference_on_cpu",
     "ppo.micro_batch_size",
     "ppo.max_tokens_per_micro_batch",
+    "optim.use_distributed_optimizer",  # where the optimizer state lives (ZeRO-1), not its values
+    "generation.engine",  # how rollouts are generated: the engine, its layout and its settings
+    "generation.tensor_parallel_size",
+    "generation.trtllm",
 )
 """Config keys (and whole sections) left out of the fingerprint: what may change when a run is
 continued. Every other key, the learning rate among them, is the run's."""

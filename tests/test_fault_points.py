@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,14 @@ def test_the_named_point_kills_the_process_and_its_children(setting, fires):
         os.waitpid(sleeper, os.WNOHANG)
     except ChildProcessError:
         pass
-    assert (
-        not Path(f"/proc/{sleeper}").exists() or "Z" in Path(f"/proc/{sleeper}/stat").read_text().split()[2]
-    )
+
+    def gone() -> bool:  # or dead and not yet reaped; a SIGKILL takes effect within moments
+        try:
+            return "Z" in Path(f"/proc/{sleeper}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()

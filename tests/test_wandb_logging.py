@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import sys
+import time
 
 import pytest
 
@@ -62,9 +63,19 @@ def read_wandb_records(path: str) -> list:
     return records
 
 
-def wandb_run(wandb_dir) -> dict:
+def wandb_run(wandb_dir, wait_s: float = 20.0) -> dict:
     """What the one offline run under ``wandb_dir`` holds: its id, name, tags, config, history
-    rows by step (W&B's own ``_*`` keys dropped) and its folder."""
+    rows by step (W&B's own ``_*`` keys dropped) and its folder. W&B's service process writes the
+    log: read again until it holds the run's record (``wait_s`` at most)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _read_run(wandb_dir)
+        if "id" in out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read_run(wandb_dir) -> dict:
     (path,) = glob.glob(os.path.join(str(wandb_dir), "wandb", "offline-run-*", "run-*.wandb"))
     out: dict = {"history": {}, "config": {}, "folder": os.path.dirname(path)}
     for r in read_wandb_records(path):

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _word_tokenizer import save_word_tokenizer
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,19 +122,7 @@ GSM8K_ROWS = [
 
 def _tokenizer(folder: Path, template: str | None) -> None:
     """A word-level HF tokenizer (one token per word, role markers as special tokens)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<unk>", "</s>", "<|user|>", "<|system|>", "<|assistant|>"]
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + WORDS)}, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": specials[3:]})
-    if template is not None:
-        fast.chat_template = template
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, WORDS, template)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from _generation_parts import MAX_LEN, TOK, tiny_model
+from _word_tokenizer import save_word_tokenizer
 
 from aligner import distributed
 from aligner.actor.config import ActorConfig, validate_actor_config
@@ -43,18 +44,7 @@ THINKING_TEMPLATE = (
 def _hf_folder(folder, eos_ids=None, template: str | None = None) -> str:
     """A word-level HF tokenizer folder (eos ``</s>``), with a ``generation_config.json`` whose
     ``eos_token_id`` is ``eos_ids`` when given."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.WordLevel(dict(ID), unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": SPECIALS[3:]})
-    if template is not None:
-        fast.chat_template = template
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, WORDS, template, SPECIALS)
     if eos_ids is not None:
         (folder / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos_ids, "do_sample": True})

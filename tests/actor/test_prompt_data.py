@@ -9,6 +9,7 @@ import datetime
 import json
 
 import pytest
+from _word_tokenizer import save_word_tokenizer
 
 from aligner.actor.datasets import (
     DataConfig,
@@ -42,20 +43,7 @@ EXTRAS = [
 
 def _hf_tokenizer(folder, template: str | None):
     """A word-level HF tokenizer (one token per word, role markers as special tokens)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<unk>", "</s>", "<|user|>", "<|system|>", "<|assistant|>"]
-    vocab = {w: i for i, w in enumerate(specials + WORDS)}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": specials[3:]})
-    if template is not None:
-        fast.chat_template = template
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, WORDS, template)
     return build_tokenizer(str(folder))
 
 

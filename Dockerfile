@@ -65,6 +65,8 @@ USER 10001
 # requires a run token: give it server.run_token_file (a mounted file) or $ALIGNER_RUN_TOKEN, else it
 # makes <log.dir>/run_token (mode 0600), which the actor then needs as critic.run_token_file.
 EXPOSE 8001 8002
+# The default command serves the digits preset (a tiny critic and the sort task's reward); a real
+# run names its own preset or keys: docker run <image> python servers/serve_critic.py +server_recipe=...
 
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["python", "servers/serve_critic.py", "server.host=0.0.0.0", "server.metrics_port=8002"]
+CMD ["python", "servers/serve_critic.py", "+server_recipe=digits", "server.host=0.0.0.0", "server.metrics_port=8002"]

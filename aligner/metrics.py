@@ -1,4 +1,4 @@
-"""Run metrics: one JSONL line per step, TensorBoard scalars and text, Weights & Biases (when
+"""Run metrics: one JSONL line per step, TensorBoard scalars, histograms and text, Weights & Biases (when
 configured), and a console line; and the step's timers (``timers/<part>``).
 
 Only the logging rank constructs an enabled logger; every other rank gets a disabled one, so
@@ -47,16 +47,16 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 The actor resumes into a run directory (``resume_step`` >= 0) only when the directory is the
 resumed run's own (:func:`aligner.actor.fingerprint.run_dir_continues`); else it passes -1: a new
 W&B run."""
-WANDB_INSTALL = "pip install 'aligner[wandb]'"
+WANDB_INSTALL = "pip install 'aligner-rlhf[wandb]'"
 SAMPLE_COLUMNS = ("prompt", "response", "score", "step")
-"""The columns of the validation samples table (``val/samples``) in W&B."""
+"""The columns of the validation samples table (``validation/samples``) in W&B."""
 
 # The metrics shown on the console line and progress bar, in this order.
 CONSOLE_KEYS = {
     "objective/scores": "reward={:.4g}",
     "objective/kl": "kl={:.4g}",
     "policy/clipfrac": "clipfrac={:.3g}",
-    "loss/value": "value_loss={:.4g}",
+    "critic/vf_loss": "vf_loss={:.4g}",
     "timers/step": "{:.2f}s",
 }
 """What the console line shows of a step's metrics, and how: ``step 12 reward=0.41 kl=0.031 ...``."""
@@ -176,7 +176,7 @@ class WandbConfig:
     names at the same (PPO) steps, the validation samples as a table, and the run's config."""
 
     enabled: bool = False
-    """Log to W&B (needs the wandb package: ``pip install 'aligner[wandb]'``)."""
+    """Log to W&B (needs the wandb package: ``pip install 'aligner-rlhf[wandb]'``)."""
     project: str = "aligner"
     """The W&B project."""
     entity: str | None = None
@@ -341,19 +341,33 @@ class MetricsLogger:
         if self._tb is not None and not self.failures.guard("tensorboard", write, self._tb):
             self._tb_broken = True
 
+    def histograms(self, step: int, hists: dict[str, Any]) -> None:
+        """Histograms (:class:`aligner.histograms.Histogram`, by name) at ``step``: TensorBoard
+        and W&B only (metrics.jsonl keeps the scalars ``<name>/mean``, ``/max``, ``/min``)."""
+        if not self.enabled or not hists:
+            return
+
+        def write(tb: Any) -> None:
+            for name, h in hists.items():
+                h.to_tensorboard(tb, name, step)
+
+        self._to_tensorboard(write)
+        if self._wandb is not None:
+            self.failures.guard("W&B", self._wandb.histograms, step, hists)
+
     def text(self, step: int, tag: str, text: str) -> None:
         if self.enabled:
             self._to_tensorboard(lambda tb: tb.add_text(tag, text, step))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A small table of prompts, responses and scores: console, ``val_samples.jsonl`` and
-        TensorBoard text (``val/samples``)."""
+        TensorBoard text (``validation/samples``)."""
         if not self.enabled or not rows:
             return
         text = "".join(json.dumps({"step": step, **r}) + "\n" for r in rows)
         self.failures.guard("val_samples.jsonl", self._samples.write, text)
         table = format_samples(rows)
-        self.text(step, "val/samples", table)
+        self.text(step, "validation/samples", table)
         if self._wandb is not None:
             self.failures.guard("W&B", self._wandb.samples, step, rows)
         if self.print_fn is not None:
@@ -419,6 +433,7 @@ class _WandbSink:
         self.last = self.floor
         self._warned = False
         self._table = wandb.Table
+        self._wandb = wandb
 
     def _accept(self, step: int) -> bool:
         """Whether W&B takes a row of ``step``: above every earlier run's step, and not below this
@@ -439,10 +454,16 @@ class _WandbSink:
         if self._accept(step):
             self.run.log(metrics, step=step)
 
+    def histograms(self, step: int, hists: dict[str, Any]) -> None:
+        if self._accept(step):
+            self.run.log({name: h.to_wandb(self._wandb) for name, h in hists.items()}, step=step)
+
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if self._accept(step):
             data = [[str(r["prompt"]), str(r["response"]), float(r["score"]), int(step)] for r in rows]
-            self.run.log({"val/samples": self._table(columns=list(SAMPLE_COLUMNS), data=data)}, step=step)
+            self.run.log(
+                {"validation/samples": self._table(columns=list(SAMPLE_COLUMNS), data=data)}, step=step
+            )
 
     def close(self) -> None:
         self.run.finish()

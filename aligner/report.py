@@ -14,7 +14,7 @@ __all__ = ["summarize", "format_summary", "plot_run"]
 def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, float]:
     """Reward at the start and end (means over ``window`` steps), steps and wall time, and the
     last and best validation scores when the run validated."""
-    val = [r for r in rows if "val/scores" in r]
+    val = [r for r in rows if "validation/scores" in r]
     rows = [r for r in rows if "objective/scores" in r]  # a step-0 validation row has no rollout
     if not rows:
         raise ValueError("no metrics rows: the run logged no step")
@@ -31,8 +31,8 @@ def summarize(rows: list[dict[str, Any]], window: int = 5) -> dict[str, float]:
         "step_s": mean([r.get("timers/step", 0.0) for r in rows]),
     }
     if val:
-        out["val_end"] = val[-1]["val/scores"]
-        out["val_best"] = max(r["val/scores"] for r in val)
+        out["val_end"] = val[-1]["validation/scores"]
+        out["val_best"] = max(r["validation/scores"] for r in val)
     return out
 
 
@@ -70,7 +70,7 @@ def plot_run(metrics_path: str, out_path: str) -> str | None:
 
     all_rows = read_metrics(metrics_path)
     rows = [r for r in all_rows if "objective/scores" in r]
-    val = [r for r in all_rows if "val/scores" in r]
+    val = [r for r in all_rows if "validation/scores" in r]
     steps = [r["step"] for r in rows]
     fig, ax1 = plt.subplots(figsize=(7, 4), dpi=110)
     ax1.plot(
@@ -79,16 +79,16 @@ def plot_run(metrics_path: str, out_path: str) -> str | None:
     if val:
         ax1.plot(
             [r["step"] for r in val],
-            [r["val/scores"] for r in val],
+            [r["validation/scores"] for r in val],
             "o-",
             color="tab:green",
             markersize=3,
-            label="validation (val/scores, greedy)",
+            label="validation (validation/scores, greedy)",
         )
         ax1.legend(loc="lower right", fontsize=8)
     ax1.set_xlabel("PPO step")
     ax1.set_ylabel("mean reward", color="tab:blue")
-    ax1.set_ylim(*_limits([r["objective/scores"] for r in rows] + [r["val/scores"] for r in val]))
+    ax1.set_ylim(*_limits([r["objective/scores"] for r in rows] + [r["validation/scores"] for r in val]))
     ax2 = ax1.twinx()
     ax2.plot(steps, [r["objective/kl"] for r in rows], color="tab:red", alpha=0.7, label="KL (objective/kl)")
     ax2.set_ylabel("KL to reference", color="tab:red")

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             dcfg = compose(
                 "actor",
                 overrides=[
+                    "+recipe=digits",
                     f"critic.url={server.url}",
                     f"logging.run_dir={tmp / 'actor'}",
                     f"ppo.num_steps={args.steps}",

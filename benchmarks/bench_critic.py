@@ -121,6 +121,7 @@ def dp_throughput(
     overrides = [
         "server.grpc_port=0",
         "server.metrics_port=null",
+        "reward.fn=aligner.tasks.digits:sort_reward",
         f"parallel.data_parallel_size={dp}",
         f"server.max_batch_size={max(256, rows)}",
         f"server.max_request_batch={max(1024, train_rows)}",
@@ -322,6 +323,7 @@ def main() -> None:
         "server.allow_no_token=true",
         "server.grpc_port=0",
         "server.metrics_port=null",
+        "reward.fn=aligner.tasks.digits:sort_reward",
         f"server.max_queue_delay_us={args.queue_delay_us}",
         f"log.dir={root / 'log'}",
         "log.tensorboard=false",

@@ -42,6 +42,7 @@ def _run(name: str, steps: int, out: Path) -> list[dict]:
     run_dir = out / name
     server = start_server(
         [
+            "+server_recipe=digits",
             "server.grpc_port=0",
             "server.metrics_port=null",
             f"mode={mode}",
@@ -57,6 +58,7 @@ def _run(name: str, steps: int, out: Path) -> list[dict]:
         cmd = [
             sys.executable,
             str(ROOT / "examples" / "train_actor.py"),
+            "+recipe=digits",
             f"critic.url={server.url}",
             f"logging.run_dir={run_dir / 'actor'}",
             f"checkpoint.dir={run_dir / 'checkpoints'}",

@@ -33,7 +33,7 @@ metrics.jsonl (seconds: ``generate``, ``logprobs`` (rollout and reference log-pr
 critic's infer in flight), ``critic_wait`` (waiting for critic_infer's values and scores, and
 for the previous critic_train), ``train`` (the PPO epochs), ``refit``, ``step``), the tokens of
 a step (prompt tokens from the actor's own seeded prompt order, response tokens from
-``rollout/response_length``), the actor's training tokens per second (real tokens x PPO epochs /
+``response_length/mean``), the actor's training tokens per second (real tokens x PPO epochs /
 ``timers/train``), and the server's side from its ``<log.dir>/metrics.jsonl``:
 ``timers/critic_train_ms`` (one critic_train request, forward, backward and optimizer step; it
 overlaps the actor's ``train`` phase) and ``server/critic_infer/latency_ms_mean`` (one
@@ -109,6 +109,7 @@ def _run_actor(
 
     side = tmp / name
     overrides = [
+        "+recipe=digits",  # the tiny model's learning rate and PPO settings
         f"critic.url={url}",
         f"logging.run_dir={side / 'actor'}",
         f"data.prompt_file={prompts}",
@@ -185,10 +186,10 @@ def _summary(run: dict, args, prompts: list[str]) -> dict:
         f"{p}_s": round(statistics.median([r.get(f"timers/{p}", 0.0) for r in measured]), 4) for p in PHASES
     }
     prompt_tok = _prompt_tokens_per_step(prompts, args)[args.warmup : len(rows)]
-    resp_tok = [r["rollout/response_length"] * args.batch for r in measured]
+    resp_tok = [r["response_length/mean"] * args.batch for r in measured]
     out["prompt_tokens"] = round(mean(prompt_tok))
     out["response_tokens"] = round(mean(resp_tok))
-    out["response_length_mean"] = round(mean([r["rollout/response_length"] for r in measured]), 2)
+    out["response_length_mean"] = round(mean([r["response_length/mean"] for r in measured]), 2)
     real = [p + r for p, r in zip(prompt_tok, resp_tok)]
     out["train_tokens_per_s"] = round(
         statistics.median([args.ppo_epochs * t / r["timers/train"] for t, r in zip(real, measured)])
@@ -206,7 +207,7 @@ def _summary(run: dict, args, prompts: list[str]) -> dict:
         if lat:
             out["critic_infer_s"] = round(statistics.median(lat) / 1000, 4)
     out["step1_scores"] = rows[0]["objective/scores"]
-    out["step1_response_length"] = rows[0]["rollout/response_length"]
+    out["step1_response_length"] = rows[0]["response_length/mean"]
     out["actor_wall_s"] = round(run["wall_s"], 1)
     out["steps_measured"] = len(measured)
     return out

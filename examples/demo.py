@@ -25,17 +25,15 @@ from aligner.wire.readiness import ServerStartError  # noqa: E402
 
 RUN_DIR = ROOT / "runs" / "demo"
 
-# The critic the demo serves: the same tiny shape as the policy, trained with a larger
-# learning rate than the server's default (it starts from scratch, not from a reward model).
+# The demo's presets (aligner/configs/recipe/demo.yaml, server_recipe/demo.yaml): a tiny critic and
+# policy from scratch on the sort task; here on a free port and under this checkout's runs/demo.
+ACTOR_PRESET = "+recipe=demo"
 SERVER_OVERRIDES = [
+    "+server_recipe=demo",
     "server.grpc_port=0",
     "server.metrics_port=null",
-    "model.max_seq_len=16",
-    "optim.lr=1e-3",
-    "reward.fn=aligner.tasks.digits:sort_reward",
     f"log.dir={RUN_DIR / 'critic'}",
     f"checkpoint.dir={RUN_DIR / 'checkpoints'}",  # both roles save under one root
-    "checkpoint.save_on_sigterm=false",
 ]
 
 
@@ -77,6 +75,7 @@ def main(argv: list[str]) -> int:
         cmd = [
             sys.executable,
             str(ROOT / "examples" / "train_actor.py"),
+            ACTOR_PRESET,
             f"critic.url={server.url}",
             f"logging.run_dir={RUN_DIR / 'actor'}",
             f"checkpoint.dir={RUN_DIR / 'checkpoints'}",

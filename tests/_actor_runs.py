@@ -46,20 +46,25 @@ def digit_server(tmp_path: Path, task: str, *extra: str) -> ServerProcess:
 
 
 def run_actor(url: str, run_dir: Path, overrides: list[str], *, scored_only: bool = True) -> list[dict]:
-    """:func:`aligner.actor.run.run` in this process on ``actor.yaml`` with ``overrides``; the
+    """:func:`aligner.actor.run.run` in this process on ``actor.yaml`` with the digits preset and
+    ``overrides``; the
     rows of its metrics.jsonl (only the training steps' with ``scored_only``)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
-        dcfg = compose("actor", overrides=[f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides])
+        dcfg = compose(
+            "actor",
+            overrides=["+recipe=digits", f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides],
+        )
     run(OmegaConf.to_object(dcfg))
     rows = read_metrics(str(run_dir / "metrics.jsonl"))
     return [r for r in rows if "objective/scores" in r] if scored_only else rows
 
 
 def torchrun_actor(nproc: int, url: str, run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """The real command line: ``torchrun examples/train_actor.py`` on ``nproc`` processes."""
+    """The real command line: ``torchrun examples/train_actor.py +recipe=digits`` on ``nproc``
+    processes."""
     from aligner.distributed import free_port
 
     cmd = [
@@ -70,6 +75,7 @@ def torchrun_actor(nproc: int, url: str, run_dir: Path, overrides: list[str]) ->
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         str(ROOT / "examples" / "train_actor.py"),
+        "+recipe=digits",
         f"critic.url={url}",
         f"logging.run_dir={run_dir}",
         *overrides,

@@ -31,6 +31,7 @@ SAVE_INTERVAL = 2
 """Both roles save every 2 steps (2, 4, 6): what a rolled-back run falls back to."""
 
 ACTOR_RUN = (
+    "+recipe=digits",
     "data.task=copy",
     "data.num_digits=3",
     "generation.max_new_tokens=4",
@@ -324,12 +325,14 @@ def final_weights(ckpt: Path, critic_ckpt: Path | None = None, step: int = STEPS
 
 def same_metrics(got: list[dict], want: list[dict]) -> None:
     """Rows of two runs' ``metrics.jsonl`` (``aligner.metrics.read_metrics``: the newest row of a
-    redone step wins) equal at every step, timers and throughput left out."""
+    redone step wins) equal at every step, timers, throughput, memory and speed left out."""
     import pytest
 
     def keys(row: dict) -> set[str]:
         return {
-            k for k in row if not k.startswith("timers/") and k not in ("time", "throughput/tokens_per_s")
+            k
+            for k in row
+            if not k.startswith(("timers/", "perf/")) and k not in ("time", "throughput/tokens_per_s")
         }
 
     assert [r["step"] for r in got] == [r["step"] for r in want]

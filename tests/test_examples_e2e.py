@@ -176,5 +176,5 @@ def test_arithmetic_policy_learns_sums_checked_against_the_answer_column(tmp_pat
     assert _mean(right[:5]) < 0.2
     assert _mean(right[-5:]) > 0.4, right  # about 0.6 in 45 steps
     assert max(_mean(unrelated[i : i + 5]) for i in range(len(unrelated) - 4)) < 0.2, unrelated
-    val = [r["val/scores"] for r in results["right"] if "val/scores" in r]
+    val = [r["validation/scores"] for r in results["right"] if "validation/scores" in r]
     assert val and val[-1] > 0.3  # greedy answers to the test split, checked against its answers

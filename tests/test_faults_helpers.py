@@ -42,10 +42,10 @@ def test_weights_must_be_equal_element_for_element():
 
 
 def test_metrics_must_match_at_every_step_but_timers():
-    want = [{"step": 1, "loss/value": 1.0, "timers/step": 0.1}, {"step": 2, "loss/value": 0.5}]
+    want = [{"step": 1, "critic/vf_loss": 1.0, "timers/step": 0.1}, {"step": 2, "critic/vf_loss": 0.5}]
     same_metrics([{**want[0], "timers/step": 9.0}, dict(want[1])], want)
     with pytest.raises(AssertionError):
-        same_metrics([want[0], {"step": 2, "loss/value": 0.51}], want)
+        same_metrics([want[0], {"step": 2, "critic/vf_loss": 0.51}], want)
     with pytest.raises(AssertionError):
         same_metrics([want[0]], want)
 

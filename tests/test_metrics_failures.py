@@ -25,7 +25,7 @@ def test_a_full_disk_drops_rows_and_says_so_once(tmp_path, caplog):
     logger = M.MetricsLogger(str(tmp_path), tensorboard=False, print_fn=None)
     with caplog.at_level(logging.WARNING, logger="aligner.metrics"):
         for step in range(3):
-            logger.log(step, {"loss/value": 0.5})
+            logger.log(step, {"critic/vf_loss": 0.5})
         logger.samples(2, [{"prompt": "p", "response": "r", "score": 1.0}])
     assert logger.dropped == 4
     (line,) = _warnings(caplog)
@@ -35,7 +35,7 @@ def test_a_full_disk_drops_rows_and_says_so_once(tmp_path, caplog):
 
 def test_a_row_cut_short_costs_that_row_alone(tmp_path, monkeypatch, caplog):
     logger = M.MetricsLogger(str(tmp_path), tensorboard=False)
-    logger.log(1, {"loss/value": 1.0})
+    logger.log(1, {"critic/vf_loss": 1.0})
     real = os.write
     state = {"fail": True}
 
@@ -48,12 +48,12 @@ def test_a_row_cut_short_costs_that_row_alone(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(M.os, "write", write)
     with caplog.at_level(logging.WARNING, logger="aligner.metrics"):
-        logger.log(2, {"loss/value": 2.0})  # cut short
-        logger.log(3, {"loss/value": 3.0})  # room again
+        logger.log(2, {"critic/vf_loss": 2.0})  # cut short
+        logger.log(3, {"critic/vf_loss": 3.0})  # room again
     logger.close()
     assert logger.dropped == 1 and len(_warnings(caplog)) == 1
     rows = M.read_metrics(str(tmp_path / "metrics.jsonl"))
-    assert [(r["step"], r["loss/value"]) for r in rows] == [(1, 1.0), (3, 3.0)]
+    assert [(r["step"], r["critic/vf_loss"]) for r in rows] == [(1, 1.0), (3, 3.0)]
 
 
 def test_the_warning_is_rate_limited_and_counts_what_it_did_not_say(caplog, monkeypatch):
@@ -106,9 +106,9 @@ def test_a_tensorboard_writer_that_died_is_reopened_at_the_next_row(tmp_path, mo
     _FlakyWriter.made = []
     monkeypatch.setattr(torch.utils.tensorboard, "SummaryWriter", _FlakyWriter)
     logger = M.MetricsLogger(str(tmp_path), tensorboard=True)
-    logger.log(1, {"loss/value": 1.0})  # TensorBoard fails; the JSONL row is written
-    logger.log(2, {"loss/value": 2.0})  # a new event file
+    logger.log(1, {"critic/vf_loss": 1.0})  # TensorBoard fails; the JSONL row is written
+    logger.log(2, {"critic/vf_loss": 2.0})  # a new event file
     logger.close()
     assert logger.dropped == 1 and len(_FlakyWriter.made) == 2
-    assert _FlakyWriter.made[1].scalars == [("loss/value", 2.0, 2)]
+    assert _FlakyWriter.made[1].scalars == [("critic/vf_loss", 2.0, 2)]
     assert [r["step"] for r in M.read_metrics(str(tmp_path / "metrics.jsonl"))] == [1, 2]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from _word_tokenizer import save_word_tokenizer
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "aligner" / "configs"
@@ -254,7 +254,8 @@ def test_each_pair_agrees(name, workspace, monkeypatch):
     critic_free = actor.ppo.advantage in CRITIC_FREE_ESTIMATORS
     assert server.mode == ("reward_only" if critic_free else "critic")
     if not critic_free:
-        assert server.checkpoint.dir == actor.checkpoint.dir, "both roles save under one folder"
+        ckpt = actor.checkpoint.dir or f"{actor.logging.run_dir}/checkpoints"
+        assert server.checkpoint.dir == ckpt, "both roles save under one folder"
         if server.init.policy_path:
             assert server.init.policy_path == actor.init_from, "the critic starts from the policy"
         else:
@@ -263,31 +264,66 @@ def test_each_pair_agrees(name, workspace, monkeypatch):
     assert server.reward.fn, "a reward function scores the actor's responses"
 
 
-def test_the_demo_preset_is_the_demos_settings():
-    """recipe/demo and server_recipe/demo are what examples/demo.py runs: the packaged actor.yaml
-    but for where it writes, and critic.yaml with the demo's server overrides."""
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _changed(preset: DictConfig, packaged: DictConfig) -> dict:
+    a = _flat(OmegaConf.to_container(preset, resolve=True))
+    b = _flat(OmegaConf.to_container(packaged, resolve=True))
+    return {k: v for k, v in a.items() if b.get(k) != v}
+
+
+def test_the_demo_runs_the_demo_presets_and_only_they_hold_its_settings():
+    """examples/demo.py runs recipe/demo and server_recipe/demo, changing only where they write; the
+    demo's settings (a learning rate for a tiny model from scratch, 7-token responses, the sort
+    reward) live in the presets, and the packaged defaults are a real model's."""
     spec = importlib.util.spec_from_file_location("_demo_example", ROOT / "examples" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
+    assert demo.SERVER_OVERRIDES[0] == "+server_recipe=demo" and demo.ACTOR_PRESET == "+recipe=demo"
     where = {"server.grpc_port", "server.metrics_port", "log.dir", "checkpoint.dir"}
-    server = compose("critic", ["+server_recipe=demo"])
-    as_demo = compose("critic", [o for o in demo.SERVER_OVERRIDES if o.split("=")[0] not in where])
-    for o in demo.SERVER_OVERRIDES:
-        key = o.split("=")[0]
-        if key not in where:
-            assert OmegaConf.select(server, key) == OmegaConf.select(as_demo, key), key
-    assert (server.log.dir, server.checkpoint.dir) == ("runs/demo/critic", "runs/demo/checkpoints")
+    assert {o.split("=")[0] for o in demo.SERVER_OVERRIDES[1:]} <= where
 
-    actor = OmegaConf.to_container(compose("actor", ["+recipe=demo"]))
-    packaged = OmegaConf.to_container(compose("actor", []))
-    assert (actor["logging"].pop("run_dir"), packaged["logging"].pop("run_dir")) == (
-        "runs/demo/actor",
-        "runs/actor",
-    )
-    assert actor["checkpoint"].pop("dir") == "runs/demo/checkpoints"
-    assert actor["checkpoint"].pop("resume") == "none"  # each demo starts over
-    del packaged["checkpoint"]["dir"], packaged["checkpoint"]["resume"]
-    assert actor == packaged
+    server = _changed(compose("critic", ["+server_recipe=demo"]), compose("critic", []))
+    assert server == {  # server_recipe/digits and where the demo writes
+        "model.max_seq_len": 16,
+        "optim.lr": 1e-3,
+        "reward.fn": "aligner.tasks.digits:sort_reward",
+        "log.dir": "runs/demo/critic",
+        "checkpoint.dir": "runs/demo/checkpoints",
+        "checkpoint.save_on_sigterm": False,
+    }
+    actor = _changed(compose("actor", ["+recipe=demo"]), compose("actor", []))
+    assert actor == {  # recipe/digits and where the demo writes
+        "model.max_seq_len": 16,
+        "generation.max_new_tokens": 7,
+        "optim.lr": 2e-3,
+        "optim.min_lr": 2e-3,
+        "ppo.micro_batch_size": 64,
+        "ppo.ppo_epochs": 2,
+        "ppo.init_kl_coef": 0.02,
+        "logging.run_dir": "runs/demo/actor",
+        "checkpoint.dir": "runs/demo/checkpoints",
+        "checkpoint.resume": "none",  # each demo starts over
+    }
+
+
+def test_the_packaged_defaults_are_a_real_models_and_the_dataclasses_say_the_same():
+    """aligner-train with init_from and a data set gets verl's quick-start settings, not the CPU
+    demo's; the dataclass defaults (what a Python caller gets) are the YAML's."""
+    from aligner.actor.config import ActorConfig
+    from aligner.critic.config import CriticServerConfig
+
+    actor = compose("actor", [])
+    assert (actor.optim.lr, actor.ppo.init_kl_coef, actor.generation.max_new_tokens) == (1e-6, 0.001, 512)
+    assert (actor.ppo.global_batch_size, actor.ppo.mini_batch_size, actor.ppo.ppo_epochs) == (256, 64, 1)
+    assert compose("critic", []).reward.fn is None, "no demo reward is added to a user's reward model"
+    for name, cls in (("actor", ActorConfig), ("critic", CriticServerConfig)):
+        assert _changed(OmegaConf.structured(cls()), compose(name, [])) == {}, name
 
 
 # --- overrides after a preset ------------------------------------------------------------------------

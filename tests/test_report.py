@@ -20,9 +20,9 @@ def _rows(scores, kl=0.1):
 
 def test_summary_of_a_hand_worked_run():
     rows = [
-        {"step": 0, "val/scores": 0.1},
+        {"step": 0, "validation/scores": 0.1},
         *_rows([0.0, 0.2, 0.4, 0.6, 0.8, 1.0]),
-        {"step": 6, "val/scores": 0.7},
+        {"step": 6, "validation/scores": 0.7},
     ]
     s = summarize(rows, window=2)
     assert s["steps"] == 6
@@ -33,7 +33,7 @@ def test_summary_of_a_hand_worked_run():
     table = format_summary(s)
     assert "| reward at end     |      0.900 |" in table
     with pytest.raises(ValueError, match="no metrics rows"):
-        summarize([{"step": 0, "val/scores": 0.1}])
+        summarize([{"step": 0, "validation/scores": 0.1}])
 
 
 def test_the_reward_axis_follows_the_data():
@@ -59,4 +59,4 @@ def test_the_console_line_names_each_figure_once():
 
     m = {"objective/scores": 0.4123, "objective/kl": 0.0312, "policy/clipfrac": 0.05, "timers/step": 0.2403}
     assert format_console(12, m) == "step 12 reward=0.4123 kl=0.0312 clipfrac=0.05 0.24s"
-    assert format_console(3, {"loss/value": 1.5}) == "step 3 value_loss=1.5"
+    assert format_console(3, {"critic/vf_loss": 1.5}) == "step 3 vf_loss=1.5"

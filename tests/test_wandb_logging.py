@@ -156,7 +156,7 @@ def wandb_cfg(tmp_path, name: str, **kw) -> WandbConfig:
 
 
 def rows(step: int) -> dict[str, float]:
-    return {"objective/scores": 0.25 * step, "objective/kl": 0.01 * step, "loss/value": 1.0 / (1 + step)}
+    return {"objective/scores": 0.25 * step, "objective/kl": 0.01 * step, "critic/vf_loss": 1.0 / (1 + step)}
 
 
 def test_offline_run_logs_metrics_samples_and_config(offline):
@@ -197,10 +197,29 @@ def test_offline_run_logs_metrics_samples_and_config(offline):
     assert math.isnan(float(run["history"][2]["timers/step"]))  # NaN kept, as in metrics.jsonl
     assert run["history"][3]["timers/step"] == 0.5
 
-    table = table_rows(run, 3, "val/samples")
+    table = table_rows(run, 3, "validation/samples")
     assert table["columns"] == ["prompt", "response", "score", "step"]
     assert table["data"] == [["12 + 3 =", "15", 1.0, 3], ["a|b", "x\ny", -0.5, 3]]
     assert said == [f"validation samples at step 3:\n{said[0].split(chr(10), 1)[1]}"]  # no W&B notice
+
+
+def test_histograms_go_to_wandb_beside_the_step_row(offline):
+    import torch
+
+    from aligner.histograms import distributions
+
+    tmp_path = offline
+    _, hists = distributions({"critic/advantages": (torch.tensor([1.0, 3.0, 2.0]), None)}, bins=4)
+    logger = MetricsLogger(str(tmp_path / "run"), tensorboard=False, wandb=wandb_cfg(tmp_path, "w"))
+    logger.log(2, {**rows(2), "critic/advantages/mean": 2.0})
+    logger.histograms(2, hists)
+    logger.close()
+    got = wandb_run(tmp_path / "w")["history"][2]
+    assert got["critic/advantages/mean"] == 2.0 and got["objective/kl"] == pytest.approx(0.02)
+    h = {k: got[f"critic/advantages/{k}"] for k in ("_type", "bins", "values")}  # a nested item
+    assert h == {"_type": "histogram", "bins": [1.0, 1.5, 2.0, 2.5, 3.0], "values": [1, 0, 1, 1]}
+    (row,) = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert "critic/advantages" not in row  # the JSONL keeps scalars
 
 
 def test_resume_continues_the_run_and_skips_steps_it_has(offline):
@@ -228,7 +247,7 @@ def test_resume_continues_the_run_and_skips_steps_it_has(offline):
     assert resumed["id"] == run_id
     assert sorted(resumed["history"]) == [6]
     assert resumed["history"][6]["objective/scores"] == pytest.approx(rows(6)["objective/scores"] + 100)
-    assert table_rows(resumed, 6, "val/samples")["data"] == [["p", "r", 1.0, 6]]
+    assert table_rows(resumed, 6, "validation/samples")["data"] == [["p", "r", 1.0, 6]]
     notices = [s for s in said if s.startswith("W&B")]
     assert len(notices) == 1 and run_id in notices[0] and "step 5" in notices[0], said
     # metrics.jsonl has every redone row (as before: only W&B skips them).
@@ -268,7 +287,7 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "w").exists()
     problems = LoggingConfig(wandb=WandbConfig(enabled=True)).problems()
     assert len(problems) == 1 and "logging.wandb.enabled" in problems[0]
-    assert "pip install 'aligner[wandb]'" in problems[0]
+    assert "pip install 'aligner-rlhf[wandb]'" in problems[0]
     # Off, or mode 'disabled': the package is not needed.
     assert LoggingConfig().problems() == []
     assert LoggingConfig(wandb=WandbConfig(enabled=True, mode="disabled")).problems() == []

@@ -249,11 +249,14 @@ class ActorCheckpointer:
         fresh start, the checkpoint's on a resume (None: one from before run ids)."""
         if state.rank == 0:
             clean_leftovers_at_start(self.root, ROLE, log)  # of saves killed before this start
-        self.best: dict[str, Any] | None = None  # {"step", "val/scores"}
+        self.exporter: Any = None
+        """The policy's exports (:class:`aligner.actor.export.PolicyExporter`), told of every step
+        after its checkpoint: ``exporter.after_step(step, metrics, new_best)``; None: no exports."""
+        self.best: dict[str, Any] | None = None  # {"step", "validation/scores"}
         best_file = self.root / "best.json"
         if best_file.is_file():
             try:
-                self.best = read_json(best_file)
+                self.best = _best(read_json(best_file))
             except CheckpointError:
                 self.best = None
 
@@ -269,23 +272,26 @@ class ActorCheckpointer:
         self, step: int, metrics: dict[str, float], actor_state: Callable[[], ActorState], *, last: bool
     ) -> None:
         """After step ``step``: save when the interval says so, at the end, or (``keep_best``) at a
-        new best validation. ``actor_state`` is called only to save."""
+        new best validation; then the :attr:`exporter`'s exports of the step. ``actor_state`` is
+        called only to save."""
         c = self.cfg.checkpoint
         new_best = (
             c.keep_best
-            and "val/scores" in metrics
-            and (self.best is None or metrics["val/scores"] > float(self.best["val/scores"]))
+            and BEST_KEY in metrics
+            and (self.best is None or metrics[BEST_KEY] > float(self.best[BEST_KEY]))
         )
         due = (c.save_interval and step % c.save_interval == 0) or (last and c.save_at_end) or new_best
         if new_best:
-            self.best = {"step": step, "val/scores": float(metrics["val/scores"])}
+            self.best = {"step": step, BEST_KEY: float(metrics[BEST_KEY])}
         if due and self.last_saved != step:
             self.save(actor_state())
         if new_best and self.state.rank == 0:
             self._write_best()
             self.say(
-                f"new best validation score {self.best['val/scores']:.4f} at step {step}: {self.root / 'best'}"
+                f"new best validation score {self.best[BEST_KEY]:.4f} at step {step}: {self.root / 'best'}"
             )
+        if self.exporter is not None:
+            self.exporter.after_step(step, metrics, bool(new_best))
 
     def save(self, state: ActorState) -> Path:
         """Both roles' checkpoints of ``state.step`` (the critic's by the server). Returns the
@@ -458,7 +464,7 @@ class ActorCheckpointer:
                 f"the checkpoint was made with {saved['world_size']} rank(s) (DP={saved['data_parallel_size']}), "
                 f"this run has {st.world_size} (DP={st.dp_size}): random states are not restored"
             )
-        self.best = saved.get("best")
+        self.best = _best(saved.get("best"))
         if st.rank == 0:
             later = [s for s in complete_steps(self.root, role=ROLE) if s > step]
             self.abandoned = set(later)
@@ -494,3 +500,15 @@ def _apply_current_hyperparameters(optimizer: torch.optim.Optimizer, o: PolicyOp
         g["weight_decay"] = o.weight_decay
         g["initial_lr"] = o.lr
         g["lr"] = o.lr
+
+
+BEST_KEY = "validation/scores"
+"""The metric a best checkpoint is chosen by, and its key in ``best.json``."""
+
+
+def _best(best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A saved best record, its score under :data:`BEST_KEY` (a checkpoint written before the
+    metric's rename holds it under ``val/scores``)."""
+    if best is not None and BEST_KEY not in best and "val/scores" in best:
+        best = {"step": best["step"], BEST_KEY: best["val/scores"]}
+    return best

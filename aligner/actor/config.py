@@ -18,8 +18,9 @@ from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.config import GenerationConfig
 from aligner.metrics import WandbConfig
-from aligner.models.config import FORWARD_MODES, ModelConfig
+from aligner.models.config import FORWARD_MODES, ConversionError, ModelConfig
 from aligner.models.lora import LoraConfig
+from aligner.models.model_files import parse_size
 from aligner.optim import OptimConfig
 
 __all__ = [
@@ -42,9 +43,9 @@ ON_RESTART = ("resume", "fail")
 class PolicyOptimConfig(OptimConfig):
     """The policy's AdamW (the settings both roles share) with linear warmup and cosine decay."""
 
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr: float = 1e-4
+    lr: float = 1e-6
+    """Peak learning rate (1e-6: full fine-tuning of a 0.5-8B model, as verl and OpenRLHF default)."""
+    min_lr: float = 1e-6
     """Learning rate at the end of the cosine decay."""
     warmup_steps: int = 5
     """Optimizer steps of linear warmup."""
@@ -137,13 +138,33 @@ class LoggingConfig:
     """Write TensorBoard event files."""
     progress_bar: bool = True
     """Show a progress bar with reward, KL and step time."""
+    histogram_interval: int = 10
+    """Histograms of the scores, advantages, returns, values and response lengths (over every
+    data-parallel rank) to TensorBoard and W&B every N steps; 0: none (docs/metrics.md)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for ``perf/mfu``; None: a known GPU's dense bf16 peak when the
+    run computes in bf16 (else no MFU; never on a CPU unless given here)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases as a third sink (off by default): the same metrics at the same steps, the
     validation samples as a table, this config as the run's config; a resume continues the run."""
 
     def problems(self, prefix: str = "logging") -> Problems:
-        """The W&B settings' problems (a missing wandb package among them, when it is on)."""
-        return self.wandb.problems(f"{prefix}.wandb")
+        """The W&B settings' problems (a missing wandb package among them, when it is on), and a
+        negative histogram interval or a peak that is not positive."""
+        e = self.wandb.problems(f"{prefix}.wandb")
+        e.expect(
+            isinstance(self.histogram_interval, int) and self.histogram_interval >= 0,
+            f"{prefix}.histogram_interval",
+            self.histogram_interval,
+            "an integer >= 0 (0: no histograms)",
+        )
+        e.expect(
+            self.peak_tflops is None or (isinstance(self.peak_tflops, int | float) and self.peak_tflops > 0),
+            f"{prefix}.peak_tflops",
+            self.peak_tflops,
+            "a positive number of TFLOP/s per device, or null",
+        )
+        return e
 
 
 @dataclass
@@ -153,14 +174,14 @@ class ActorCheckpointConfig:
 
     dir: str | None = None
     """Root of the run's checkpoints; None = <logging.run_dir>/checkpoints."""
-    save_interval: int = 0
+    save_interval: int = 100
     """Save every N steps (0 = only at the end)."""
     save_at_end: bool = True
     """Save after the last step."""
     keep_last: int = 3
     """Actor checkpoints kept (older ones are removed once a newer one is complete); 0 keeps all."""
     keep_best: bool = True
-    """When validation reaches a new best val/scores, save that step and keep it as 'best'
+    """When validation reaches a new best validation/scores, save that step and keep it as 'best'
     (never pruned; <dir>/best links to it)."""
     resume: str = "auto"
     """'auto': continue from the newest step both roles completed (fresh if none), only when it was
@@ -170,10 +191,50 @@ class ActorCheckpointConfig:
     """At the end, export the policy as a Hugging Face folder here (None = no export)."""
     export_arch: str | None = None
     """HF architecture of the export (default: the one recorded when the policy was imported, else llama)."""
+    export_interval: int = 0
+    """Also export every N steps, to <export_hf>-step_XXXXXXXX (0 = off; needs export_hf)."""
+    export_best: bool = False
+    """Also export each new best validation/scores step to <export_hf>-best, replacing the previous best's
+    (needs export_hf, keep_best and validation.interval > 0)."""
+    export_dtype: str = "bf16"
+    """dtype of the exported weights: 'bf16', 'fp16' or 'fp32'."""
+    export_max_shard_size: str | None = "5GB"
+    """Largest weight file of an export ('5GB', '500MB', bytes), as HF's shards with
+    model.safetensors.index.json; None = one model.safetensors."""
 
-    def problems(self, prefix: str = "checkpoint") -> Problems:
+    def problems(self, prefix: str = "checkpoint", validation_interval: int | None = None) -> Problems:
         e = Problems()
-        e.non_negative_ints(self, prefix, ("save_interval", "keep_last"))
+        e.non_negative_ints(self, prefix, ("save_interval", "keep_last", "export_interval"))
+        e.expect(
+            self.export_dtype in ("bf16", "fp16", "fp32"),
+            f"{prefix}.export_dtype",
+            self.export_dtype,
+            "'bf16', 'fp16' or 'fp32'",
+        )
+        try:
+            parse_size(self.export_max_shard_size)
+        except ConversionError:
+            e.expect(
+                False,
+                f"{prefix}.export_max_shard_size",
+                self.export_max_shard_size,
+                "a size such as '5GB', '500MB', '2GiB', a number of bytes, or null (one file)",
+            )
+        if not self.export_hf:
+            for key in ("export_interval", "export_best"):
+                if getattr(self, key):
+                    e.append(
+                        f"{prefix}.{key}={getattr(self, key)!r} needs {prefix}.export_hf: the exports are "
+                        f"written beside it (<export_hf>-step_XXXXXXXX, <export_hf>-best)"
+                    )
+        if self.export_best and not self.keep_best:
+            e.append(
+                f"{prefix}.export_best=true needs {prefix}.keep_best=true (it exports the step keep_best keeps)"
+            )
+        if self.export_best and validation_interval == 0:
+            e.append(
+                f"{prefix}.export_best=true needs validation.interval > 0 (the best step is the best validation/scores)"
+            )
         e.expect(
             self.resume in ("auto", "force", "none") or os.path.isdir(self.resume),
             f"{prefix}.resume",
@@ -187,9 +248,9 @@ class ActorCheckpointConfig:
 class ValidationConfig:
     """Greedy generation on a fixed prompt set, scored by the server."""
 
-    interval: int = 0
+    interval: int = 50
     """Validate every N steps (0 = never)."""
-    before_train: bool = False
+    before_train: bool = True
     """Also validate the initial policy, logged at step 0."""
     num_prompts: int = 64
     """Evaluation prompts (fixed; independent of the batch sizes): the first N of data.val_split,
@@ -288,7 +349,7 @@ class ActorConfig:
                 f"({vocab_size}); set model.vocab_size >= {vocab_size}"
             )
         e += self.data.problems(self.generation.max_new_tokens, self.model.max_seq_len, "data")
-        e += self.checkpoint.problems("checkpoint")
+        e += self.checkpoint.problems("checkpoint", validation_interval=self.validation.interval)
         e += self.critic.problems("critic")
         e += self.validation.problems("validation")
         e += self.logging.problems("logging")

@@ -266,7 +266,7 @@ class CriticLink:
 
     def wait(self) -> None:
         """Wait for the ``critic_train`` in flight; its result is kept in :attr:`completed` until
-        :meth:`take_completed` (``loss/value`` is the critic's loss on the previous step's batch)."""
+        :meth:`take_completed` (``critic/vf_loss`` is the critic's loss on the previous step's batch)."""
         pending = self.pending
         if pending is None:
             self.agree("critic_train", lambda: None)

@@ -122,7 +122,9 @@ class DataConfig:
         if prompt + max_new_tokens > max_seq_len:
             e.append(
                 f"prompt ({prompt} tokens) + generation.max_new_tokens ({max_new_tokens}) = "
-                f"{prompt + max_new_tokens} exceeds model.max_seq_len ({max_seq_len})"
+                f"{prompt + max_new_tokens} exceeds model.max_seq_len ({max_seq_len}) (the packaged "
+                "defaults are sized for a model given by init_from and a data set; the digit tasks' "
+                "CPU demo is +recipe=demo)"
             )
         if max_new_tokens < prompt:
             e.append(

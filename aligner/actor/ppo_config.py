@@ -24,14 +24,14 @@ class PPOConfig:
     ``samples_per_prompt``, one sample per prompt included (token-level returns of the KL-shaped
     rewards against the batch's mean)."""
 
-    num_steps: int = 100
+    num_steps: int = 500
     """PPO steps (rollout + update) to run."""
-    global_batch_size: int = 64
+    global_batch_size: int = 256
     """Samples (responses) per step, over all data-parallel ranks: each step draws
     global_batch_size / samples_per_prompt prompts."""
-    mini_batch_size: int = 32
+    mini_batch_size: int = 64
     """Samples per optimizer step, over all data-parallel ranks."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 4
     """Samples per forward/backward on one rank (gradient accumulation below the minibatch)."""
     max_tokens_per_micro_batch: int | None = None
     """Packed sequences (``aligner.models.packing``): the policy's and the reference's forwards
@@ -77,7 +77,7 @@ class PPOConfig:
     max_generation_rounds: int = 4
     """Dynamic sampling: the most generation rounds of one step; a batch still short after them is
     filled up with dropped groups."""
-    ppo_epochs: int = 2
+    ppo_epochs: int = 1
     """Passes over the rollout batch per step."""
     reuse_rollout_forward: bool = True
     """With one minibatch of one micro-batch per rank and a dropout-free forward
@@ -95,7 +95,7 @@ class PPOConfig:
     """Entropy bonus weight."""
     loss_agg: str = "token_mean"
     """'token_mean' or 'seq_mean_token_mean'."""
-    init_kl_coef: float = 0.02
+    init_kl_coef: float = 0.001
     """Initial beta of the per-token KL penalty (0 skips the reference model)."""
     adaptive_kl: bool = False
     """Use Ziegler et al.'s adaptive controller instead of a fixed beta."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from aligner import rl
 from aligner.distributed import ParallelState, comm_device
 from aligner.generation.engine import GenerationOutput
+from aligner.histograms import Histogram, distributions
 from aligner.wire.protocol import TrainResult
 
 __all__ = [
@@ -238,10 +239,37 @@ class StepRecord:
     loss_mask: torch.Tensor | None = None
     """[b, s-1] the loss mask when ``ppo.overlong_filtering`` made one (``rollout/overlong_filtered``:
     the fraction of responses it left out), else None."""
+    advantages: torch.Tensor | None = None
+    """[b, s-1] float32 the advantages the policy trained on (``critic/advantages/*``), if given."""
+    episode: int | None = None
+    """Samples trained on since the run began, this step's included (``train/episode``)."""
+    histogram_bins: int = 0
+    """Buckets of the step's histograms (:meth:`summary`); 0: none this step."""
 
     def metrics(self, dp_group: Any = None) -> dict[str, float]:
         """The step's metrics, averaged over every data-parallel rank (collective over
         ``dp_group``: call on every rank)."""
+        return self.summary(dp_group)[0]
+
+    def distributions(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """What the step's distributions are of (verl's names): ``critic/score`` (the server's
+        scores), ``response_length`` (tokens), and over the response tokens
+        ``critic/advantages`` and, with a critic, ``critic/returns`` and ``critic/values``."""
+        gen = self.gen
+        out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+            "critic/score": (self.scores, None),
+            "response_length": ((gen.lengths - gen.prompt_lengths).float(), None),
+        }
+        if self.advantages is not None:
+            out["critic/advantages"] = (self.advantages, self.mask)
+        if not self.critic_free:
+            out["critic/returns"] = (self.returns, self.mask)
+            out["critic/values"] = (self.values, self.mask)
+        return out
+
+    def summary(self, dp_group: Any = None) -> tuple[dict[str, float], dict[str, Histogram]]:
+        """:meth:`metrics`, and the histograms of :meth:`distributions` over every data-parallel
+        rank when ``histogram_bins`` > 0 (collective over ``dp_group``: call on every rank)."""
         row = lambda x: global_mean(x, None, dp_group)  # noqa: E731 - per-sample means over all DP rows
         gen, mask = self.gen, self.mask
         resp_len = (gen.lengths - gen.prompt_lengths).float()
@@ -255,9 +283,8 @@ class StepRecord:
             "objective/scores": float(row(self.scores)),
             "objective/kl": float(row(self.kl.sum(1))),
             "objective/non_score_reward": float(row(self.non_score.sum(1))),
-            "objective/entropy": float(global_mean(self.entropy, mask, dp_group)),
             "objective/kl_coef": float(self.kl_coef),
-            "rollout/response_length": float(row(resp_len)),
+            "rollout/entropy": float(global_mean(self.entropy, mask, dp_group)),
             "rollout/ended_fraction": float(row(gen.ended.float())),
             "rollout/logprob_mismatch_max": float(gen_mismatch),
             "rollout/logprob_mismatch_mean": float(global_mean(diff, mask, dp_group)),
@@ -265,16 +292,19 @@ class StepRecord:
             **self.policy_stats,
             **self.timers,
         }
+        if self.episode is not None:
+            m["train/episode"] = float(self.episode)
         m["throughput/tokens_per_s"] = float(n_tokens) / max(self.timers["timers/generate"], 1e-9)
         if not self.critic_free:
             # over every data-parallel rank's rows, not this rank's alone
-            m["critic/explained_variance"] = float(
+            m["critic/vf_explained_var"] = float(
                 rl.explained_variance(self.values, self.returns, mask, dp_group)
             )
         if self.loss_mask is not None:
             dropped = (self.loss_mask.sum(1) == 0) & (mask.sum(1) > 0)
             m["rollout/overlong_filtered"] = float(row(dropped.float()))
-        if self.critic_stats is not None:
-            m["loss/value"] = float(self.critic_stats.loss)
-            m["critic/grad_norm"] = float(self.critic_stats.grad_norm)
-        return m
+        if self.critic_stats is not None:  # the server's update of the previous step's batch
+            m.update(self.critic_stats.metrics())
+        scalars, hists = distributions(self.distributions(), dp_group, self.histogram_bins)
+        m.update(scalars)
+        return m, hists

@@ -40,6 +40,7 @@ from aligner.actor import fingerprint
 from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
 from aligner.actor.config import ActorConfig, validate_actor_config
 from aligner.actor.datasets import PromptSet, training_prompt_set, validation_prompt_set
+from aligner.actor.export import PolicyExporter, export_policy
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.actor.prompts import PromptSampler
 from aligner.actor.resume import check_resume, resolve_resume
@@ -54,10 +55,7 @@ from aligner.generation.trtllm import TrtllmEngine
 from aligner.metrics import MetricsLogger, format_console, read_metrics
 from aligner.models import gpt
 from aligner.models.checkpoint_io import load_weights_from
-from aligner.models.hf import export_hf
-from aligner.models.hf_config import default_architecture
 from aligner.models.lora import apply_lora
-from aligner.models.lora_io import export_peft_adapter
 from aligner.precision import precision_dtype, resolve_precision
 from aligner.report import format_summary, plot_run, summarize
 from aligner.rl import CRITIC_FREE_ESTIMATORS
@@ -513,21 +511,32 @@ def build_actor(
 # ----------------------------------------------------------------------------------------------
 
 
-def run(cfg: ActorConfig, model_keys: set[str] | None = None, *, critic: CriticHandle | None = None) -> dict:
-    """Build (:func:`build_actor`), train, export (``checkpoint.export_hf``) and summarise; returns
-    the summary on the logging rank (an empty dict elsewhere)."""
+def run(
+    cfg: ActorConfig,
+    model_keys: set[str] | None = None,
+    *,
+    critic: CriticHandle | None = None,
+    overrides: list[str] | None = None,
+) -> dict:
+    """Build (:func:`build_actor`), train, export (``checkpoint.export_hf``: during the run too,
+    :mod:`aligner.actor.export`) and summarise; returns the summary on the logging rank (an empty
+    dict elsewhere). ``overrides``: the command line, named in the exports' model cards."""
     import torch.distributed as dist
 
     try:
         actor = build_actor(cfg, model_keys, critic=critic)
         try:
             t0 = time.time()
+            exporter = None
+            if cfg.checkpoint.export_hf:
+                exporter = PolicyExporter(cfg, actor.policy, log_rank=actor.log, overrides=overrides)
+                actor.checkpointer.exporter = exporter
             actor.trainer.train()
             if actor.bar is not None:
                 actor.bar.close()
                 actor.bar = None
-            if cfg.checkpoint.export_hf:
-                export_policy(cfg, actor.policy, actor.log)
+            if exporter is not None:
+                exporter.at_end(actor.trainer.step_count)
         finally:
             actor.close()
         summary: dict = {}
@@ -545,42 +554,13 @@ def run(cfg: ActorConfig, model_keys: set[str] | None = None, *, critic: CriticH
         distributed.destroy()
 
 
-def export_policy(cfg: ActorConfig, policy: Any, log: bool) -> None:
-    """The final policy as a Hugging Face folder (tokenizer files copied when it is a HF one),
-    and with LoRA its adapters alone in peft's format."""
-    arch = cfg.checkpoint.export_arch
-    if arch is None and cfg.init_from:
-        meta = os.path.join(cfg.init_from, "meta.json")
-        hf_conf = os.path.join(cfg.init_from, "config.json")
-        if os.path.isfile(meta):
-            arch = read_json(meta).get("hf_architecture")
-        elif os.path.isfile(hf_conf):
-            arch = (read_json(hf_conf).get("architectures") or [None])[0]
-    tok_dir = cfg.tokenizer if os.path.isdir(cfg.tokenizer) else None
-    if arch is None:
-        arch = default_architecture(cfg.model)  # Qwen3 for q/k norms, GPT-2 for learned positions, ...
-    out = export_hf(policy, cfg.model, cfg.checkpoint.export_hf, arch, tokenizer_dir=tok_dir, overwrite=True)
-    if log:
-        print(f"exported the policy as a Hugging Face folder: {out}", flush=True)
-    if cfg.lora.enabled:
-        # The merged model is the folder itself; the adapters alone apply to the base model.
-        peft_dir = export_peft_adapter(
-            policy,
-            os.path.join(out, "peft_adapter"),
-            arch or "llama",
-            base_model=cfg.init_from,
-            overwrite=True,
-        )
-        if log:
-            print(f"exported the LoRA adapters (peft format, for the base model): {peft_dir}", flush=True)
-
-
 @hydra.main(config_path="pkg://aligner.configs", config_name="actor", version_base=None)
 def main(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     cfg: ActorConfig = OmegaConf.to_object(dcfg)
-    run(cfg, model_keys_named(HydraConfig.get().overrides.task))
+    overrides = list(HydraConfig.get().overrides.task)
+    run(cfg, model_keys_named(overrides), overrides=overrides)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ from aligner.actor.reference import ReferenceModel
 from aligner.actor.resume import check_restart, rollback_dir, rolled_back
 from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, fill_by_rounds, global_mean
 from aligner.actor.shaping import shape_and_estimate
+from aligner.actor.step_report import StepReport
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from aligner.metrics import MetricsLogger, Timers
@@ -184,6 +185,8 @@ class PPOTrainer:
         """Server restarts this run rolled back from."""
         self._current = 0  # the step being run, or saved: where a restart is found
         self._dp_group = state.dp_group if state.dp_size > 1 else None
+        self.report = StepReport(cfg, state, policy, self.precision)
+        """The episode counter, histograms, memory and MFU of each step."""
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -240,6 +243,7 @@ class PPOTrainer:
         cfg, p = self.cfg, self.cfg.ppo
         step_id = self._current = self.step_count + 1
         timed = Timers()
+        self.report.start()
         with timed("step"):
             # 1. Refit the generation engine from the current policy.
             with timed("refit"):
@@ -362,8 +366,15 @@ class PPOTrainer:
             timers={**timed.seconds, **(self.reference.take_seconds() if self.reference else {})},
             critic_free=self.critic_free,
             loss_mask=loss_mask if p.overlong_filtering else None,
+            advantages=advantages,
         )
-        metrics = record.metrics(self._dp_group)
+        metrics, hists = self.report.summarize(
+            record,
+            step_id,
+            trained=not warmup,
+            rollout_forward=not (self.reuse_rollout_forward and not warmup),
+            reference_forward=with_reference,
+        )
         metrics.update(sampled)
         if p.samples_per_prompt > 1:  # how much a prompt's samples differ (what a group estimator sees)
             spread = rl.group_score_std(shaped.scores, p.samples_per_prompt).reshape(1)
@@ -377,11 +388,12 @@ class PPOTrainer:
         if self.val_prompts and v.interval and step_id % v.interval == 0:
             metrics.update(self.validate(step_id))
         self.logger.log(step_id, metrics)
+        self.logger.histograms(step_id, hists)
         return metrics
 
     def validate(self, step: int) -> dict[str, float]:
-        """Greedy responses to the fixed evaluation prompts, scored by the server: ``val/scores``,
-        ``val/kl`` (summed over the response, policy vs reference), ``val/response_length``; a
+        """Greedy responses to the fixed evaluation prompts, scored by the server: ``validation/scores``,
+        ``validation/kl`` (summed over the response, policy vs reference), ``validation/response_length``; a
         samples table goes to the logger. Changes no training state and draws no randomness."""
         timed = Timers()
         with timed("validation"):
@@ -405,9 +417,9 @@ class PPOTrainer:
             metrics = {  # means over every data-parallel rank's prompts
                 key: float(global_mean(x, None, self._dp_group))
                 for key, x in (
-                    ("val/scores", scores),
-                    ("val/kl", kl),
-                    ("val/response_length", gen.response_lengths.float()),
+                    ("validation/scores", scores),
+                    ("validation/kl", kl),
+                    ("validation/response_length", gen.response_lengths.float()),
                 )
             }
         if self.reference is not None:
@@ -439,6 +451,7 @@ class PPOTrainer:
             "sampler": self.sampler.state_dict(),
             "scheduler_last_epoch": int(self.scheduler.last_epoch),
             "last_critic_train": None if self.critic.completed is None else self.critic.completed.to_dict(),
+            **self.report.state_dict(),
         }
 
     def load_training_state(self, d: dict[str, Any]) -> None:
@@ -446,6 +459,7 @@ class PPOTrainer:
         optimizer of :meth:`actor_state`. The learning-rate schedule continues from the saved
         position under *this* run's settings (a changed LR or step budget takes effect)."""
         self.step_count = int(d["step"])
+        self.report.load_state_dict(d, self.step_count)
         self.kl_ctl.load_state_dict(d["kl_ctl"])
         self.score_moments.load_state_dict(d["score_moments"])
         self.sampler.load_state_dict(d["sampler"])

@@ -167,7 +167,7 @@ class CriticOptimConfig(OptimConfig):
 class RewardConfig:
     """Where the per-sample reward comes from: a Python function, a reward model, or both (summed)."""
 
-    fn: str | None = "aligner.tasks.digits:sort_reward"
+    fn: str | None = None
     """Reward function 'module:function', its convention told by its parameters' names: ours
     fn(prompts, responses, **kwargs), trlx's fn(samples, prompts, outputs, **kwargs), TRL's
     fn(completions, **kwargs), OpenRLHF's reward_func(queries, prompts, labels), or verl's per-sample
@@ -405,7 +405,7 @@ class CriticServerConfig:
         if not (r.fn or r.model_path or r.hf_path):
             e.append(
                 "reward: no reward source: set reward.fn='module:function' and/or reward.model_path "
-                "or reward.hf_path"
+                "or reward.hf_path (none is set by default; the CPU demo's is +server_recipe=demo)"
             )
         if r.model_path and r.hf_path:
             e.append(f"reward.model_path={r.model_path!r} and reward.hf_path={r.hf_path!r}: set only one")

@@ -2,8 +2,8 @@
 
 ``<log.dir>/metrics.jsonl`` (and ``tensorboard/``) hold one row per applied train step, written
 with the project's :class:`aligner.metrics.MetricsLogger` (so ``aligner.metrics.read_metrics``
-reads it like the actor's): ``loss/value``, ``critic/grad_norm``, ``critic/explained_variance``,
-``critic/value_clipfrac``, ``timers/critic_train_ms`` and the request statistics since the
+reads it like the actor's): ``critic/vf_loss``, ``critic/grad_norm``, ``critic/vf_explained_var``,
+``critic/vf_clipfrac``, ``timers/critic_train_ms`` and the request statistics since the
 previous row. Request statistics of intervals without training (every ``log.stats_interval_s``,
 and at shutdown) go to ``<log.dir>/requests.jsonl``. Request statistics are
 ``server/<model>/requests`` (requests answered), ``.../executions`` (calls of the model's

@@ -44,6 +44,7 @@ alone, before anything is broadcast, so they hold for every replica at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -424,6 +425,7 @@ class CriticService:
             )
             t0 = time.perf_counter()
             result = self.update.train_step(req)
+            result = dataclasses.replace(result, train_ms=round(1000 * (time.perf_counter() - t0), 3))
             self.applied.record(req.step, result)
             self.order.moved()  # the infers that wait for this step
             self.peers.touch()
@@ -438,11 +440,8 @@ class CriticService:
             b,
         )
         scalars = {
-            "loss/value": result.loss,
-            "critic/grad_norm": result.grad_norm,
-            "critic/explained_variance": result.explained_variance,
-            "critic/value_clipfrac": result.value_clipfrac,
-            "timers/critic_train_ms": round(1000 * elapsed, 3),
+            **result.metrics(),
+            "critic/vf_explained_var": result.explained_variance,
         }
         self._write_metrics("train_step", req.step, lambda: {**scalars, **self.request_stats.snapshot()})
         return result

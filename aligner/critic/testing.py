@@ -56,8 +56,8 @@ HTTP_ON = {"server.http_port": 0, "server.allow_no_token": "true"}
 
 
 def tiny_overrides(root: str | Path, **extra: object) -> list[str]:
-    """Hydra overrides for a tiny critic server writing under ``root``, on free ports, HTTP off (a
-    test that needs HTTP passes ``**HTTP_ON``)."""
+    """Hydra overrides for a tiny critic server scoring with the sort task's reward, writing under
+    ``root``, on free ports, HTTP off (a test that needs HTTP passes ``**HTTP_ON``)."""
     root = Path(root)
     o = {
         "server.grpc_port": 0,
@@ -66,6 +66,7 @@ def tiny_overrides(root: str | Path, **extra: object) -> list[str]:
         "log.tensorboard": "false",
         "checkpoint.dir": str(root / "ckpt"),
         "optim.lr": 1e-3,
+        "reward.fn": "aligner.tasks.digits:sort_reward",
         "server.exit_timeout_s": 1,
     }
     o.update({f"model.{k}": v for k, v in TINY_MODEL.items()})
@@ -82,6 +83,7 @@ def tiny_config(root: str | Path, **sections: dict) -> dict:
         "log": {"dir": str(root / "log"), "tensorboard": False},
         "checkpoint": {"dir": str(root / "ckpt")},
         "optim": {"lr": 1e-3},
+        "reward": {"fn": "aligner.tasks.digits:sort_reward"},
     }
     for k, v in sections.items():
         d.setdefault(k, {}).update(v)

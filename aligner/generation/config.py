@@ -44,7 +44,7 @@ def stop_token_problems(ids: Any, vocab_size: int | None, key: str) -> Problems:
 class GenerationConfig:
     """How responses are sampled during rollouts."""
 
-    max_new_tokens: int = 8
+    max_new_tokens: int = 512
     """Longest response, end-of-sequence included."""
     temperature: float = 1.0
     """Sampling temperature; the training forward divides logits by the same value."""

@@ -40,12 +40,14 @@ __all__ = ["summarize", "weight_bytes", "STEP_KEYS"]
 STEP_KEYS = (
     "objective/scores",
     "objective/kl",
-    "rollout/response_length",
+    "response_length/mean",
     "throughput/tokens_per_s",
     "loss/policy",
-    "loss/value",
+    "critic/vf_loss",
     "policy/grad_norm",
     "refit/mbytes",
+    "perf/mfu",
+    "perf/max_memory_allocated_gb",
 )
 """The metrics each step's row in the report keeps, beside its ``timers/*``."""
 

@@ -52,8 +52,9 @@ from aligner.models.model_files import (
     as_dtype,
     atomic_output_dir,
     check_output_dir,
+    parse_size,
     read_json_object,
-    write_tensor_stream,
+    write_sharded_tensor_stream,
 )
 
 __all__ = [
@@ -121,13 +122,14 @@ _TOKENIZER_FILES = (
 )
 
 
-def _copy_tokenizer(tokenizer_dir: str | os.PathLike, dst: Path) -> None:
-    src = Path(tokenizer_dir)
-    if not src.is_dir():
-        raise ConversionError(f"tokenizer folder {src} does not exist")
+def _copy_tokenizer(src: Path, dst: Path, base_dir: Path | None) -> None:
+    """The tokenizer files, chat template and ``generation_config.json`` of ``src``; the
+    generation config from ``base_dir`` when ``src`` has none."""
     for name in _TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+        elif name == "generation_config.json" and base_dir is not None and (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, dst / name)
 
 
 def export_hf(
@@ -140,15 +142,28 @@ def export_hf(
     *,
     hf_config: Any = None,
     overwrite: bool = False,
+    max_shard_size: int | str | None = None,
+    base_dir: str | os.PathLike | None = None,
+    model_card: str | None = None,
 ) -> Path:
-    """Write ``model`` as an HF folder (``config.json`` + ``model.safetensors``, tokenizer files
-    copied from ``tokenizer_dir``). Collective: call on every rank; global rank 0 writes, into a
-    temporary folder renamed into place. ``hf_config``: the HF config the model came from, to
-    keep its token ids etc. Returns ``out_dir``."""
+    """Write ``model`` as an HF folder. Collective: call on every rank; global rank 0 writes, into
+    a temporary folder renamed into place. Returns ``out_dir``.
+
+    - ``config.json``: ``hf_config`` (the HF config the model came from: a dict, folder or
+      ``config.json``) with only what the model defines overwritten, so its token ids, context
+      length, RoPE settings and other fields are kept (:func:`hf_config_from_model_config`);
+    - the weights in ``dtype`` (None: the parameters'), as ``model.safetensors``, or as shards of
+      at most ``max_shard_size`` (``"5GB"`` or bytes) with ``model.safetensors.index.json``;
+    - the tokenizer files, chat template and ``generation_config.json`` of ``tokenizer_dir`` (the
+      tokenizer the model was trained with; None: none), the generation config from ``base_dir``
+      (the base model's HF folder) when ``tokenizer_dir`` has none;
+    - ``README.md``: ``model_card`` when given.
+    """
     m = unwrap(model)
     cfg = config_of(m, cfg)
     head = head_of(m)
     dtype = as_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
     full_arch, family, hf_head = _export_arch(arch, head)
     out_dir = Path(out_dir)
     wire = dtype or next(iter(m.parameters())).dtype
@@ -156,19 +171,22 @@ def export_hf(
         cfg, full_arch, base=hf_config, dtype=wire
     )  # raises before any comm.
     check_output_dir(out_dir, overwrite)
-    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
-        raise ConversionError(f"tokenizer folder {tokenizer_dir} does not exist")
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if tok_dir is not None and not tok_dir.is_dir():
+        raise ConversionError(f"tokenizer folder {tok_dir} does not exist")
     barrier()  # every rank has checked before the writer can create the folder
     entries = [(n, s, wire) for n, s in hf_tensor_specs(cfg, full_arch, head)]
     stream = iter_hf_tensors(m, cfg, full_arch, dtype=wire)
     if is_writer():
         with atomic_output_dir(out_dir, overwrite) as tmp:
-            write_tensor_stream(stream, tmp / "model.safetensors", entries, {"format": "pt"})
+            write_sharded_tensor_stream(stream, tmp, entries, max_bytes, {"format": "pt"})
             hf_conf.save_pretrained(tmp)
-            if tokenizer_dir is not None:
-                _copy_tokenizer(tokenizer_dir, tmp)
+            if tok_dir is not None:
+                _copy_tokenizer(tok_dir, tmp, Path(base_dir) if base_dir is not None else None)
+            if model_card is not None:
+                (tmp / "README.md").write_text(model_card, encoding="utf-8")
     else:
-        write_tensor_stream(stream, None, entries)
+        write_sharded_tensor_stream(stream, None, entries, max_bytes)
     barrier()
     return out_dir
 

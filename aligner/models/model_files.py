@@ -6,6 +6,10 @@
   every rank and writes it where a path is given.
 - :func:`atomic_output_dir` is the output folder: written as a temporary folder next to the
   target and renamed into place, so a crash leaves no half-written folder.
+- :func:`write_sharded_tensor_stream` writes the same stream as Hugging Face's sharded
+  checkpoints: ``model-00001-of-0000N.safetensors`` files of at most a given size and
+  ``model.safetensors.index.json`` (one ``model.safetensors`` when everything fits one);
+  :func:`parse_size` reads such a size (``"5GB"``, as ``save_pretrained``'s ``max_shard_size``).
 - :func:`read_json_object` reads a JSON object (``config.json``, ``meta.json``, a safetensors
   index) with errors naming the file; :func:`as_dtype` reads a dtype given by name.
 
@@ -30,6 +34,9 @@ from aligner.models.config import ConversionError
 __all__ = [
     "StreamingSafetensorsWriter",
     "write_tensor_stream",
+    "write_sharded_tensor_stream",
+    "parse_size",
+    "SAFETENSORS_INDEX",
     "check_output_dir",
     "atomic_output_dir",
     "read_json_object",
@@ -154,6 +161,105 @@ def write_tensor_stream(
         if writer is not None:
             writer.abort()
         raise
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+"""The index of a sharded Hugging Face checkpoint: ``{"metadata": {"total_size": bytes},
+"weight_map": {tensor name: shard file}}``."""
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str | None, what: str = "max_shard_size") -> int | None:
+    """Bytes of a size given as an int or as ``"5GB"``, ``"500MB"``, ``"2GiB"`` (decimal and binary
+    units, as transformers reads ``max_shard_size``); None stays None (no limit)."""
+    if size is None:
+        return None
+    if isinstance(size, bool):
+        raise ConversionError(f"{what}={size!r}: expected a size such as '5GB' or a number of bytes")
+    if isinstance(size, int):
+        n = size
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        unit = text[len(digits) :]
+        try:
+            n = int(float(digits) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise ConversionError(
+                f"{what}={size!r}: expected a size such as '5GB', '500MB', '2GiB' or a number of bytes"
+            ) from None
+    if n < 1:
+        raise ConversionError(f"{what}={size!r}: expected a positive size")
+    return n
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def shard_plan(
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_bytes: int | None
+) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """``entries`` cut, in order, into shards of at most ``max_bytes`` each (a tensor larger than
+    that alone in its shard, as transformers does); one shard without a limit."""
+    if not max_bytes:
+        return [list(entries)]
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    size = 0
+    for e in entries:
+        n = _nbytes(e[1], e[2])
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return shards
+
+
+def write_sharded_tensor_stream(
+    stream: Iterator[tuple[str, torch.Tensor]],
+    folder: Path | None,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    max_bytes: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Drain ``stream`` (every rank) into Hugging Face's file layout in ``folder`` (where given):
+    ``model.safetensors`` when the tensors fit one shard of ``max_bytes`` (None: no limit), else
+    ``model-0000i-of-0000N.safetensors`` and :data:`SAFETENSORS_INDEX`. Returns the file names."""
+    shards = shard_plan(entries, max_bytes)
+    n = len(shards)
+    names = (
+        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    it = iter(stream)
+    for name, shard in zip(names, shards):
+        # Each shard takes its own tensors off the one stream, in order.
+        part = (next(it) for _ in range(len(shard)))
+        write_tensor_stream(part, folder / name if folder is not None else None, shard, metadata)
+    for extra, _ in it:  # pragma: no cover - a stream longer than its entries is a bug
+        raise ConversionError(f"unexpected extra tensor {extra} in the stream")
+    if folder is not None and n > 1:
+        index = {
+            "metadata": {"total_size": sum(_nbytes(s, d) for _, s, d in entries)},
+            "weight_map": {e[0]: name for name, shard in zip(names, shards) for e in shard},
+        }
+        with writing(folder / SAFETENSORS_INDEX):
+            with open(folder / SAFETENSORS_INDEX, "w", encoding="utf-8") as fh:
+                json.dump(index, fh, indent=2, sort_keys=True)
+                fh.write("\n")
+    return names
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

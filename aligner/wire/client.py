@@ -112,11 +112,11 @@ def resolve_critic_url(configured: str | None) -> str:
 
 def protocol_mismatch(url: str, server_version: int) -> str:
     """Why this client refuses the server at ``url`` that speaks ``server_version``, naming both
-    versions (a client of protocol 3 tells a server of protocol 4 the same, in its own words)."""
+    versions (a client of protocol 4 tells a server of protocol 5 the same, in its own words)."""
     return (
         f"critic server at {url} speaks protocol version {server_version}, this client "
-        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 4: critic_infer "
-        "carries after_step, the critic step its values must come from)"
+        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 5: critic_train "
+        "answers train_ms, the server's time for the update; 4: critic_infer carries after_step)"
     )
 
 
@@ -512,7 +512,7 @@ class RemoteCriticClient:
     ) -> CriticFuture[TrainResult]:
         """One critic update for ``step``; a future of its
         :class:`~aligner.wire.protocol.TrainResult` (``loss``, ``grad_norm``, ``applied_step``,
-        ``explained_variance``, ``value_clipfrac``).
+        ``explained_variance``, ``value_clipfrac``, ``train_ms``).
 
         Shapes: tokens ``[b, s]``; lengths ``[b]``; returns, old_values, mask ``[b, s-1]`` (float32;
         other float dtypes are cast). Trains run one at a time in the order they were submitted;

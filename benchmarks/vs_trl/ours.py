@@ -178,7 +178,7 @@ def run_ours(case: Case, inputs: dict[str, str], args, out: Path) -> dict:
         "generate_s": gen_s,
         "gen_tokens_per_s": case.batch * case.new_tokens / gen_s,
         "sampled_tokens_per_s": mean("throughput/tokens_per_s"),
-        "response_length": mean("rollout/response_length"),
+        "response_length": mean("response_length/mean"),
         "phases_s": phases,
         "idle_share": phases["critic_wait"] / phases["step"],
         "critic_train_s": (

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _actor_parts import tiny_run_config
 from _toy_critic import ToyCritic
 
 from aligner.actor.config import ActorConfig
@@ -18,7 +19,7 @@ from aligner.distributed import destroy
 
 def _config(root: Path) -> ActorConfig:
     """Four steps, saved every two (as tests/actor/test_actor_recovery.py runs them)."""
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     cfg.data.task, cfg.data.num_digits, cfg.data.num_prompts = "copy", 3, 256
     cfg.generation.max_new_tokens = 4
     p = cfg.ppo

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from _actor_parts import ONE_RANK
+from _actor_parts import ONE_RANK, tiny_run_config
 
 from aligner.actor.config import ActorConfig, PolicyOptimConfig, validate_actor_config
 from aligner.config_checks import ConfigError, Problems
@@ -23,7 +23,7 @@ from aligner.tokenizers import CharTokenizer
 
 def test_generation_engine_and_layout_are_checked_against_the_parallel_layout():
     def problems(**over):
-        cfg = ActorConfig()
+        cfg = tiny_run_config()
         for key, value in over.items():
             section, name = key.split("__")
             setattr(getattr(cfg, section), name, value)
@@ -41,7 +41,7 @@ def test_generation_engine_and_layout_are_checked_against_the_parallel_layout():
     msg = problems(generation__tensor_parallel_size=3, parallel__tensor_model_parallel_size=2)
     assert "generation.tensor_parallel_size=3" in msg
     # The TensorRT-LLM engine's own settings are checked only when it is chosen.
-    bad = ActorConfig()
+    bad = tiny_run_config()
     bad.generation.trtllm.bucket_mb = -1
     assert not any("trtllm" in m for m in bad.problems())
     bad.generation.engine = "trtllm"
@@ -70,7 +70,7 @@ def test_both_roles_optim_sections_are_the_one_optim_config():
     for cls in (PolicyOptimConfig, CriticOptimConfig):
         assert issubclass(cls, OptimConfig)
         assert {f for f in OptimConfig.__dataclass_fields__} <= set(cls.__dataclass_fields__)
-    assert PolicyOptimConfig().lr == 1e-3 and CriticOptimConfig().lr == 1e-5  # each role's default
+    assert PolicyOptimConfig().lr == 1e-6 and CriticOptimConfig().lr == 1e-5  # each role's default
     bad = {"adam_beta1": 1.0, "grad_clip": -1.0, "weight_decay": -0.1}
     want = ["optim.adam_beta1=1.0", "optim.grad_clip=-1.0", "optim.weight_decay=-0.1"]
     for cls in (PolicyOptimConfig, CriticOptimConfig):
@@ -87,7 +87,7 @@ def test_both_roles_optim_sections_are_the_one_optim_config():
 
 
 def test_actor_and_critic_configs_report_their_optim_problems_the_same_way():
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     cfg.optim.adam_eps = 0.0
     cfg.generation.top_p = 2.0
     with pytest.raises(ConfigError) as actor:
@@ -100,7 +100,7 @@ def test_actor_and_critic_configs_report_their_optim_problems_the_same_way():
 
 
 def test_actor_config_reports_bad_values_and_batch_divisibility_together():
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     assert cfg.problems(world_size=1, vocab_size=14) == []
     cfg.ppo.kl_estimator, cfg.ppo.global_batch_size, cfg.ppo.mini_batch_size = "k9", 100, 64
     assert cfg.problems(world_size=1, vocab_size=14) == [
@@ -115,7 +115,7 @@ def test_actor_config_reports_bad_values_and_batch_divisibility_together():
 
 
 def test_estimator_settings_are_checked_with_key_value_and_expectation():
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     p = cfg.ppo
     p.advantage, p.samples_per_prompt, p.critic_warmup_steps = "grpo", 1, 3
     p.overlong_buffer, p.overlong_penalty, p.max_generation_rounds = 9, -1.0, 0
@@ -126,7 +126,7 @@ def test_estimator_settings_are_checked_with_key_value_and_expectation():
         "ppo.overlong_buffer=9: expected at most generation.max_new_tokens=8 (0 turns the penalty off)",
         "ppo.overlong_penalty=-1.0: expected a finite number >= 0",
     ]
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     p = cfg.ppo
     p.advantage, p.samples_per_prompt = "ppo", 3
     p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 48, 16, 8
@@ -150,7 +150,7 @@ def test_estimator_settings_are_checked_with_key_value_and_expectation():
         "ppo.mini_batch_size per data-parallel rank (3) must be divisible by ppo.samples_per_prompt (2): "
         "each rank's minibatches hold whole groups",
     ]
-    ok = ActorConfig()
+    ok = tiny_run_config()
     ok.ppo.advantage, ok.ppo.samples_per_prompt = "rloo", 4
     ok.ppo.global_batch_size, ok.ppo.mini_batch_size, ok.ppo.micro_batch_size = 64, 32, 16
     assert ok.problems(world_size=2, vocab_size=14) == []
@@ -185,7 +185,7 @@ def test_gae_refuses_a_reward_only_server_and_checkpoints_keep_their_estimator()
         "ppo.advantage='gae' needs the critic's values and trains the critic, but the server at grpc://x:1 "
         "runs mode=reward_only"
     )
-    cfg, tok = ActorConfig(), CharTokenizer()
+    cfg, tok = tiny_run_config(), CharTokenizer()
     saved = {
         "model_config": cfg.model.to_dict(),
         "tokenizer": "char",
@@ -208,7 +208,7 @@ def test_gae_refuses_a_reward_only_server_and_checkpoints_keep_their_estimator()
 
 
 def test_critic_section_reports_bad_waits_restart_policy_and_token_file(tmp_path):
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     cfg.critic.wait_timeout_s, cfg.critic.on_restart, cfg.critic.max_restarts = 0.0, "retry", -1
     cfg.critic.run_token_file = str(tmp_path / "absent")
     problems = cfg.problems(world_size=1, vocab_size=14)

@@ -16,9 +16,10 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
+from _actor_parts import tiny_run_config
 from _device_check import DEVICE, meta_host_reads
 
-from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.actor.config import validate_actor_config
 from aligner.actor.prompts import PromptSampler
 from aligner.actor.trainer import PPOTrainer
 from aligner.distributed import ParallelConfig, destroy, initialize
@@ -112,7 +113,7 @@ def world():
 )
 def test_a_ppo_step_keeps_every_tensor_on_the_device(world, tmp_path, advantage, extra):
     tok = CharTokenizer()
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     cfg.data.task, cfg.data.num_digits, cfg.generation.max_new_tokens = "copy", 3, 4
     p = cfg.ppo
     p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 8, 4, 2
@@ -149,6 +150,6 @@ def test_a_ppo_step_keeps_every_tensor_on_the_device(world, tmp_path, advantage,
         logger.close()
     assert all(t.device == DEVICE for t in policy.parameters())
     # Refitted for the step, then for validation after the update.
-    assert engine.refits == 2 and "loss/policy" in metrics and "val/scores" in metrics
+    assert engine.refits == 2 and "loss/policy" in metrics and "validation/scores" in metrics
     assert bool(critic.trained) is (advantage == "gae")  # critic-free runs send no critic_train
     assert all(isinstance(v, float) for v in metrics.values())

@@ -64,7 +64,7 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     rows = [r for r in all_rows if "objective/scores" in r]
     assert len(rows) == 120
     # aligner/configs/actor.yaml validates before training and every 50 steps, and saves every 100.
-    val = {r["step"]: r["val/scores"] for r in all_rows if "val/scores" in r}
+    val = {r["step"]: r["validation/scores"] for r in all_rows if "validation/scores" in r}
     assert sorted(val) == [0, 50, 100] and val[100] > val[0]
     assert "validation samples at step 50" in out.stdout
     ckpt = tmp_path / "run" / "checkpoints"
@@ -80,15 +80,21 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
     assert "reward at end" in out.stdout and (tmp_path / "run" / "reward_kl.png").is_file()
     for key in (
         "objective/kl",
-        "objective/entropy",
+        "rollout/entropy",
         "policy/approxkl",
         "policy/clipfrac",
         "policy/ratio_mean",
         "loss/policy",
-        "loss/value",
-        "critic/explained_variance",
-        "rollout/response_length",
+        "critic/vf_loss",
+        "critic/vf_explained_var",
+        "critic/vf_clipfrac",
+        "critic/advantages/mean",
+        "critic/values/max",
+        "response_length/mean",
         "rollout/ended_fraction",
+        "train/episode",
+        "perf/max_rss_gb",
+        "perf/throughput",
         "timers/generate",
         "timers/logprobs",
         "timers/critic_wait",
@@ -98,6 +104,9 @@ def test_copy_is_learned_through_the_entry_point(tmp_path):
         "objective/non_score_reward",
     ):
         assert key in rows[-1], key
+    assert rows[-1]["train/episode"] == 120 * rows[0]["train/episode"]  # a global batch a step
+    for old in ("loss/value", "objective/entropy", "rollout/response_length", "critic/explained_variance"):
+        assert old not in rows[-1], old
     # This run computes in bf16 (precision=auto on a CPU with AVX512-BF16, fp32 elsewhere).
     # Generation (KV cache) and the training forward round differently in bf16: their
     # log-probs of the sampled tokens agree to 0.01 on average and 0.25 at worst (fp32: 1e-3,
@@ -161,7 +170,7 @@ def test_dp2_runs_with_dynamic_batching_are_reproducible(tmp_path, monkeypatch):
             monkeypatch.setenv("ALIGNER_TEST_LATE_TRAIN_S", late)
             torchrun_actor(2, server.url, tmp_path / name, small)
             rows = read_metrics(str(tmp_path / name / "metrics.jsonl"))
-            skip = ("time", "timers/", "throughput/")
+            skip = ("time", "timers/", "throughput/", "perf/")
             runs.append([{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows])
             assert critic_step(server.url) == 4
             with RemoteCriticClient(server.url, timeout_s=30) as c:
@@ -268,7 +277,7 @@ def test_reused_forwards_change_nothing(tmp_path, monkeypatch):
         for key in (
             "objective/scores",
             "objective/kl",
-            "objective/entropy",
+            "rollout/entropy",
             "loss/policy",
             "policy/approxkl",
         ):

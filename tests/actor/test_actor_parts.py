@@ -398,19 +398,26 @@ def test_step_record_metrics_by_hand():
     assert m["objective/scores"] == pytest.approx(2.0)  # (1 + 3) / 2
     assert m["objective/kl"] == pytest.approx(0.3)  # (0.4 + 0.2) / 2 samples
     assert m["objective/non_score_reward"] == pytest.approx(-0.03)
-    assert m["objective/entropy"] == pytest.approx(2.0)  # (1 + 2 + 3) / 3 response tokens
-    assert m["rollout/response_length"] == pytest.approx(1.5)
+    assert m["rollout/entropy"] == pytest.approx(2.0)  # (1 + 2 + 3) / 3 response tokens
+    assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (1.5, 2.0, 1.0)
+    assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (2.0, 3.0, 1.0)
+    # values and returns over the 3 response tokens (1, 2; 1); no advantages given
+    assert m["critic/values/mean"] == pytest.approx(4 / 3) and m["critic/returns/max"] == 2.0
+    assert "critic/advantages/mean" not in m and "train/episode" not in m
     assert m["rollout/ended_fraction"] == pytest.approx(0.5)
     assert m["rollout/logprob_mismatch_max"] == pytest.approx(0.25)
     assert m["rollout/logprob_mismatch_mean"] == pytest.approx(0.25 / 3)
-    assert m["critic/explained_variance"] == pytest.approx(1.0)
+    assert m["critic/vf_explained_var"] == pytest.approx(1.0)
     assert m["throughput/tokens_per_s"] == pytest.approx(3 / 0.5)
-    assert (m["loss/value"], m["critic/grad_norm"], m["objective/kl_coef"], m["lr"]) == (
+    assert (m["critic/vf_loss"], m["critic/grad_norm"], m["objective/kl_coef"], m["lr"]) == (
         0.75,
         2.0,
         0.05,
         1e-3,
     )
+    assert m["critic/vf_clipfrac"] == 0.0
+    for old in ("loss/value", "objective/entropy", "rollout/response_length", "critic/explained_variance"):
+        assert old not in m
     assert {"loss/policy", "policy/clipfrac", "timers/generate", "timers/step"} <= m.keys()
     rec.critic_stats = None  # the first step: no critic update has finished yet
-    assert "loss/value" not in rec.metrics()
+    assert "critic/vf_loss" not in rec.metrics()

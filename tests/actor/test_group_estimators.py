@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _actor_parts import tiny_run_config
 from _actor_runs import best_window, run_actor
 
 from aligner.checkpoint import complete_steps
@@ -85,7 +86,7 @@ def test_grpo_learns_copy_without_a_critic_and_resumes_without_the_server(reward
     # The copies of a prompt drew different responses from the start: the groups had something to
     # compare. No critic metrics, no critic training on the server.
     assert rows[0]["rollout/group_score_std"] > 0.05
-    assert "critic/explained_variance" not in rows[-1] and "loss/value" not in rows[-1]
+    assert "critic/vf_explained_var" not in rows[-1] and "critic/vf_loss" not in rows[-1]
     # The end's checkpoint is the actor's alone, and a longer run continues from it.
     ckpt = run / "checkpoints"
     assert complete_steps(ckpt, role="actor") == [50] and complete_steps(ckpt, role="critic") == []
@@ -268,7 +269,7 @@ def _done(value) -> Future:
 
 @pytest.mark.slow
 def test_critic_warmup_trains_the_critic_and_leaves_the_policy_bit_for_bit(tmp_path):
-    from aligner.actor.config import ActorConfig, validate_actor_config
+    from aligner.actor.config import validate_actor_config
     from aligner.actor.prompts import PromptSampler
     from aligner.actor.trainer import PPOTrainer
     from aligner.critic.config import build_config
@@ -283,7 +284,7 @@ def test_critic_warmup_trains_the_critic_and_leaves_the_policy_bit_for_bit(tmp_p
     from aligner.wire.handle import CriticHandle
 
     tok = CharTokenizer()
-    cfg = ActorConfig()
+    cfg = tiny_run_config()
     cfg.data.task, cfg.data.num_digits, cfg.generation.max_new_tokens = "copy", 3, 4
     p = cfg.ppo
     p.num_steps, p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 3, 32, 32, 32

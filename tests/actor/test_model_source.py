@@ -49,7 +49,7 @@ def test_without_init_from_the_model_section_is_the_model():
 
 def test_the_packaged_defaults_are_the_yaml_model_section():
     p = packaged_model_config()
-    assert (p.num_layers, p.hidden_size, p.vocab_size, p.max_seq_len) == (2, 64, 14, 16)
+    assert (p.num_layers, p.hidden_size, p.vocab_size, p.max_seq_len) == (2, 64, 14, 32)
 
 
 def test_an_hf_folder_decides_the_architecture_over_the_packaged_tiny_model(hf_folder):
@@ -85,7 +85,7 @@ def test_equal_values_and_tunable_keys_are_accepted(hf_folder):
 
 def test_a_rope_context_can_be_shortened_not_lengthened(hf_folder):
     cfg, applied = resolve_model_config(packaged_model_config(), hf_folder, {"max_seq_len"})
-    assert cfg.max_seq_len == 16 and applied == ["max_seq_len=16"]  # the packaged 16, asked for
+    assert cfg.max_seq_len == 32 and applied == ["max_seq_len=32"]  # the packaged 32, asked for
     long = dataclasses.replace(packaged_model_config(), max_seq_len=512)
     with pytest.raises(ConfigError, match="model.max_seq_len=512.*at most 256"):
         resolve_model_config(long, hf_folder)

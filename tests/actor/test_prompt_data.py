@@ -441,6 +441,7 @@ def test_the_actor_entry_point_picks_itsvalidation_prompts(tmp_path, plain_tok):
     from aligner.actor.run import validation_prompts
 
     cfg = ActorConfig()
+    cfg.generation.max_new_tokens = 8  # room for the tiny model's prompts
     cfg.validation.num_prompts = 2
     task_prompts, extras, val_set = validation_prompts(cfg, CharTokenizer(), None)
     assert len(task_prompts) == 2 and extras is None and val_set is None

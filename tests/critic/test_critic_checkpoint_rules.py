@@ -237,9 +237,9 @@ def test_the_metrics_writer_on_a_full_disk_drops_rows_and_counts_them(tmp_path, 
         (log_dir / name).symlink_to("/dev/full")
     writer = MetricsWriter(log_dir, tensorboard=False)
     with caplog.at_level(logging.WARNING, logger="aligner.critic"):
-        writer.train_step(1, {"loss/value": 0.5})
+        writer.train_step(1, {"critic/vf_loss": 0.5})
         writer.requests(1, {"server/critic_infer/requests": 3})
-        writer.train_step(2, {"loss/value": 0.4})
+        writer.train_step(2, {"critic/vf_loss": 0.4})
     assert writer.dropped == 3
     assert len([r for r in caplog.records if "cannot write metrics" in r.getMessage()]) == 1
     writer.close()
@@ -250,18 +250,18 @@ def test_the_metrics_rewind_to_a_loaded_step_and_the_redone_steps_replace_the_re
     (trained, then abandoned) go; the redone step 2 writes its own; a fresh start drops all."""
     writer = MetricsWriter(tmp_path / "log", tensorboard=True)
     for step in (1, 2, 3):
-        writer.train_step(step, {"loss/value": float(step)})
+        writer.train_step(step, {"critic/vf_loss": float(step)})
     writer.rewind(1)
-    writer.train_step(2, {"loss/value": 20.0})
+    writer.train_step(2, {"critic/vf_loss": 20.0})
 
     def rows():
         text = (tmp_path / "log" / "metrics.jsonl").read_text()
-        return [(r["step"], r["loss/value"]) for r in map(json.loads, text.splitlines())]
+        return [(r["step"], r["critic/vf_loss"]) for r in map(json.loads, text.splitlines())]
 
     assert rows() == [(1, 1.0), (2, 20.0)]
     writer.rewind(-1)
     assert rows() == []
-    writer.train_step(1, {"loss/value": 5.0})
+    writer.train_step(1, {"critic/vf_loss": 5.0})
     writer.close()
     writer.rewind(0)  # closed: nothing happens
     assert rows() == [(1, 5.0)] and writer.dropped == 0

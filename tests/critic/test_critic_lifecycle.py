@@ -257,9 +257,10 @@ def test_a_crashed_server_resumes_its_last_checkpoint_fences_stale_steps_and_sto
     assert not list(ws.iterdir())  # the clean stop removed its workspace
     shutil.rmtree(ws, ignore_errors=True)
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in records if "loss/value" in r]
+    trained = [r for r in records if "critic/vf_loss" in r]
     # The restarted server rewound its metrics to the step it loaded: step 2's abandoned row went,
     # the redone one replaced it.
     assert [r["step"] for r in trained] == [1, 2, 3]
-    assert {"critic/grad_norm", "critic/explained_variance", "critic/value_clipfrac"} <= set(trained[-1])
+    assert {"critic/grad_norm", "critic/vf_explained_var", "critic/vf_clipfrac"} <= set(trained[-1])
+    assert trained[-1]["timers/critic_train_ms"] > 0 and "loss/value" not in trained[-1]
     assert any("server/critic_infer/requests" in r or "server/server_info/requests" in r for r in records)

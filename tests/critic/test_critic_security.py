@@ -38,7 +38,7 @@ def test_loopback_and_when_a_token_is_required():
 
 
 def test_http_is_off_by_default(tmp_path):
-    cfg = build_config({"log": {"dir": str(tmp_path)}})
+    cfg = build_config({"log": {"dir": str(tmp_path)}, "reward": {"fn": "aligner.tasks.digits:sort_reward"}})
     assert cfg.server.http_port is None and cfg.server.allow_no_token is False
     assert build_config(tiny_config(tmp_path, server={"http_port": 0})).server.http_port == 0
 

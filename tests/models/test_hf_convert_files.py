@@ -131,7 +131,7 @@ def test_cli_import_export_round_trip(llama_dir, tmp_path, capsys):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["hf_architecture"] == "LlamaForCausalLM" and meta["role"] == "policy"
     assert meta["model_config"]["make_vocab_size_divisible_by"] == 8
-    assert convert_cli.main(["export", str(ckpt), str(out)]) == 0
+    assert convert_cli.main(["export", str(ckpt), str(out), "--dtype", "float32"]) == 0
     original = load_file(os.path.join(src, "model.safetensors"))
     exported = load_file(str(out / "model.safetensors"))
     assert exported.keys() == original.keys()

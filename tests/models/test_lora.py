@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _actor_parts import tiny_run_config
 
 from aligner import distributed
 from aligner.models import forward, gpt, lora, lora_io
@@ -442,7 +443,7 @@ def test_actor_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     from aligner.tasks import get_task
 
     def config(root: Path, resume: str) -> ActorConfig:
-        cfg = ActorConfig()
+        cfg = tiny_run_config()
         cfg.data.task, cfg.data.num_digits, cfg.generation.max_new_tokens = "copy", 3, 4
         p = cfg.ppo
         p.num_steps, p.global_batch_size, p.mini_batch_size, p.micro_batch_size = 4, 16, 8, 8

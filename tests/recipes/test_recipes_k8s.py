@@ -263,7 +263,7 @@ def test_actor_pytorchjob_on_several_nodes(schemas):
     # 4 nodes x 2 GPUs with TP 2 is 4 data-parallel ranks: the minibatch of 64 is 16 per rank,
     # which the default micro batch (64) does not divide, so the values lower it.
     nodes = ("actor_nodes=4", "actor_gpus_per_node=2", "actor_tensor_parallel=2")
-    docs = rendered(*nodes, "actor_overrides=[ppo.micro_batch_size=16]")
+    docs = rendered(*nodes, "actor_overrides=[+recipe=digits, ppo.micro_batch_size=16]")
     job = one(docs, "PyTorchJob")
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
@@ -401,7 +401,8 @@ def test_actor_network_policy_lets_the_actor_reach_its_peers_the_critic_and_dns_
 
 def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):
     docs = rendered(
-        "critic_overrides=[optim.lr=3e-4, model.num_layers=4]", "actor_overrides=[ppo.num_steps=7]"
+        "critic_overrides=[+server_recipe=digits, optim.lr=3e-4, model.num_layers=4]",
+        "actor_overrides=[+recipe=digits, ppo.num_steps=7]",
     )
     assert critic_parts(docs)[-1].optim.lr == 3e-4
     pod = one(docs, "Job")["spec"]["template"]["spec"]

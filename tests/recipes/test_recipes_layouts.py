@@ -126,7 +126,7 @@ def k8s_layout_values(actor: Layout, critic: Layout) -> list[str]:
         f"actor_generation_tensor_parallel={'null' if gen_tp is None else gen_tp}",
         f"critic_tensor_parallel={c.get('parallel.tensor_model_parallel_size', 1)}",
         f"critic_data_parallel={c.get('parallel.data_parallel_size', 1)}",
-        f"actor_overrides=[{SMALL_MICRO_BATCH}]",
+        f"actor_overrides=[+recipe=digits, {SMALL_MICRO_BATCH}]",
     ]
 
 
@@ -174,7 +174,11 @@ def test_the_layout_tables_are_what_the_tests_run():
 def test_sbatch_runs_the_tested_layouts_with_their_overrides(tmp_path, schemas, actor, critic):
     env = _slurm_env(tmp_path, **slurm_layout_env(actor, critic))
     run = subprocess.run(
-        ["bash", str(SBATCH), SMALL_MICRO_BATCH], env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(SBATCH), "+recipe=digits", SMALL_MICRO_BATCH],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     starts = {e["role"]: e for e in _log(tmp_path) if e["event"] == "start"}

@@ -61,7 +61,7 @@ def test_sbatch_script_is_valid_bash_with_two_components():
 def test_sbatch_launches_the_critic_then_the_actor_against_it(tmp_path, schemas):
     env = _slurm_env(tmp_path)
     run = subprocess.run(
-        ["bash", str(SBATCH), "ppo.num_steps=10", "ppo.micro_batch_size=32"],
+        ["bash", str(SBATCH), "+recipe=digits", "ppo.num_steps=10", "ppo.micro_batch_size=32"],
         env=env,
         capture_output=True,
         text=True,

@@ -134,19 +134,19 @@ def test_a_bad_after_step_is_refused_naming_the_field_value_and_expectation(valu
 
 
 def test_a_client_refuses_a_server_of_another_protocol_naming_both_versions():
-    """Version 4 (critic_infer's after_step) against a server of version 3, or the other way:
-    the client refuses at connection and in check_compatible, naming both versions (a client of
-    protocol 3 makes the same check, and refuses a server of protocol 4 the same way)."""
+    """This client (version 5) against a server of version 3, or the other way: the client
+    refuses at connection and in check_compatible, naming both versions (a client of an older
+    protocol makes the same check, and refuses a newer server the same way)."""
     from aligner.wire.client import RemoteCriticClient, protocol_mismatch
     from aligner.wire.errors import CriticIncompatibleError
 
     url = "grpc://127.0.0.1:1"
     msg = protocol_mismatch(url, 3)
-    assert msg.startswith(f"critic server at {url} speaks protocol version 3, this client 4: ")
+    assert msg.startswith(f"critic server at {url} speaks protocol version 3, this client 5: ")
     client = object.__new__(RemoteCriticClient)  # no server: server_info answers as an old one would
     client.url = url
     client.server_info = lambda: P.ServerInfo(3, 14, 16, "char", "char:abc", -1, 1, 4)
-    with pytest.raises(CriticIncompatibleError, match="protocol_version: server 3, client 4 "):
+    with pytest.raises(CriticIncompatibleError, match="protocol_version: server 3, client 5 "):
         client.check_compatible(14, 16, "char:abc")
 
 
@@ -339,7 +339,7 @@ def test_server_info_round_trip_ignores_unknown_fields():
 
 
 def test_every_model_spec_is_consistent():
-    assert P.PROTOCOL_VERSION == 4
+    assert P.PROTOCOL_VERSION == 5
     assert set(P.MODELS) == set(P.MODEL_NAMES)
     assert [m for m, s in P.MODELS.items() if s.batched] == [P.INFER]
     assert P.MODELS[P.TRAIN].input("step").shape == (1, 1)
@@ -378,7 +378,9 @@ def test_resolve_critic_url(monkeypatch):
 
 
 def test_default_and_tiny_configs_are_valid(tmp_path):
-    build_config({})
+    with pytest.raises(ConfigError, match="reward: no reward source"):
+        build_config({})  # the packaged defaults name no reward: a user's is never summed with a demo's
+    build_config({"reward": {"fn": "aligner.tasks.digits:sort_reward"}})
     build_config(tiny_config(tmp_path))
 
 

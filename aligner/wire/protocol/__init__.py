@@ -17,7 +17,7 @@ per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..
   [b,1], error bytes [b,1].
 - ``critic_train`` (no batching: whole shapes): tokens i64 [b,s], lengths i64 [b,1], returns,
   old_values, mask f32 [b,s-1], step and expected_step i64 [1,1], run_token bytes [1] -> loss,
-  grad_norm, explained_variance, value_clipfrac f32 [1,1], applied_step i64 [1,1]
+  grad_norm, explained_variance, value_clipfrac, train_ms f32 [1,1], applied_step i64 [1,1]
   (:class:`TrainResult`).
 - ``critic_save``: step and expected_step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].
 - ``critic_load``: step i64 [1,1], run_token bytes [1] -> ok i64 [1,1].

@@ -181,7 +181,7 @@ class TrainResult:
     """What one applied (or replayed) update reports."""
 
     loss: float
-    """Value loss before the update (``loss/value``)."""
+    """Value loss before the update (``critic/vf_loss``)."""
     grad_norm: float
     """Global gradient norm before clipping."""
     applied_step: int
@@ -190,6 +190,9 @@ class TrainResult:
     """``1 - Var(R - V) / Var(R)`` over the mask, with the values before the update."""
     value_clipfrac: float = 0.0
     """Fraction of tokens where the clipped value term was the larger one."""
+    train_ms: float = field(default=0.0, compare=False)
+    """The server's wall time for the update, in milliseconds (``timers/critic_train_ms``): a
+    measurement, not part of the result (two results of the same update compare equal)."""
 
     def to_wire(self) -> dict[str, np.ndarray]:
         f = np.float32
@@ -199,6 +202,7 @@ class TrainResult:
             "applied_step": np.array([[self.applied_step]], np.int64),
             "explained_variance": np.array([[self.explained_variance]], f),
             "value_clipfrac": np.array([[self.value_clipfrac]], f),
+            "train_ms": np.array([[self.train_ms]], f),
         }
 
     @classmethod
@@ -213,7 +217,18 @@ class TrainResult:
             applied_step=int(scalar("applied_step")),
             explained_variance=scalar("explained_variance"),
             value_clipfrac=scalar("value_clipfrac"),
+            train_ms=scalar("train_ms"),
         )
+
+    def metrics(self) -> dict[str, float]:
+        """The update's figures as metrics (docs/metrics.md), as both the server's metrics.jsonl
+        and the actor's name them (the actor computes ``critic/vf_explained_var`` itself)."""
+        return {
+            "critic/vf_loss": float(self.loss),
+            "critic/grad_norm": float(self.grad_norm),
+            "critic/vf_clipfrac": float(self.value_clipfrac),
+            "timers/critic_train_ms": float(self.train_ms),
+        }
 
     def to_dict(self) -> dict[str, float | int]:
         """As JSON-ready fields (e.g. the actor's checkpoint of its last critic result)."""

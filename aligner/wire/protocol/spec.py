@@ -25,7 +25,7 @@ __all__ = [
     "ANY_CRITIC_STEP",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped whenever a name, dtype, shape or meaning on the wire changes incompatibly (2: the run
 token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output; 3:
 critic_infer's optional text inputs ``prompt_text``, ``response_text`` and ``extras``, and
@@ -33,8 +33,9 @@ critic_infer's optional text inputs ``prompt_text``, ``response_text`` and ``ext
 model reads text refuses a request without them, which a client of version 2 never sends; 4:
 critic_infer's ``after_step``, the critic step its values must come from, which the server
 waits for: a client of version 3 cannot order its infers after another client's trains, and
-one of version 4 sends an input a server of version 3 refuses; each refuses the other at
-connection, naming both versions)."""
+one of version 4 sends an input a server of version 3 refuses; 5: critic_train's ``train_ms``
+output, the server's time for the update, which a client of version 5 asks a server of version 4
+for in vain; each refuses the other at connection, naming both versions)."""
 
 ANY_CRITIC_STEP = -1
 """critic_infer's ``after_step`` that asks for no particular critic step: answered at once with
@@ -131,6 +132,7 @@ MODELS: dict[str, ModelSpec] = {
             TensorSpec("applied_step", _I64, (1, 1)),
             TensorSpec("explained_variance", _F32, (1, 1)),
             TensorSpec("value_clipfrac", _F32, (1, 1)),
+            TensorSpec("train_ms", _F32, (1, 1)),
         ),
         batched=False,
     ),

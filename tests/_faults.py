@@ -60,6 +60,30 @@ suite draws (its prompts have three)."""
 REWARD_FN = "_faults:copy_reward_or_raise"
 """``reward.fn`` of the suite's servers."""
 
+MAX_BATCH = 16
+"""``server.max_batch_size`` of every server of the suite: small, so that an over-long batch is
+cheap. The actor cuts its 32-row ``critic_infer`` batches into requests of at most this many rows."""
+MICRO_BATCH_TOKENS = 64
+"""``max_tokens_per_micro_batch`` of every server of the suite: rows packed without padding (5 to 8
+tokens each: a prompt ``ddd:`` and at most 4 new tokens), a 16-row request in two or three
+micro-batches and a 32-row train in three to five, so that every run, the ones killed and
+restarted included, exercises the packed plan."""
+SERVER_SETTINGS = (
+    f"server.max_batch_size={MAX_BATCH}",
+    "server.max_queue_delay_us=20000",  # concurrent infer requests merge into one execution
+    f"max_tokens_per_micro_batch={MICRO_BATCH_TOKENS}",
+)
+"""What every critic server of the suite runs with besides its ports and folders: the reference
+run's (the shared server) and the ones killed and started again alike. A run ends as the
+uninterrupted one bit for bit only against a server of the same settings: the actor cuts its
+batches into requests of ``server.max_batch_size`` rows, and a forward rounds a row by where it
+sits in its batch (docs/design.md, "Inference"). Packed, a row's neighbours are the other rows of
+its request end to end: on a CPU the value head (``[T, hidden] x [hidden, 1]``, a matrix-vector
+product) computes positions in blocks of 4 and the last ``T % 4`` apart, so a row's values can
+change in the last bits when its request holds 16 rows instead of 32. (Padded, 16 rows of ``s``
+positions keep the blocks where 32 rows have them, which hid a default ``max_batch_size`` on the
+killed servers against 16 on the reference's: packed, the killed runs ended 1e-7 off.)"""
+
 
 def copy_reward_or_raise(prompts: Sequence[str], responses: Sequence[str], **kw: object) -> list[float]:
     """The copy task's reward (``aligner.tasks.digits:copy_reward``), except that a batch holding
@@ -86,7 +110,8 @@ def server_env(**extra: str) -> dict[str, str]:
 @dataclass
 class Critic:
     """A critic server bound to fixed ports and one checkpoint folder, so that it can be killed and
-    started again where clients and actors expect it (``checkpoint.resume=auto`` on a restart).
+    started again where clients and actors expect it (``checkpoint.resume=auto`` on a restart),
+    with :data:`SERVER_SETTINGS` (``extra`` may add settings, not change those).
 
     ``root/ckpt`` is the checkpoint folder (the actor's too), ``root/log`` its log folder; each
     start writes its stderr to ``root/server-<n>.log``.
@@ -102,6 +127,9 @@ class Critic:
     def __post_init__(self) -> None:
         from aligner.distributed import free_port
 
+        settings = {o.split("=", 1)[0] for o in SERVER_SETTINGS}
+        changed = [o for o in self.extra if o.split("=", 1)[0] in settings]
+        assert not changed, f"{changed}: every server of the suite runs SERVER_SETTINGS (see there)"
         self.root = Path(self.root)
         self.grpc_port = self.grpc_port or free_port()
 
@@ -127,6 +155,7 @@ class Critic:
             "checkpoint.keep_last=0",
             "checkpoint.save_on_sigterm=false",
             "checkpoint.resume=auto",
+            *SERVER_SETTINGS,
             *self.extra,
         ]
 

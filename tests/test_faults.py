@@ -6,7 +6,9 @@ One shared server and one uninterrupted reference run for the module (both roles
 checkpoint folder, docs/design.md "Checkpoints"); every case that can compare does, tensor for
 tensor: the actor's policy and the server's critic (weights and optimizer state) of the final
 step against the reference's. Cases that kill the server start their own, on fixed ports, and
-start it again there with ``checkpoint.resume=auto`` on the same folder.
+start it again there with ``checkpoint.resume=auto`` on the same folder. Every server runs the
+same settings (``_faults.SERVER_SETTINGS``: batching, and packed micro-batches): a run is the
+reference's bit for bit only against a server that cuts and packs its rows alike.
 
 Run alone with ``make faults`` (``pytest -m faults``). ``ALIGNER_FAULTS_LOAD_S`` sets how long the
 concurrency case runs (:data:`LOAD_S`).
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 from _faults import (
     MALFORMED,
+    MAX_BATCH,
     POISON_PROMPT,
     REWARD_FN,
     SAVE_INTERVAL,
@@ -60,8 +63,6 @@ LOAD_S = float(os.environ.get("ALIGNER_FAULTS_LOAD_S", "60"))
 """How long the 8 concurrent clients of the load case send requests (60 in ``make faults`` and
 ``make test``)."""
 LOAD_CLIENTS = 8
-MAX_BATCH = 16
-"""The shared server's ``server.max_batch_size``: small, so that an over-long batch is cheap."""
 WARM_S = min(20.0, LOAD_S / 3)
 """When the load case takes the server's "warm" resident memory (see :data:`RSS_WARMUP_MIB`)."""
 RSS_WARMUP_MIB = 384
@@ -96,12 +97,11 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shared(root):
-    """One server for the cases that do not kill it; a queue delay, so that concurrent infer
-    requests merge into one execution (no number of a single client's request changes)."""
-    critic = Critic(
-        root / "shared",
-        extra=[f"server.max_batch_size={MAX_BATCH}", "server.max_queue_delay_us=20000"],
-    )
+    """One server for the cases that do not kill it (the reference run's). Its settings are every
+    server's of the suite (``_faults.SERVER_SETTINGS``): a queue delay, so that concurrent infer
+    requests merge into one execution (no number of a single client's request changes), and
+    packed micro-batches."""
+    critic = Critic(root / "shared")
     critic.start()
     try:
         yield critic

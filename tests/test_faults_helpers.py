@@ -12,7 +12,10 @@ import pytest
 import torch
 from _faults import (
     MALFORMED,
+    MAX_BATCH,
     POISON_PROMPT,
+    SERVER_SETTINGS,
+    Critic,
     assert_same_weights,
     copy_reward_or_raise,
     file_size_limited,
@@ -124,3 +127,24 @@ def test_the_load_case_judges_every_outcome():
 def test_the_last_error_line_of_a_traceback():
     text = "Error executing job with overrides: ['a=b']\nTraceback (most recent call last):\n  x\nmod.SomeError: it broke\n\nSet HYDRA_FULL_ERROR=1\n"
     assert last_error(text) == "mod.SomeError: it broke"
+
+
+def test_every_server_of_the_suite_runs_the_reference_servers_settings(tmp_path):
+    """The reference run's server and the ones killed and started again differ in their ports and
+    folders only: the actor cuts its batches by ``server.max_batch_size`` and a packed forward
+    rounds a row by the rows packed with it, so a restarted run is the reference's bit for bit
+    only against the same settings (a default ``max_batch_size`` on the killed servers, 16 on the
+    reference's, left the packed runs 1e-7 off)."""
+
+    def settings(c: Critic) -> list[str]:
+        return sorted(
+            o for o in c.overrides() if str(c.root) not in o and not o.startswith("server.grpc_port=")
+        )
+
+    shared, killed = Critic(tmp_path / "shared"), Critic(tmp_path / "server")
+    assert settings(shared) == settings(killed)
+    assert set(SERVER_SETTINGS) <= set(killed.overrides())
+    assert f"server.max_batch_size={MAX_BATCH}" in SERVER_SETTINGS
+    assert any(o.startswith("max_tokens_per_micro_batch=") for o in SERVER_SETTINGS)  # packing covered
+    with pytest.raises(AssertionError, match="SERVER_SETTINGS"):
+        Critic(tmp_path / "other", extra=["server.max_batch_size=256"])

@@ -5,7 +5,9 @@ Values and reward-model scores at every real position, train steps (loss, gradie
 explained variance, clip fraction) and the weights after them equal the unpacked ones to float
 round-off, for both loss aggregations, one minibatch and several, a token budget that splits the
 rows into several micro-batches and one that holds them all; the infer forward is reused as the
-first training pass only when the rows fit one micro-batch, and changes nothing either way.
+first training pass only when the rows fit one micro-batch, and changes nothing either way. A
+request's packed results are its own: the same bits merged with others, after a load and in a
+fresh service.
 """
 
 from __future__ import annotations
@@ -158,3 +160,49 @@ def test_a_budget_below_one_is_refused(tmp_path):
             build_config(cfg)
     cfg["max_tokens_per_micro_batch"] = None
     assert build_config(cfg).max_tokens_per_micro_batch is None
+
+
+def test_packed_results_depend_on_the_request_alone_not_on_merging_or_history(pstate, tmp_path, rm_dir):
+    """Packed, a request's values and rewards are the same bits alone, merged with another request
+    (before it or after it), after a train, save and load of the critic step it saw, and in a
+    fresh service that loads that step; a train redone after the load is the same step, bit for
+    bit (its micro-batch plan and permutation depend on its rows and step id alone). What the
+    fault suite's restarted servers rely on to end as the uninterrupted run."""
+    from aligner.wire.protocol import validate_infer
+
+    optim = CASES["minibatches_seq_mean"]
+    (tokens, lengths, pl, *train1), (other, olengths, opl, *train2) = _batches()
+    torch.manual_seed(0)
+    svc = _service(pstate, tmp_path / "a", rm_dir, optim, BUDGETS["split"])
+    svc.train(tokens, lengths, *train1, 1)
+    svc.save(1)
+
+    def infer_all(s: CriticService) -> list:
+        req, oth = (
+            validate_infer(t, n, p, s.limits) for t, n, p in ((tokens, lengths, pl), (other, olengths, opl))
+        )
+        alone = s.infer(tokens, lengths, pl)
+        merged = [s.infer_many([req, oth])[0], s.infer_many([oth, req])[1]]
+        return [(r.values, r.rewards) for r in (alone, *merged)]
+
+    def train_and_weights(s: CriticService) -> tuple[dict, list]:
+        result = s.train(other, olengths, *train2, 2).to_dict()
+        del result["train_ms"]
+        return result, [p.detach().clone() for p in s.critic.parameters()]
+
+    want = infer_all(svc)
+    for values, rewards in want[1:]:  # merged, in either order: the request's own bits
+        np.testing.assert_array_equal(values, want[0][0])
+        np.testing.assert_array_equal(rewards, want[0][1])
+    want_step, want_weights = train_and_weights(svc)
+    svc.load(1)  # the same critic step again: the same bits
+    torch.manual_seed(1)  # the global RNG is not what any of it draws from
+    fresh = _service(pstate, tmp_path / "a", rm_dir, optim, BUDGETS["split"])
+    fresh.load(1)
+    for s, what in ((svc, "after a load"), (fresh, "in a fresh service")):
+        for values, rewards in infer_all(s):
+            np.testing.assert_array_equal(values, want[0][0], err_msg=what)
+            np.testing.assert_array_equal(rewards, want[0][1], err_msg=what)
+        step, weights = train_and_weights(s)
+        assert step == want_step, what
+        assert all(torch.equal(a, b) for a, b in zip(weights, want_weights)), what

@@ -15,7 +15,8 @@
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
 FROM ${BASE_IMAGE}
 
-# The torch pin of pyproject.toml; another wheel index picks a build for another CUDA version.
+# The torch release `make setup` installs (the lower bound of pyproject.toml's torch range); another
+# wheel index picks a build for another CUDA version.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 
@@ -40,12 +41,13 @@ RUN apt-get update \
 WORKDIR /workspace/aligner
 
 # Dependencies in their own layers, so that editing the code does not download them again:
-# torch first and exactly pinned, then the rest of pyproject.toml's dependencies.
+# torch first and exactly pinned, then the rest of pyproject.toml's dependencies with the server
+# extra (PyTriton, which the default command runs, and the numpy < 2 it requires).
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 RUN mkdir -p aligner && touch aligner/__init__.py \
-    && pip install . \
-    && pip uninstall -y aligner \
+    && pip install ".[server]" \
+    && pip uninstall -y aligner-rlhf \
     && rm -rf aligner build
 
 # The project itself (its Hydra configs are package data: aligner/configs), and the entry points.

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast faults lint bench clean gpu-wheels gpu-check
+.PHONY: setup demo test test-fast test-lowest faults lint bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -31,6 +31,46 @@ FAST_MARKERS := not slow and not server and not multiprocess and not subprocess
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "$(FAST_MARKERS)"
 
+# The lower bounds of pyproject.toml's ranges, installed exactly (constraints/lowest.txt; the suite's
+# tests/test_dependency_bounds.py keeps the two equal) into a venv of their own, and a test subset
+# run there: models and HF conversion, tokenizers and prompt data sets, the RL maths, the critic
+# service in process, generation; unit tests only (FAST_MARKERS), a few minutes. Rebuilt only when
+# pyproject.toml or the constraints change.
+# CI runs it after `make test`.
+LOWEST_VENV ?= .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LOWEST_TESTS ?= tests/test_dependency_bounds.py tests/models/test_models.py tests/models/test_hf_convert.py \
+	tests/models/test_hf_convert_files.py tests/models/test_hf_convert_errors.py tests/rl/test_rl_*.py \
+	tests/test_checkpoint.py tests/test_tokenizers_tasks.py tests/test_cpu_compat.py \
+	tests/actor/test_prompt_data.py tests/critic/test_critic_service*.py tests/generation/test_generation.py
+
+define LOWEST_CHECK
+import importlib.metadata as m, re
+pins = dict(l.split("==") for l in (re.sub("#.*", "", l).strip() for l in open("constraints/lowest.txt")) if l)
+got = {n: m.version(n).split("+")[0] for n in pins}
+print("lowest:", " ".join(f"{n}=={v}" for n, v in got.items()))
+bad = {n: v for n, v in got.items() if v != pins[n]}
+assert not bad, f"installed {bad}, constraints/lowest.txt pins {pins}"
+endef
+export LOWEST_CHECK
+
+# torch.compile'd decoding (2+ minutes here) depends on torch alone, which is the same release in
+# `make test`: left to it.
+LOWEST_DESELECT ?= not compiled
+
+$(LOWEST_STAMP): pyproject.toml constraints/lowest.txt
+	@test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	# torch first, exactly pinned, so nothing later resolves a CUDA build
+	$(LOWEST_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -c constraints/lowest.txt -e ".[dev]"
+	@touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	@# what the venv holds is the constraints' versions, not newer ones
+	$(LOWEST_VENV)/bin/python -c "$$LOWEST_CHECK"
+	$(LOWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "$(FAST_MARKERS)" -k "$(LOWEST_DESELECT)" --durations=5 $(LOWEST_TESTS)
+
 # The fault suite alone: servers and actors killed at named points, a hung server, a full disk, 8
 # clients flooding a server (ALIGNER_FAULTS_LOAD_S seconds, 60 by default); also part of `make test` (20 s there).
 faults: $(STAMP)
@@ -49,7 +89,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf $(VENV) $(LOWEST_VENV) .pytest_cache runs
 
 # The wheels a lent GPU machine lacks (it has torch, transformers, numpy, pyarrow, ..., and no network),
 # as CPython 3.12 manylinux wheels in $(GPU_WHEELS) (ignored); docs/gpu-check.md. datasets, dill and
@@ -91,7 +131,7 @@ gpu-check:
 	$(GPU_CHECK_PY) -m aligner.gpu_check $(GPU_CHECK_ARGS)
 
 # Install into throwaway venvs on the other supported Pythons and run a test subset there.
-# Not part of `make test` (CI runs 3.11 only). The local CPU torch wheel is for 3.11 only, so
+# Not part of `make test` (CI runs 3.11 only; on 3.10 pip picks transformers 5.20.x, the newest for it). The local CPU torch wheel is for 3.11 only, so
 # elsewhere torch==2.13.0 may resolve to a CUDA build (several GB per venv): remove
 # $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
 CHECK_PYTHONS ?= python3.10 python3.12

@@ -45,17 +45,24 @@ def digit_server(tmp_path: Path, task: str, *extra: str) -> ServerProcess:
     )
 
 
-def run_actor(url: str, run_dir: Path, overrides: list[str], *, scored_only: bool = True) -> list[dict]:
-    """:func:`aligner.actor.run.run` in this process on ``actor.yaml`` with the digits preset and
-    ``overrides``; the
-    rows of its metrics.jsonl (only the training steps' with ``scored_only``)."""
+def run_actor(
+    url: str, run_dir: Path, overrides: list[str], *, scored_only: bool = True, preset: str | None = "digits"
+) -> list[dict]:
+    """:func:`aligner.actor.run.run` in this process on ``actor.yaml`` with ``preset`` (a recipe's
+    name, or None for the packaged defaults) and ``overrides``; the rows of its metrics.jsonl
+    (only the training steps' with ``scored_only``)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
             "actor",
-            overrides=["+recipe=digits", f"critic.url={url}", f"logging.run_dir={run_dir}", *overrides],
+            overrides=[
+                *([f"+recipe={preset}"] if preset else []),
+                f"critic.url={url}",
+                f"logging.run_dir={run_dir}",
+                *overrides,
+            ],
         )
     run(OmegaConf.to_object(dcfg))
     rows = read_metrics(str(run_dir / "metrics.jsonl"))

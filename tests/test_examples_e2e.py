@@ -51,14 +51,16 @@ def _server(tmp_path: Path, policy: str, *extra: str):
 
 def _actor(url: str, run_dir: Path, overrides: list[str]) -> list[dict]:
     """The actor's entry point in this process, composed as its command line would be."""
-    fixed = [
+    fixed = [  # and, as the READMEs' commands, two PPO epochs and a KL coefficient of 0.02
+        "ppo.ppo_epochs=2",
+        "ppo.init_kl_coef=0.02",
         f"checkpoint.dir={run_dir / 'checkpoints'}",
         "checkpoint.save_at_end=false",
         "checkpoint.keep_best=false",
         "logging.progress_bar=false",
         "logging.tensorboard=false",
     ]
-    return run_actor(url, run_dir, [*fixed, *overrides], scored_only=False)
+    return run_actor(url, run_dir, [*fixed, *overrides], scored_only=False, preset=None)
 
 
 def _scores(rows: list[dict]) -> list[float]:

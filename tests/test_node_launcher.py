@@ -24,6 +24,7 @@ CRITIC = [
     "log.tensorboard=false",
 ]
 ACTOR = [
+    "+recipe=digits",
     "data.task=copy",
     "data.num_digits=3",
     "generation.max_new_tokens=4",

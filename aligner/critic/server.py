@@ -80,6 +80,7 @@ Shutdown finishes the in-flight operation, saves the last applied step if
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -315,8 +316,11 @@ class CriticTritonServer:
 
     def start(self) -> None:
         """Start Triton, bind the models and wait until all of them are ready."""
-        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-        from pytriton.triton import Triton, TritonConfig
+        try:
+            from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+            from pytriton.triton import Triton, TritonConfig
+        except ImportError as e:
+            raise PyTritonMissingError(f"{PYTRITON_MISSING} ({e})") from None
 
         s = self.cfg.server
         check_ports_free(
@@ -450,6 +454,23 @@ def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
         service.save(0)
 
 
+# PyTriton (and the numpy < 2 it requires) is the server extra's, not a main dependency: the actor
+# needs only the Triton client. Without it the server stops before building anything.
+PYTRITON_MISSING = (
+    "PyTriton is not installed: the critic server needs the server extra, "
+    "pip install 'aligner-rlhf[server]' (from a checkout: pip install '.[server]')"
+)
+
+
+class PyTritonMissingError(ImportError):
+    """The server was started in an environment without the ``server`` extra."""
+
+
+def pytriton_missing() -> str | None:
+    """:data:`PYTRITON_MISSING` when PyTriton cannot be imported here, else None."""
+    return PYTRITON_MISSING if importlib.util.find_spec("pytriton") is None else None
+
+
 def run_server(cfg: CriticServerConfig) -> int:
     """Run the critic server until SIGTERM/SIGINT; returns the process exit code.
 
@@ -470,6 +491,10 @@ def run_server(cfg: CriticServerConfig) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     _setup_logging(cfg, rank)
+    missing = pytriton_missing()
+    if missing:
+        print(f"critic server: {missing}", file=sys.stderr, flush=True)
+        return 2
     try:
         faults.SERVER.parse(os.environ.get(faults.SERVER.env))
     except ValueError as e:
@@ -514,7 +539,7 @@ def run_server(cfg: CriticServerConfig) -> int:
         server = CriticTritonServer(service, cfg, workspace_root)
         try:
             server.start()
-        except PortInUseError as e:
+        except (PortInUseError, PyTritonMissingError) as e:
             print(f"critic server: {e}", file=sys.stderr, flush=True)
             server = None
             return 2
@@ -568,6 +593,10 @@ def main(cfg: DictConfig) -> None:
     # One thread per process unless told otherwise (run_server sizes torch's pool by it; Triton's
     # backend processes inherit it).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    missing = pytriton_missing()
+    if missing:  # before the configuration: without the server extra nothing else can help
+        print(f"critic server: {missing}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         checked = build_config(cfg)
     except ConfigError as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from _hf_convert import _randomize
+from _hf_convert import _LLAMA_LIKE, _randomize
 from _word_tokenizer import save_word_tokenizer
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -23,13 +23,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% end
 def save_qwen_base(folder: Path, seed: int = 0):
     """Write the base model folder; returns the transformers model."""
     config = transformers.Qwen2Config(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=MAX_POS,
+        **{**_LLAMA_LIKE, "vocab_size": VOCAB, "max_position_embeddings": MAX_POS},
         rope_theta=THETA,
         bos_token_id=BOS,
         eos_token_id=EOS,

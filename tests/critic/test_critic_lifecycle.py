@@ -135,7 +135,7 @@ def test_an_installed_package_serves_without_the_repository(tmp_path):
     subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True
     )
-    wheel = next((tmp_path / "dist").glob("aligner-*.whl"))
+    wheel = next((tmp_path / "dist").glob("aligner_rlhf-*.whl"))  # the distribution aligner-rlhf
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True)
     work = tmp_path / "work"

@@ -131,7 +131,8 @@ gpu-check:
 	$(GPU_CHECK_PY) -m aligner.gpu_check $(GPU_CHECK_ARGS)
 
 # Install into throwaway venvs on the other supported Pythons and run a test subset there.
-# Not part of `make test` (CI runs 3.11 only; on 3.10 pip picks transformers 5.20.x, the newest for it). The local CPU torch wheel is for 3.11 only, so
+# Not part of `make test` (CI runs 3.11 only; on 3.10 pip picks transformers 5.20.x, the newest
+# for it). The local CPU torch wheel is for 3.11 only, so
 # elsewhere torch==2.13.0 may resolve to a CUDA build (several GB per venv): remove
 # $(CHECK_VENVS) afterwards. Set CHECK_PYTHONS to interpreter paths if they are not on PATH.
 CHECK_PYTHONS ?= python3.10 python3.12

@@ -282,7 +282,7 @@ def test_only_the_logging_rank_and_only_when_enabled(offline):
 
 def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    with pytest.raises(WandbMissingError, match=r"pip install 'aligner\[wandb\]'"):
+    with pytest.raises(WandbMissingError, match=r"pip install 'aligner-rlhf\[wandb\]'"):
         MetricsLogger(str(tmp_path / "run"), tensorboard=False, wandb=wandb_cfg(tmp_path, "w"))
     assert not (tmp_path / "w").exists()
     problems = LoggingConfig(wandb=WandbConfig(enabled=True)).problems()

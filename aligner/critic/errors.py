@@ -5,9 +5,13 @@ A malformed request is a :class:`~aligner.wire.protocol.ProtocolError` instead (
 contract's error). Both reach the client as Triton errors; the marks in their messages tell
 :class:`~aligner.wire.client.RemoteCriticClient` which is which, and it raises the client's errors
 (:mod:`aligner.wire.errors`).
+
+Also the server's refusal to start without PyTriton (the ``server`` extra).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from aligner.wire.protocol import UNAVAILABLE_MARK, ProtocolError, mark_of, neutralize, wire_text
 
@@ -17,6 +21,9 @@ __all__ = [
     "RequestRewardError",
     "reward_only_refusal",
     "for_the_wire",
+    "PYTRITON_MISSING",
+    "PyTritonMissingError",
+    "pytriton_missing",
 ]
 
 
@@ -63,3 +70,20 @@ def for_the_wire(error: BaseException, model: str) -> BaseException:
     return CriticServiceError(
         f"{model} failed on the critic server: {type(error).__name__}: {neutralize(str(error), 1000)}"
     )
+
+
+# PyTriton (and the numpy < 2 it requires) is the server extra's, not a main dependency: the actor
+# needs only the Triton client. Without it the server stops before building anything.
+PYTRITON_MISSING = (
+    "PyTriton is not installed: the critic server needs the server extra, "
+    "pip install 'aligner-rlhf[server]' (from a checkout: pip install '.[server]')"
+)
+
+
+class PyTritonMissingError(ImportError):
+    """The server was started in an environment without the ``server`` extra."""
+
+
+def pytriton_missing() -> str | None:
+    """:data:`PYTRITON_MISSING` when PyTriton cannot be imported here, else None."""
+    return PYTRITON_MISSING if importlib.util.find_spec("pytriton") is None else None

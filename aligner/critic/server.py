@@ -80,7 +80,6 @@ Shutdown finishes the in-flight operation, saves the last applied step if
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import signal
@@ -102,7 +101,13 @@ from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
 from aligner.cpu_memory import tune_allocator
 from aligner.critic.config import CriticServerConfig, build_config
-from aligner.critic.errors import CriticServiceError, for_the_wire
+from aligner.critic.errors import (
+    PYTRITON_MISSING,
+    CriticServiceError,
+    PyTritonMissingError,
+    for_the_wire,
+    pytriton_missing,
+)
 from aligner.critic.host import (
     PortInUseError,
     check_ports_free,
@@ -452,23 +457,6 @@ def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
         service.rewind_metrics(-1)
     if cfg.checkpoint.save_initial and service.critic_step < 0:
         service.save(0)
-
-
-# PyTriton (and the numpy < 2 it requires) is the server extra's, not a main dependency: the actor
-# needs only the Triton client. Without it the server stops before building anything.
-PYTRITON_MISSING = (
-    "PyTriton is not installed: the critic server needs the server extra, "
-    "pip install 'aligner-rlhf[server]' (from a checkout: pip install '.[server]')"
-)
-
-
-class PyTritonMissingError(ImportError):
-    """The server was started in an environment without the ``server`` extra."""
-
-
-def pytriton_missing() -> str | None:
-    """:data:`PYTRITON_MISSING` when PyTriton cannot be imported here, else None."""
-    return PYTRITON_MISSING if importlib.util.find_spec("pytriton") is None else None
 
 
 def run_server(cfg: CriticServerConfig) -> int:

@@ -102,6 +102,7 @@ def rollout_of(inputs: dict[str, torch.Tensor], rows: slice | None = None):
         x["advantages"],
         zeros,
         rl.loss_start(x["mask"]),
+        x.get("behaviour_logprobs"),
     )
 
 
@@ -120,6 +121,7 @@ class Layout:
     reuse: bool = False
     forward: str = "megatron"
     max_tokens: int | None = None
+    tis_cap: float | None = None
 
     def __str__(self) -> str:
         packed = f" packed {self.max_tokens}" if self.max_tokens else ""
@@ -148,6 +150,7 @@ def actor_cfg(lay: Layout):
     p.ppo_epochs, p.loss_agg, p.entropy_coef = lay.epochs, lay.agg, lay.entropy_coef
     p.clip_eps, p.reuse_rollout_forward = 0.2, lay.reuse
     p.max_tokens_per_micro_batch = lay.max_tokens
+    p.tis_cap = lay.tis_cap
     cfg.optim.grad_clip = None  # the gradients themselves are compared: none scaled
     cfg.seed = SEED
     return cfg

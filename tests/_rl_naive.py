@@ -184,11 +184,12 @@ def naive_aggregate(x, mask, mode):
     return sum(row_means) / len(row_means) if row_means else 0.0
 
 
-def naive_policy_loss(lp, old, adv, mask, lo, hi, dual, mode):
-    per_tok, clipped, dual_hits, kl2, ratios = [], [], [], [], []
-    for lr, orow, ar, mr in zip(lp, old, adv, mask):
-        prow, crow, drow, krow, rrow = [], [], [], [], []
-        for a_lp, o_lp, a, _m in zip(lr, orow, ar, mr):
+def naive_policy_loss(lp, old, adv, mask, lo, hi, dual, mode, behaviour=None, tis_cap=None):
+    per_tok, clipped, dual_hits, kl2, ratios, weights, truncs = [], [], [], [], [], [], []
+    behaviour = old if behaviour is None else behaviour
+    for lr, orow, ar, mr, brow in zip(lp, old, adv, mask, behaviour):
+        prow, crow, drow, krow, rrow, wrow, trow = [], [], [], [], [], [], []
+        for a_lp, o_lp, a, _m, b_lp in zip(lr, orow, ar, mr, brow):
             ratio = math.exp(a_lp - o_lp)
             l1 = -a * ratio
             l2 = -a * min(max(ratio, 1 - lo), 1 + hi)
@@ -198,6 +199,12 @@ def naive_policy_loss(lp, old, adv, mask, lo, hi, dual, mode):
             if dual is not None and a < 0 and loss > -dual * a:
                 loss = -dual * a
                 hit = 1.0
+            if tis_cap is not None:
+                w = math.exp(o_lp - b_lp)
+                trow.append(1.0 if w > tis_cap else 0.0)
+                w = min(w, tis_cap)
+                wrow.append(w)
+                loss *= w
             prow.append(loss)
             drow.append(hit)
             krow.append(0.5 * (a_lp - o_lp) ** 2)
@@ -207,6 +214,8 @@ def naive_policy_loss(lp, old, adv, mask, lo, hi, dual, mode):
         dual_hits.append(drow)
         kl2.append(krow)
         ratios.append(rrow)
+        weights.append(wrow)
+        truncs.append(trow)
     stats = {
         "clipfrac": naive_mean(clipped, mask),
         "approxkl": naive_mean(kl2, mask),
@@ -215,6 +224,9 @@ def naive_policy_loss(lp, old, adv, mask, lo, hi, dual, mode):
     }
     if dual is not None:
         stats["dual_clipfrac"] = naive_mean(dual_hits, mask)
+    if tis_cap is not None:
+        stats["tis_weight_mean"] = naive_mean(weights, mask)
+        stats["tis_truncfrac"] = naive_mean(truncs, mask)
     return naive_aggregate(per_tok, mask, mode), stats
 
 

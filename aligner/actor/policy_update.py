@@ -336,6 +336,8 @@ class PolicyUpdate:
             dual_clip=p.dual_clip,
             agg=p.loss_agg,
             normaliser=normaliser,
+            behaviour_logp=None if r.behaviour_logprobs is None else r.behaviour_logprobs[micro, :w],
+            tis_cap=p.tis_cap,
         )
         if p.entropy_coef > 0:
             ent = entropy()

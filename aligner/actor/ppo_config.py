@@ -91,6 +91,11 @@ class PPOConfig:
     """Upper ratio clip (DAPO's clip-higher); None = clip_eps."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss for negative advantages (Ye et al. 2020)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (verl's ``tis_imp_ratio_cap``): each token's policy loss is
+    weighted by ``min(pi_train / pi_engine, tis_cap)`` of the training forward's log-probs
+    against the generation engine's, correcting for the gap between the two (another kernel or
+    precision, TensorRT-LLM's especially); e.g. 2.0. None: no weight."""
     entropy_coef: float = 0.0
     """Entropy bonus weight."""
     loss_agg: str = "token_mean"
@@ -158,6 +163,7 @@ class PPOConfig:
         high, dual, vlam = self.clip_eps_high, self.dual_clip, self.value_lam
         e.expect(high is None or high > 0, f"{prefix}.clip_eps_high", high, "> 0 or null")
         e.expect(dual is None or dual > 1, f"{prefix}.dual_clip", dual, "a constant > 1 or null")
+        e.expect(self.tis_cap is None or self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, ">= 1 or null")
         e.expect(
             self.loss_agg in ("token_mean", "seq_mean_token_mean"),
             f"{prefix}.loss_agg",

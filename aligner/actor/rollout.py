@@ -55,6 +55,9 @@ class Rollout:
     """[b, s-1] float32 value targets (critic-free: REINFORCE++'s returns-to-go, else zeros)."""
     start: int = 0
     """First position whose logits any loss term reads (:func:`aligner.rl.loss_start`)."""
+    behaviour_logprobs: torch.Tensor | None = None
+    """[b, s-1] float32 the generation engine's log-probs of the rollout, for ``ppo.tis_cap``
+    (None without it)."""
 
 
 def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -339,6 +339,7 @@ class PPOTrainer:
                     advantages,
                     returns,
                     start,
+                    gen.logprobs if p.tis_cap is not None else None,
                 )
                 handoff = [first] if first is not None else []
                 del first  # the first minibatch step holds the only reference: freed once it is done

@@ -52,6 +52,12 @@ References
   Learning from Human Feedback in LLMs" (REINFORCE with a leave-one-out baseline).
 - [REINFORCE++] Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
   Language Models" (token-level KL-shaped returns, global batch baseline and whitening).
+- [TIS] Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+  Training" (truncated importance sampling between the sampling engine's and the trainer's
+  log-probs).
+- [Decoupled] Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System
+  for Language Reasoning" (decoupled PPO: the clipped ratio against a proximal policy, an
+  importance weight against the behaviour policy).
 - [Chan] Chan, Golub, LeVeque 1979, "Updating Formulae and a Pairwise Algorithm for
   Computing Sample Variances" (parallel merge of running moments).
 """

@@ -106,7 +106,7 @@ def world():
 @pytest.mark.parametrize(
     "advantage, extra",
     [
-        ("gae", {"normalize_scores": True, "missing_eos_penalty": -1.0}),
+        ("gae", {"normalize_scores": True, "missing_eos_penalty": -1.0, "tis_cap": 2.0}),
         ("grpo", {"samples_per_prompt": 2, "overlong_filtering": True}),
         ("reinforce_pp", {"overlong_buffer": 2, "init_kl_coef": 0.0, "adaptive_kl": False}),
     ],
@@ -153,3 +153,5 @@ def test_a_ppo_step_keeps_every_tensor_on_the_device(world, tmp_path, advantage,
     assert engine.refits == 2 and "loss/policy" in metrics and "validation/scores" in metrics
     assert bool(critic.trained) is (advantage == "gae")  # critic-free runs send no critic_train
     assert all(isinstance(v, float) for v in metrics.values())
+    # the engine's log-probs reach the loss (ppo.tis_cap) on the device too
+    assert ("policy/tis_weight_mean" in metrics) is ("tis_cap" in extra)

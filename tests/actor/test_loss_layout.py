@@ -249,3 +249,33 @@ def test_a_padded_micro_batch_runs_its_forward_on_its_longest_row(one_process, m
     full = L.run_update(lay, state, weights, inputs)
     assert set(widths) == {L.SEQ}
     _check(L.differences(cut, full), lay)
+
+
+def test_truncated_importance_sampling_weighs_the_update_at_any_layout(one_process):
+    """``ppo.tis_cap``: with the engine's log-probs equal to the training forward's every weight
+    is 1 and the update is the plain one, bit for bit; with them apart (a fixed noise: weights
+    of about 0.6 to 1.7, some truncated at 1.2) the update moves, and is still the same at any
+    micro-batch size, packed or padded."""
+    state, weights, inputs = one_process
+    plain = L.run_update(L.Layout(micro=8), state, weights, inputs)
+    agree = L.run_update(
+        L.Layout(micro=8, tis_cap=1.2),
+        state,
+        weights,
+        {**inputs, "behaviour_logprobs": inputs["old_logprobs"]},
+    )
+    for a, b in zip(agree.grads, plain.grads):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+    assert agree.minibatch_stats[0]["policy/tis_weight_mean"] == 1.0
+    assert agree.minibatch_stats[0]["policy/tis_truncfrac"] == 0.0
+
+    g = torch.Generator().manual_seed(L.SEED + 2)
+    gap = 0.25 * torch.randn(inputs["old_logprobs"].shape, generator=g)
+    apart = {**inputs, "behaviour_logprobs": inputs["old_logprobs"] - gap}
+    ref = L.run_update(L.Layout(micro=8, tis_cap=1.2), state, weights, apart)
+    first = ref.minibatch_stats[0]
+    assert 0.0 < first["policy/tis_truncfrac"] < 0.5 and 0.8 < first["policy/tis_weight_mean"] < 1.1, first
+    moved = max(float((ref.grads[0][k] - plain.grads[0][k]).abs().max()) for k in plain.grads[0])
+    assert moved > 1000 * GRAD_TOL, moved
+    for lay in (L.Layout(micro=2, tis_cap=1.2), L.Layout(micro=1, tis_cap=1.2, max_tokens=L.BUDGET)):
+        _check(L.differences(L.run_update(lay, state, weights, apart), ref), str(lay))

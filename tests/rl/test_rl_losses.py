@@ -64,22 +64,35 @@ def test_aggregate_hand_worked_and_errors():
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("b,s", SHAPES)
 @pytest.mark.parametrize(
-    "lo,hi,dual,agg",
+    "lo,hi,dual,agg,tis",
     [
-        (0.2, None, None, "token_mean"),
-        (0.2, 0.28, None, "seq_mean_token_mean"),
-        (0.1, 0.3, 3.0, "token_mean"),
-        (0.2, None, 1.5, "seq_mean_token_mean"),
+        (0.2, None, None, "token_mean", None),
+        (0.2, 0.28, None, "seq_mean_token_mean", None),
+        (0.1, 0.3, 3.0, "token_mean", None),
+        (0.2, None, 1.5, "seq_mean_token_mean", None),
+        (0.2, None, None, "token_mean", 1.5),
+        (0.1, 0.3, 3.0, "seq_mean_token_mean", 2.0),
     ],
 )
-def test_policy_loss_matches_naive(seed, b, s, lo, hi, dual, agg):
+def test_policy_loss_matches_naive(seed, b, s, lo, hi, dual, agg, tis):
     mask, nmask = ragged_batch(seed, b, s)
     old = rand(seed, b, s - 1) - 2.0
     logp = old + rand(seed + 1, b, s - 1, scale=0.5)
     adv = rand(seed + 2, b, s - 1, scale=1.5)
-    loss, stats = policy_loss(logp, old, adv, mask, lo, hi, dual, agg)
+    behaviour = old + rand(seed + 3, b, s - 1, scale=0.7)  # weights from about 0.5 to 2
+    kw = {} if tis is None else {"behaviour_logp": behaviour, "tis_cap": tis}
+    loss, stats = policy_loss(logp, old, adv, mask, lo, hi, dual, agg, **kw)
     n_loss, n_stats = naive_policy_loss(
-        logp.tolist(), old.tolist(), adv.tolist(), nmask, lo, lo if hi is None else hi, dual, agg
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        nmask,
+        lo,
+        lo if hi is None else hi,
+        dual,
+        agg,
+        behaviour.tolist(),
+        tis,
     )
     close(loss, n_loss)
     assert set(stats) == set(n_stats)
@@ -120,6 +133,32 @@ def test_policy_loss_hand_worked():
     close(loss3, (3.0 - 1.2) / 2)
     close(stats3["dual_clipfrac"], 0.5)
     close(stats3["clipfrac"], 0.5)  # only the A>0 token has its clipped term larger
+
+
+def test_tis_hand_worked():
+    # Two tokens, ratio 1 (logp = old), A = +1 and -1, eps 0.2, cap 2:
+    #   a: old - behaviour = log 3 -> w = min(3, 2) = 2 (truncated); term -1 * 2 = -2
+    #   b: old - behaviour = log 0.5 -> w = 0.5;                     term +1 * 0.5 = 0.5
+    # loss = (-2 + 0.5) / 2 = -0.75; weight mean 1.25; truncated 1/2
+    old = torch.zeros(1, 2)
+    behaviour = -torch.log(torch.tensor([[3.0, 0.5]]))
+    logp = old.clone().requires_grad_()
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, stats = policy_loss(logp, old, adv, torch.ones(1, 2), 0.2, behaviour_logp=behaviour, tis_cap=2.0)
+    close(loss, -0.75)
+    close(stats["tis_weight_mean"], 1.25)
+    close(stats["tis_truncfrac"], 0.5)
+    loss.backward()
+    # the weight is a constant: d/dlogp (-A * w * ratio) = -A * w * ratio / 2 tokens
+    close(logp.grad, [[-1.0, 0.25]])
+    # the engine agreeing with the training forward: weight 1, today's loss to the bit
+    plain, _ = policy_loss(logp.detach(), old, adv, torch.ones(1, 2), 0.2)
+    same, s1 = policy_loss(logp.detach(), old, adv, torch.ones(1, 2), 0.2, behaviour_logp=old, tis_cap=2.0)
+    assert torch.equal(plain, same) and s1["tis_weight_mean"].item() == 1.0
+    with pytest.raises(ValueError, match="tis_cap must be >= 1"):
+        policy_loss(old, old, adv, torch.ones(1, 2), behaviour_logp=old, tis_cap=0.5)
+    with pytest.raises(ValueError, match="needs behaviour_logp"):
+        policy_loss(old, old, adv, torch.ones(1, 2), tis_cap=2.0)
 
 
 def test_policy_loss_gradient_and_masking():

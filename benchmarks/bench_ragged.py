@@ -17,6 +17,15 @@ the work is the same in both), generated tokens/s, tokens per CPU-second of this
 (steadier on a shared machine), and the ratio mixed / equal of each (1.0: a ragged batch costs
 what an equal one does). The two batches run interleaved, round by round, and the medians are
 reported. The model is the tiny one of ``bench_generation.py`` (4 layers, hidden 256).
+
+Also reported: each batch's forward steps (a call prefills once, then takes one decode step per
+token of its longest response) and ``step_bound``, equal's steps over mixed's. A decode step
+reads every weight whatever its rows, so where that read dominates (GPUs at any size this
+benchmark runs; this tiny model on a CPU too: a step of 5 rows costs about 75% of one of 16)
+the mixed batch cannot beat ``step_bound`` by much: its longest response sets its step count,
+the mean sets the equal batch's. Sorting, span attention and dropping stopped rows are what
+lift the ratio above that bound; going past it needs more prompts than rows in flight (refilling
+the rows that stopped) or rollouts that do not wait for their longest row.
 """
 
 from __future__ import annotations
@@ -124,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
             fn()
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+    steps = {"mixed": 1 + max(resp), "equal": 1 + mean_resp}  # the prefill + a step per further token
     results = {}
     for name in runs:
         med, cpu_med = statistics.median(wall[name]), statistics.median(cpu[name])
@@ -138,12 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
             # The fastest round: what the code costs with the least interference from other
             # processes on a shared machine.
             "tokens_per_s_best": round(tokens[name] / min(wall[name]), 1),
+            "forward_steps": steps[name],
+            "ms_per_step": round(1000 * med / steps[name], 3),
         }
     m, e = results["mixed"], results["equal"]
     ratio = {
         k: round(m[k] / e[k], 3)
         for k in ("tokens_per_s", "generated_per_s", "tokens_per_cpu_s", "tokens_per_s_best")
     }
+    ratio["step_bound"] = round(steps["equal"] / steps["mixed"], 3)
     report = {
         "config": {
             **case,
@@ -179,6 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{'ratio':<8}{'':>8}{ratio['tokens_per_s']:>10.3f}{ratio['generated_per_s']:>9.3f}{'':>12}"
         f"{ratio['tokens_per_cpu_s']:>14.3f}{ratio['tokens_per_s_best']:>15.3f}"
+    )
+    print(
+        f"forward steps: mixed {steps['mixed']}, equal {steps['equal']} "
+        f"(step bound {ratio['step_bound']:.3f}); ms per step: mixed {results['mixed']['ms_per_step']:.2f}, "
+        f"equal {results['equal']['ms_per_step']:.2f}"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -204,11 +205,24 @@ class Critic:
 # ----------------------------------------------------------------------------------------------
 
 
-def actor_cmd(url: str, run_dir: Path, ckpt: Path, *extra: str) -> list[str]:
+def actor_cmd(url: str, run_dir: Path, ckpt: Path, *extra: str, nproc: int = 1) -> list[str]:
     """``python examples/train_actor.py`` against ``url``, logging under ``run_dir`` and saving
-    under ``ckpt`` (the server's checkpoint folder when they share one)."""
+    under ``ckpt`` (the server's checkpoint folder when they share one); with ``nproc`` > 1 under
+    ``torch.distributed.run`` on that many processes (the layout from ``extra``: data parallel by
+    default)."""
+    from aligner.distributed import free_port
+
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
     return [
-        sys.executable,
+        *launcher,
         str(ROOT / "examples" / "train_actor.py"),
         f"critic.url={url}",
         f"logging.run_dir={run_dir}",
@@ -254,10 +268,11 @@ def run_actor(
     ok: bool = True,
     timeout_s: float = 300,
     max_file_size: int | None = None,
+    nproc: int = 1,
 ) -> ActorRun:
-    """Run the actor to its end; with ``ok`` it must exit 0. ``max_file_size``: the largest file
-    it may write (:func:`file_size_limited`)."""
-    cmd = actor_cmd(url, run_dir, ckpt, *extra)
+    """Run the actor to its end (on ``nproc`` processes); with ``ok`` it must exit 0.
+    ``max_file_size``: the largest file it may write (:func:`file_size_limited`)."""
+    cmd = actor_cmd(url, run_dir, ckpt, *extra, nproc=nproc)
     if max_file_size is not None:
         cmd = file_size_limited(cmd, max_file_size)
     t0 = time.monotonic()
@@ -273,14 +288,22 @@ def run_actor(
 class ActorProcess:
     """An actor started in the background (output to files under ``run_dir``)."""
 
-    def __init__(self, url: str, run_dir: Path, ckpt: Path, *extra: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        url: str,
+        run_dir: Path,
+        ckpt: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        nproc: int = 1,
+    ):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self._out = open(run_dir / "actor.stdout", "w")
         self._err = open(run_dir / "actor.stderr", "w")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            actor_cmd(url, run_dir, ckpt, *extra),
+            actor_cmd(url, run_dir, ckpt, *extra, nproc=nproc),
             env=env or actor_env(),
             stdout=self._out,
             stderr=self._err,
@@ -291,8 +314,7 @@ class ActorProcess:
         try:
             code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self._stop()
             self._close()
             raise AssertionError(
                 f"the actor did not finish within {timeout_s:.0f} s:\n{self.result(-9).tail()}"
@@ -305,14 +327,53 @@ class ActorProcess:
         return ActorRun(code, read("actor.stdout"), read("actor.stderr"), time.monotonic() - self.t0)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        self._stop()
         self._close()
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            # SIGTERM first: torchrun passes it on to its workers (each in a session of its own,
+            # out of reach of a signal to its group) before it exits.
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def _close(self) -> None:
         self._out.close()
         self._err.close()
+
+
+def kill_server_mid_run(tmp_path: Path, fault: str, *actor_extra: str, nproc: int = 1):
+    """Start a server that kills itself at ``fault`` (``ALIGNER_SERVER_FAULT_AT``), an actor
+    against it sharing its checkpoint folder, then, once the server died, start it again on the
+    same ports with ``checkpoint.resume=auto``. Returns the critic, the finished actor run and the
+    newest complete critic checkpoint when the server died (what the restarted one must load).
+    ``nproc``: the actor's processes (:func:`actor_cmd`)."""
+    from aligner.checkpoint import complete_steps
+
+    critic = Critic(tmp_path / "server")
+    # Started first: the actor waits for the server to be ready (critic.ready_timeout_s), and its
+    # own start-up overlaps the server's.
+    actor = ActorProcess(critic.url, tmp_path / "actor", critic.ckpt, *actor_extra, nproc=nproc)
+    try:
+        critic.start(ALIGNER_SERVER_FAULT_AT=fault)
+        code = critic.wait_dead(timeout_s=240)
+        assert code == -signal.SIGKILL, (
+            f"the server exited with {code}, not at {fault}:\n{critic.output_tail()}"
+        )
+        killed_at = sorted(complete_steps(critic.ckpt, role="critic"))
+        critic.start()
+        run = actor.wait(timeout_s=300)
+    finally:
+        actor.kill()
+        critic.kill()
+    # The restarted server took the newest complete critic checkpoint by itself.
+    newest = killed_at[-1]
+    assert f"loaded critic checkpoint step {newest}" in critic.logs[-1].read_text(), critic.log_text()[-3000:]
+    return critic, run, newest
 
 
 def metrics_steps(run_dir: Path) -> list[int]:

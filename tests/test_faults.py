@@ -41,6 +41,7 @@ from _faults import (
     infer_request,
     infer_together,
     judge,
+    kill_server_mid_run,
     last_error,
     limit_file_size,
     metrics_steps,
@@ -136,33 +137,6 @@ def reference(shared, root) -> Reference:
 # ----------------------------------------------------------------------------------------------
 
 
-def _kill_server_mid_run(tmp_path: Path, fault: str, *actor_extra: str):
-    """Start a server that kills itself at ``fault`` (``ALIGNER_SERVER_FAULT_AT``), an actor
-    against it sharing its checkpoint folder, then, once the server died, start it again on the
-    same ports with ``checkpoint.resume=auto``. Returns the critic, the finished actor run and the
-    newest complete critic checkpoint when the server died (what the restarted one must load)."""
-    critic = Critic(tmp_path / "server")
-    # Started first: the actor waits for the server to be ready (critic.ready_timeout_s), and its
-    # own start-up overlaps the server's.
-    actor = ActorProcess(critic.url, tmp_path / "actor", critic.ckpt, *actor_extra)
-    try:
-        critic.start(ALIGNER_SERVER_FAULT_AT=fault)
-        code = critic.wait_dead(timeout_s=240)
-        assert code == -signal.SIGKILL, (
-            f"the server exited with {code}, not at {fault}:\n{critic.output_tail()}"
-        )
-        killed_at = sorted(complete_steps(critic.ckpt, role="critic"))
-        critic.start()
-        run = actor.wait(timeout_s=300)
-    finally:
-        actor.kill()
-        critic.kill()
-    # The restarted server took the newest complete critic checkpoint by itself.
-    newest = killed_at[-1]
-    assert f"loaded critic checkpoint step {newest}" in critic.logs[-1].read_text(), critic.log_text()[-3000:]
-    return critic, run, newest
-
-
 def _say(capsys, text: str) -> None:
     """One line of the suite's report (what a case saw), shown whatever pytest captures."""
     with capsys.disabled():
@@ -198,7 +172,7 @@ def test_server_killed_during_critic_infer_rolls_back_and_ends_as_the_uninterrup
     reference, tmp_path, capsys
 ):
     # critic step 3 is held while step 4's rollout is scored: the newest critic checkpoint is 2.
-    critic, run, newest = _kill_server_mid_run(tmp_path, "infer@3", "critic.on_restart=resume")
+    critic, run, newest = kill_server_mid_run(tmp_path, "infer@3", "critic.on_restart=resume")
     assert newest == 2
     _report_rollback(
         capsys, "infer@3", _assert_rolled_back_and_equal(reference, critic, run, rolled_to=2), run
@@ -209,7 +183,7 @@ def test_server_killed_during_critic_train_rolls_back_and_ends_as_the_uninterrup
     reference, tmp_path, capsys
 ):
     # Killed after step 5's backward, before its optimizer step: the newest checkpoint is 4.
-    critic, run, newest = _kill_server_mid_run(tmp_path, "train@5", "critic.on_restart=resume")
+    critic, run, newest = kill_server_mid_run(tmp_path, "train@5", "critic.on_restart=resume")
     assert newest == 4
     _report_rollback(
         capsys, "train@5", _assert_rolled_back_and_equal(reference, critic, run, rolled_to=4), run
@@ -220,7 +194,7 @@ def test_server_killed_during_critic_save_rolls_back_and_ends_as_the_uninterrupt
     reference, tmp_path, capsys
 ):
     # Step 4's shards are written, its folder not committed: step 4 does not count, 2 does.
-    critic, run, newest = _kill_server_mid_run(tmp_path, "save@4", "critic.on_restart=resume")
+    critic, run, newest = kill_server_mid_run(tmp_path, "save@4", "critic.on_restart=resume")
     assert newest == 2
     _report_rollback(
         capsys, "save@4", _assert_rolled_back_and_equal(reference, critic, run, rolled_to=2), run
@@ -228,7 +202,7 @@ def test_server_killed_during_critic_save_rolls_back_and_ends_as_the_uninterrupt
 
 
 def test_server_killed_with_on_restart_fail_stops_the_actor_naming_both_steps(tmp_path, capsys):
-    critic, run, newest = _kill_server_mid_run(tmp_path, "train@3", "critic.on_restart=fail")
+    critic, run, newest = kill_server_mid_run(tmp_path, "train@3", "critic.on_restart=fail")
     assert newest == 2
     assert run.returncode not in (0, -signal.SIGKILL), run.tail()
     assert not rollbacks(run.stdout), run.tail()

@@ -22,6 +22,7 @@ from aligner.models.config import FORWARD_MODES, ConversionError, ModelConfig
 from aligner.models.lora import LoraConfig
 from aligner.models.model_files import parse_size
 from aligner.optim import OptimConfig
+from aligner.wire.tls import ClientTLS
 
 __all__ = [
     "ActorConfig",
@@ -103,6 +104,10 @@ class CriticClientConfig:
     """A file holding the run token, the secret the server requires for critic_train, critic_save
     and critic_load (its server.run_token_file); None: $ALIGNER_RUN_TOKEN, else no token. The
     file wins over the variable."""
+    tls: ClientTLS = field(default_factory=ClientTLS)
+    """For a ``grpcs://`` url (a server with server.tls on): the CA its certificate chains to
+    (``ca_file``; null: the system's roots) and, where it requires client certificates, this
+    client's (``cert_file``, ``key_file``). Must stay unset for a grpc:// or http:// url."""
 
     def problems(self, prefix: str = "critic") -> Problems:
         e = Problems()
@@ -122,6 +127,7 @@ class CriticClientConfig:
                 self.run_token_file,
                 "an existing file (or null: $ALIGNER_RUN_TOKEN, else no token)",
             )
+        e += self.tls.problems(f"{prefix}.tls")
         return e
 
 

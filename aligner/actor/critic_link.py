@@ -282,6 +282,14 @@ class CriticLink:
         for (it becomes the step the rollback has the server load)."""
         self.pending, self.completed, self.after_step = None, None, None
 
+    def follow(self, instance_id: str) -> None:
+        """After a rollback (the server had the step loaded by rank 0's client): the server
+        process ``instance_id`` is the one this rank's client works with from now on, and a
+        restart it had found is handled (a client that watches for restarts: the remote one)."""
+        follow = getattr(self.critic, "follow", None)
+        if follow is not None:
+            follow(instance_id)
+
     def agree(self, call: str, wait: Callable[[], T]) -> T:
         """``wait()`` here, and the same outcome on every rank: with more than one rank, every
         rank raises when any rank's wait on ``call`` failed (one all-reduce per call)."""

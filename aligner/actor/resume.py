@@ -278,14 +278,15 @@ def check_restart(
         ) from error
 
 
-def rollback_dir(checkpointer: ActorCheckpointer, error: CriticRestartedError) -> tuple[Path, int]:
+def rollback_dir(checkpointer: ActorCheckpointer, error: CriticRestartedError) -> tuple[Path, int, str]:
     """The step folder to roll both roles back to after ``error``: the newest step that both
     this run's actor checkpoints and the server's critic checkpoints (as the server lists
-    them now) hold; and the critic step the server holds now. CheckpointError naming both
-    lists when there is none. Call on every rank."""
+    them now) hold; the critic step the server holds now, and its ``instance_id`` (the server
+    process every rank's client follows from now on). CheckpointError naming both lists when
+    there is none. Call on every rank."""
     ck = checkpointer
 
-    def decide() -> tuple[str, int]:
+    def decide() -> tuple[str, int, str]:
         try:
             info = ck.critic.server_info()
             server_steps = sorted(int(s) for s in info.checkpoint_steps)
@@ -302,10 +303,10 @@ def rollback_dir(checkpointer: ActorCheckpointer, error: CriticRestartedError) -
                 f"critic checkpoints on the server: {server_steps or 'none'}). Save more often "
                 "(checkpoint.save_interval), or point the server's checkpoint.dir at this run's"
             )
-        return str(ck.root / step_dir_name(common[-1])), info.critic_step
+        return str(ck.root / step_dir_name(common[-1])), info.critic_step, str(info.instance_id)
 
-    path, critic_step = on_rank0(decide, carried=(CriticRestartedError, CheckpointError))
-    return Path(path), int(critic_step)
+    path, critic_step, instance = on_rank0(decide, carried=(CriticRestartedError, CheckpointError))
+    return Path(path), int(critic_step), instance
 
 
 def rolled_back(

@@ -195,8 +195,11 @@ def connect_critic(cfg: ActorConfig, inputs: Inputs, state: ParallelState) -> Re
         wait_timeout_s=cfg.critic.wait_timeout_s,
         retries=cfg.critic.retries,
         run_token=inputs.run_token,
-        # Rank 0 alone trains, saves and loads the critic: its requests are the fenced ones.
-        watch_restarts=state.rank == 0,
+        tls=cfg.critic.tls,
+        # Every rank: a rank whose infer reaches a restarted server (one that will never reach
+        # the critic step the infer waits for) must say so, and the run rolls back on every rank
+        # (after which each rank's client follows the server: CriticLink.follow).
+        watch_restarts=True,
     )
     try:
         tok = inputs.tokenizer

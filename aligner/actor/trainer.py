@@ -224,8 +224,9 @@ class PPOTrainer:
         ckpt, url = self.checkpointer, self.critic.critic.url
         check_restart(error, c, ckpt, url, reached=reached, completed=self.step_count, restarts=self.restarts)
         try:
-            step_dir, held_now = rollback_dir(self.checkpointer, error)
+            step_dir, held_now, instance = rollback_dir(self.checkpointer, error)
             self.load_training_state(self.checkpointer.load(self.actor_state(), step_dir))
+            self.critic.follow(instance)  # every rank's client: this server, its restart handled
         except CriticRestartedError as again:  # restarted again meanwhile: counted, and retried
             self._roll_back(again)
             return

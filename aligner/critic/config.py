@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aligner.config_checks import ConfigError, Problems
+from aligner.critic.budget import ServerCapacity
 from aligner.critic.config_limits import LimitsConfig
 from aligner.critic.reward_conventions import reward_options_problems
 from aligner.critic.reward_fn import reward_fn_problem
 from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_folder
+from aligner.critic.tls import ServerTLSConfig
 from aligner.models.config import FORWARD_MODES, ModelConfig
 from aligner.optim import OptimConfig
 from aligner.tokenizers import build_tokenizer
@@ -48,8 +50,8 @@ SERVER_MODES = ("critic", "reward_only")
 
 
 @dataclass
-class ServerConfig:
-    """The Triton endpoints and the critic_infer batcher."""
+class ServerConfig(ServerCapacity):
+    """The Triton endpoints, the critic_infer batcher, and the work taken on (:class:`ServerCapacity`)."""
 
     host: str = "127.0.0.1"
     """Address HTTP, gRPC and metrics bind to; 0.0.0.0 to serve other machines (e.g. a k8s Service)."""
@@ -88,6 +90,8 @@ class ServerConfig:
     allow_no_token: bool = False
     """true: serve beyond loopback or with HTTP on without a run token (isolated networks only;
     anyone who reaches the server may then train, save and load; warned at start-up)."""
+    tls: ServerTLSConfig = field(default_factory=ServerTLSConfig)
+    """TLS on the gRPC endpoint (off by default; :mod:`aligner.critic.tls`)."""
 
 
 @dataclass
@@ -369,11 +373,13 @@ class CriticServerConfig:
             e.append(f"server.exit_timeout_s={s.exit_timeout_s}: expected >= 0")
         if not s.infer_wait_s > 0:
             e.append(f"server.infer_wait_s={s.infer_wait_s}: expected > 0 (seconds)")
+        e += s.capacity_problems()
         if s.run_token_file:
             try:
                 resolve_run_token(s.run_token_file, "server.run_token_file")
             except ValueError as exc:  # names the key and the file, never the token
                 e.append(str(exc))
+        e += s.tls.problems(s.http_port)
 
         p = self.parallel
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
@@ -530,6 +536,9 @@ def _section(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
     for k in unknown:
         errors.append(f"{prefix}.{k}: unknown key; expected one of {sorted(known)}")
     kwargs = {k: v for k, v in data.items() if k in known}
+    for f in dataclasses.fields(cls):  # a nested section (server.tls): a dataclass of its own
+        if dataclasses.is_dataclass(f.default_factory) and isinstance(kwargs.get(f.name), dict):
+            kwargs[f.name] = _section(f.default_factory, kwargs[f.name], f"{prefix}.{f.name}", errors)
     if cls is ModelConfig:
         try:
             return ModelConfig(**kwargs)

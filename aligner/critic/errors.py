@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import importlib.util
 
-from aligner.wire.protocol import UNAVAILABLE_MARK, ProtocolError, mark_of, neutralize, wire_text
+from aligner.wire.protocol import (
+    OVERLOADED_MARK,
+    UNAVAILABLE_MARK,
+    ProtocolError,
+    mark_of,
+    neutralize,
+    wire_text,
+)
 
 __all__ = [
     "CriticServiceError",
     "ServiceClosedError",
+    "OverloadedError",
     "RequestRewardError",
     "reward_only_refusal",
     "for_the_wire",
@@ -36,6 +44,20 @@ class ServiceClosedError(CriticServiceError):
 
     def __init__(self) -> None:
         super().__init__(UNAVAILABLE_MARK + "the critic server is shutting down; retry after it restarts")
+
+
+class OverloadedError(CriticServiceError):
+    """The work of a request would pass the server's memory budget (``server.memory_budget_gb``,
+    :mod:`aligner.critic.budget`): nothing was run; clients back off and retry."""
+
+    def __init__(self, model: str, budget: int, used: int, need: int) -> None:
+        self.model, self.budget, self.used, self.need = model, budget, used, need
+        mib = 1 << 20
+        super().__init__(
+            f"{OVERLOADED_MARK}{model}: the server's memory budget (server.memory_budget_gb) is "
+            f"{budget / mib:.0f} MiB, {used / mib:.0f} MiB are in use and this request's work is "
+            f"estimated at {need / mib:.0f} MiB; nothing was run: retry later, or send smaller requests"
+        )
 
 
 class RequestRewardError(CriticServiceError):
@@ -64,7 +86,8 @@ def for_the_wire(error: BaseException, model: str) -> BaseException:
     no line break, no other mark), anything else wrapped in a :class:`CriticServiceError` naming
     its type (a failure of the server's, which carries no mark)."""
     if isinstance(error, (ProtocolError, CriticServiceError)):
-        mark = UNAVAILABLE_MARK if isinstance(error, ServiceClosedError) else mark_of(error)
+        marks = {ServiceClosedError: UNAVAILABLE_MARK, OverloadedError: OVERLOADED_MARK}
+        mark = marks.get(type(error)) or mark_of(error)
         error.args = (wire_text(str(error), mark),)
         return error
     return CriticServiceError(

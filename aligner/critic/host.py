@@ -1,13 +1,15 @@
 """What a critic server needs of its host before Triton starts: the environment the bundled
 Triton's Python backend needs (docs/platform.md, "PyTriton"), the leftovers of servers that died
-without cleaning up, and ports that are free to bind.
+without cleaning up, and ports that are free to bind; and its logging.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
+import sys
 import sysconfig
 import threading
 from pathlib import Path
@@ -21,6 +23,7 @@ __all__ = [
     "pid_alive",
     "prepare_environment",
     "remove_stale_workspaces",
+    "setup_logging",
 ]
 
 
@@ -30,10 +33,16 @@ def prepare_environment(cache_root: str | os.PathLike | None = None) -> Path:
     - ``LD_LIBRARY_PATH`` starts with this interpreter's ``LIBDIR``, so the Python backend stub
       loads the same libpython as the running interpreter (not one the system finds first);
     - ``XDG_CACHE_HOME`` / ``PYTRITON_HOME`` point at a project-local cache (default ``.cache``
-      in the working directory) instead of ``~/.cache``.
+      in the working directory) instead of ``~/.cache``;
+    - glibc's ``MALLOC_MMAP_THRESHOLD_`` (1 MiB) and ``MALLOC_TRIM_THRESHOLD_`` (16 MiB), unless
+      set, for Triton and its stubs (this process's own allocator is set by ``mallopt``): a
+      large request's buffers are handed back to the system once freed, not kept in their heaps
+      (:mod:`aligner.critic.budget`).
 
     Returns the PyTriton workspace root.
     """
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 << 20))
     libdir = sysconfig.get_config_var("LIBDIR")
     if libdir:
         parts = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
@@ -140,3 +149,28 @@ def parallel_model_cleanup(triton: Any) -> None:
             threads[id(m)].join()
 
         m.clean = clean
+
+
+def setup_logging(level_name: str, log_dir: str | os.PathLike, rank: int) -> None:
+    """The critic server's logging: to stderr, and on rank 0 to ``<log_dir>/server.log`` too."""
+    level = getattr(logging, level_name.upper())
+    fmt = f"%(asctime)s %(levelname)s [critic rank {rank}] %(message)s"
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not any(getattr(h, "_aligner_critic", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter(fmt))
+        h._aligner_critic = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+        if rank == 0:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(Path(log_dir) / "server.log")
+            fh.setFormatter(logging.Formatter(fmt))
+            fh._aligner_critic = True  # type: ignore[attr-defined]
+            root.addHandler(fh)
+    for noisy in ("pytriton", "tritonclient", "sh", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    # PyTriton logs a traceback (~2 KB) at WARNING for every request a callable refuses; the
+    # callables log refusals themselves (throttled, security.RefusalLog) and unexpected errors
+    # with their traceback, so only its errors (an unrecoverable one) are left to it.
+    logging.getLogger("pytriton.proxy.inference").setLevel(max(level, logging.ERROR))

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aligner.wire.readiness import ServerStartError, wait_ready
+from aligner.wire.tls import ClientTLS
 
 __all__ = ["ServerProcess", "start_server", "SERVER_MODULE"]
 
@@ -55,8 +56,12 @@ _DIST_ENV = (
 class ServerProcess:
     """A running ``python -m aligner.critic.server`` child (in its own process group)."""
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path | None, nproc: int = 1) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, log_path: Path | None, nproc: int = 1, tls: ClientTLS | None = None
+    ) -> None:
         self.proc = proc
+        self.tls = tls
+        """What the readiness check of a ``grpcs://`` server trusts (and presents)."""
         self.nproc = nproc
         self.log_path = log_path
         self.url: str = ""
@@ -115,7 +120,9 @@ class ServerProcess:
                 raise ServerStartError(
                     f"critic server printed no READY line within {timeout_s:.0f} s:\n{self.output_tail()}"
                 )
-        wait_ready(self.url, timeout_s=max(1.0, deadline - time.monotonic()), abort=self._exit_reason)
+        wait_ready(
+            self.url, timeout_s=max(1.0, deadline - time.monotonic()), abort=self._exit_reason, tls=self.tls
+        )
         self._note_groups()  # the workers' groups, should torchrun exit before stop() is called
 
     def _exit_reason(self) -> str | None:
@@ -218,6 +225,7 @@ def start_server(
     nproc: int = 1,
     cwd: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
+    tls: ClientTLS | None = None,
 ) -> ServerProcess:
     """Start ``python -m aligner.critic.server <overrides>`` and return once it printed READY and
     answers.
@@ -231,6 +239,8 @@ def start_server(
         cwd: working directory (default: the caller's); relative paths in ``overrides`` and the
             PyTriton cache (``.cache``) are taken from it.
         env: extra environment variables.
+        tls: for a server with ``server.tls`` on, what its readiness check trusts (its CA) and,
+            with mutual TLS, presents (a client certificate).
 
     Raises:
         ServerStartError: with the server's last output, if it exits or never becomes ready.
@@ -278,7 +288,7 @@ def start_server(
         )
     finally:
         stderr.close()
-    server = ServerProcess(proc, log_path, nproc=nproc)
+    server = ServerProcess(proc, log_path, nproc=nproc, tls=tls)
     try:
         server.wait_ready(ready_timeout_s)
     except BaseException:

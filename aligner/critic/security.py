@@ -88,13 +88,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def token_required_reason(host: str, http_on: bool) -> str | None:
-    """Why a server bound to ``host`` (HTTP on or off) must require a run token; None when it need not."""
+def token_required_reason(host: str, http_on: bool, tls_on: bool = False) -> str | None:
+    """Why a server bound to ``host`` (HTTP on or off; TLS, which gives PyTriton a loopback HTTP
+    endpoint of its own, on or off) must require a run token; None when it need not."""
     reasons = []
     if not is_loopback(host):
         reasons.append(f"server.host={host} is reachable beyond loopback")
     if http_on:
         reasons.append("HTTP is on (server.http_port)")
+    if tls_on:
+        reasons.append("TLS is on (server.tls: PyTriton manages Triton over a loopback HTTP endpoint)")
     return " and ".join(reasons) or None
 
 
@@ -108,7 +111,8 @@ def server_run_token(cfg: Any, configured: str | None) -> str | None:
             (or is empty).
     """
     s = cfg.server
-    reason = token_required_reason(s.host, s.http_port is not None)
+    tls_on = bool(getattr(getattr(s, "tls", None), "on", False))
+    reason = token_required_reason(s.host, s.http_port is not None, tls_on)
     if configured is not None or reason is None:
         return configured
     if s.allow_no_token:

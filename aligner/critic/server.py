@@ -100,6 +100,7 @@ from aligner import faults
 from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
 from aligner.cpu_memory import tune_allocator
+from aligner.critic.budget import MemoryBudget, work_factors
 from aligner.critic.config import CriticServerConfig, build_config
 from aligner.critic.errors import (
     PYTRITON_MISSING,
@@ -115,10 +116,12 @@ from aligner.critic.host import (
     parallel_model_cleanup,
     prepare_environment,
     remove_stale_workspaces,
+    setup_logging,
 )
 from aligner.critic.metrics import MetricsWriter
 from aligner.critic.security import RefusalLog, TokenFileError, drop_token_env, info_for, server_run_token
 from aligner.critic.service import CriticService
+from aligner.critic.tls import http_options, own_ready_url, pytriton_http_port
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
     INFER,
@@ -170,6 +173,7 @@ class CriticTritonServer:
             self.metrics_port = s.metrics_port or free_port()
             while self.metrics_port in (self.http_port, self.grpc_port):
                 self.metrics_port = free_port()
+        self.pytriton_http_port = pytriton_http_port(s.tls, (self.grpc_port, self.metrics_port))  # TLS only
         self.host = s.host
         self.input_limits = cfg.limits.input_limits()
         """How large critic_infer's text inputs may be (``limits``), checked per request."""
@@ -177,10 +181,13 @@ class CriticTritonServer:
         self.triton = None
         self.refusals = RefusalLog(log)
         """Refused requests, one line per kind per minute (security.RefusalLog)."""
+        self.budget = MemoryBudget(
+            s.memory_budget_gb, work_factors(None if service.reward_only else service.model_cfg)
+        )
 
     @property
     def grpc_url(self) -> str:
-        return f"grpc://{connectable_host(self.host)}:{self.grpc_port}"
+        return f"{self.cfg.server.tls.scheme}://{connectable_host(self.host)}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
@@ -198,6 +205,8 @@ class CriticTritonServer:
         ok = False
         rows = 0
         try:
+            if model != INFO:  # never refused: probes and readiness checks ask it
+                self.budget.admit(model, requests)  # over the memory budget: nothing run
             out = fn(requests)
             ok = True
             rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == INFER else len(out)
@@ -210,6 +219,7 @@ class CriticTritonServer:
             # No chained exception: Triton would show its text, which the server did not compose.
             raise for_the_wire(e, model) from None
         finally:
+            self.budget.done(requests, failed=not ok)  # free heap memory back to the OS
             self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows, len(requests))
 
     def infer_fn(self, requests) -> list[dict[str, np.ndarray]]:
@@ -322,7 +332,7 @@ class CriticTritonServer:
     def start(self) -> None:
         """Start Triton, bind the models and wait until all of them are ready."""
         try:
-            from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+            from pytriton.model_config import DynamicBatcher, ModelConfig, QueuePolicy, Tensor
             from pytriton.triton import Triton, TritonConfig
         except ImportError as e:
             raise PyTritonMissingError(f"{PYTRITON_MISSING} ({e})") from None
@@ -334,11 +344,8 @@ class CriticTritonServer:
         )
         log_dir = Path(self.cfg.log.dir).resolve()
         log_dir.mkdir(parents=True, exist_ok=True)
-        http_on = self.http_port is not None
         triton_cfg = TritonConfig(
-            allow_http=http_on,
-            http_address=s.host if http_on else None,
-            http_port=self.http_port,
+            **http_options(s.host, self.http_port, self.pytriton_http_port, s.tls),  # and gRPC's TLS
             grpc_address=s.host,
             grpc_port=self.grpc_port,
             allow_metrics=self.metrics_port is not None,
@@ -346,6 +353,7 @@ class CriticTritonServer:
             metrics_port=self.metrics_port,
             exit_timeout_secs=s.exit_timeout_s,
             log_verbose=0,
+            grpc_infer_allocation_pool_size=0,  # no request buffers kept (aligner.critic.budget)
             log_file=log_dir / "triton.log",
         )
         root = self.workspace_root
@@ -378,11 +386,13 @@ class CriticTritonServer:
         for name, spec in MODELS.items():
             if spec.batched:
                 # Without a dynamic batcher Triton still takes [b, ...] inputs but runs every
-                # request alone.
+                # request alone, and its queue has no bound (Triton has no queue policy then).
                 batcher = (
                     DynamicBatcher(
                         max_queue_delay_microseconds=s.max_queue_delay_us,
                         preferred_batch_size=list(s.preferred_batch_size) or None,
+                        # Full: Triton refuses the next request itself (aligner.critic.budget).
+                        default_queue_policy=QueuePolicy(max_queue_size=s.max_queue_size),
                     )
                     if s.dynamic_batching
                     else None
@@ -399,7 +409,7 @@ class CriticTritonServer:
                 strict=True,
             )
         self.triton.run()
-        wait_ready(self.grpc_url, timeout_s=120.0, models=MODEL_NAMES)
+        wait_ready(own_ready_url(self.grpc_url, self.pytriton_http_port), timeout_s=120.0, models=MODEL_NAMES)
 
     def is_alive(self) -> bool:
         return self.triton is not None and self.triton.is_alive()
@@ -410,30 +420,6 @@ class CriticTritonServer:
             parallel_model_cleanup(self.triton)
             self.triton.stop()
             self.triton = None
-
-
-def _setup_logging(cfg: CriticServerConfig, rank: int) -> None:
-    level = getattr(logging, cfg.log.level.upper())
-    fmt = f"%(asctime)s %(levelname)s [critic rank {rank}] %(message)s"
-    root = logging.getLogger()
-    root.setLevel(level)
-    if not any(getattr(h, "_aligner_critic", False) for h in root.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h.setFormatter(logging.Formatter(fmt))
-        h._aligner_critic = True  # type: ignore[attr-defined]
-        root.addHandler(h)
-        if rank == 0:
-            Path(cfg.log.dir).mkdir(parents=True, exist_ok=True)
-            fh = logging.FileHandler(Path(cfg.log.dir) / "server.log")
-            fh.setFormatter(logging.Formatter(fmt))
-            fh._aligner_critic = True  # type: ignore[attr-defined]
-            root.addHandler(fh)
-    for noisy in ("pytriton", "tritonclient", "sh", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
-    # PyTriton logs a traceback (~2 KB) at WARNING for every request a callable refuses; the
-    # callables log refusals themselves (throttled, security.RefusalLog) and unexpected errors
-    # with their traceback, so only its errors (an unrecoverable one) are left to it.
-    logging.getLogger("pytriton.proxy.inference").setLevel(max(level, logging.ERROR))
 
 
 def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
@@ -478,7 +464,7 @@ def run_server(cfg: CriticServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    _setup_logging(cfg, rank)
+    setup_logging(cfg.log.level, cfg.log.dir, rank)
     missing = pytriton_missing()
     if missing:
         print(f"critic server: {missing}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from aligner.wire.protocol import (
     run_token_array,
     save_inputs,
 )
+from aligner.wire.tls import ClientTLS, grpc_client_options
 
 __all__ = [
     "TINY_MODEL",
@@ -163,11 +164,16 @@ def _mod(url: str):
 
 
 def raw_infer(
-    url: str, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None
+    url: str,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    outputs: list[str] | None = None,
+    tls: ClientTLS | None = None,
 ) -> dict[str, np.ndarray]:
-    """One request with a bare tritonclient (no validation, no retries): what any client could send."""
+    """One request with a bare tritonclient (no validation, no retries): what any client could
+    send; ``tls``: what a ``grpcs://`` one trusts and presents."""
     mod, hostport = _mod(url)
-    client = mod.InferenceServerClient(hostport)
+    client = mod.InferenceServerClient(hostport, **grpc_client_options(url.split("://", 1)[0], tls))
     try:
         ins = []
         for name, a in inputs.items():
@@ -196,11 +202,11 @@ def raw_error(url: str, model: str, inputs: dict[str, np.ndarray]) -> str:
     raise AssertionError(f"{model} accepted a request that breaks the contract: {sorted(inputs)}")
 
 
-def raw_info(url: str, run_token: str | None = None) -> ServerInfo:
+def raw_info(url: str, run_token: str | None = None, tls: ClientTLS | None = None) -> ServerInfo:
     """``server_info`` through a bare tritonclient, with ``run_token`` if given (a server that has
     one tells a caller without it only the public fields)."""
     inputs = {"run_token": run_token_array(run_token)} if run_token else {}
-    return ServerInfo.from_json(raw_infer(url, INFO, inputs)["info"].reshape(-1)[0])
+    return ServerInfo.from_json(raw_infer(url, INFO, inputs, tls=tls)["info"].reshape(-1)[0])
 
 
 def raw_train(url: str, req: TrainRequest, run_token: str | None = None) -> dict[str, np.ndarray]:

@@ -9,8 +9,12 @@ retries. It waits through :func:`aligner.critic.launch.wait_ready`, the check th
 (``make demo``) and the actor's client use: Triton's ``/v2/health/ready`` (or its gRPC
 equivalent) and every model of the wire protocol ready.
 
+A server with ``server.tls`` on is waited for at ``grpcs://`` (``--tls-ca-file`` for a private CA,
+``--tls-cert-file``/``--tls-key-file`` where it requires client certificates); a TLS mismatch or
+an untrusted certificate ends the wait at once (exit status 1, naming the cause).
+
 Exit status: 0 ready; 1 not ready within ``--timeout``, or the process named by ``--pid`` exited;
-2 a malformed URL.
+2 a malformed URL or TLS settings.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from collections.abc import Sequence
 
 from aligner.wire.client import DEFAULT_URL, ENV_URL, resolve_critic_url
 from aligner.wire.protocol import MODELS
-from aligner.wire.readiness import ServerStartError, wait_ready
+from aligner.wire.readiness import ServerStartError, parse_url, wait_ready
+from aligner.wire.tls import ClientTLS, CriticTLSError
 
 __all__ = ["main", "SERVED_MODELS"]
 
@@ -39,8 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--url",
         default=None,
-        help=f"grpc://HOST:PORT or http://HOST:PORT (default: ${ENV_URL}, else {DEFAULT_URL})",
+        help=f"grpc://HOST:PORT, grpcs://HOST:PORT (TLS) or http://HOST:PORT (default: ${ENV_URL}, else {DEFAULT_URL})",
     )
+    p.add_argument("--tls-ca-file", default=None, help="grpcs: PEM CA the server's certificate chains to")
+    p.add_argument("--tls-cert-file", default=None, help="grpcs: PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key-file", default=None, help="grpcs: PEM key of --tls-cert-file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default: 600)")
     p.add_argument(
         "--pid",
@@ -69,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         url = resolve_critic_url(args.url)
+        tls = ClientTLS(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+        tls.check(url, parse_url(url)[0], prefix="--tls")
     except ValueError as e:
         print(f"aligner.critic.wait: {e}", file=sys.stderr, flush=True)
         return 2
@@ -82,8 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             models=SERVED_MODELS,
             poll_s=1.0,
             abort=_process_gone(args.pid) if args.pid else None,
+            tls=tls,
         )
-    except (TimeoutError, ServerStartError) as e:
+    except (TimeoutError, ServerStartError, CriticTLSError) as e:
         print(f"aligner.critic.wait: {e}", file=sys.stderr, flush=True)
         return 1
     if not args.quiet:

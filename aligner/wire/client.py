@@ -18,8 +18,9 @@
   before retrying after a connection error the client waits (up to ``ready_timeout_s``) for the
   server to be ready again. Retrying ``train`` is safe because the server applies each step id
   exactly once. A batch-peer refusal (another client's bad request merged with ours) is resent
-  until ``wait_timeout_s`` ends, without using up ``retries``. Which kind a failure is comes only
-  from the mark at the start of the server's own message, never from text a request supplied.
+  until ``wait_timeout_s`` ends, without using up ``retries``; so is an overloaded server's (a
+  full queue, a spent memory budget), after a backoff. Which kind a failure is comes only from
+  the mark at the start of the server's own message, never from text a request supplied.
 - Bounded waits: every wait on the server ends within ``wait_timeout_s`` (a future's
   ``result()``, ``save``, ``load``, one request's retries all together) or raises
   :class:`~aligner.wire.errors.CriticTimeoutError` naming the call, the step and the address.
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -82,8 +82,16 @@ from aligner.wire.protocol import (
     validate_step,
     validate_train,
 )
-from aligner.wire.readiness import parse_url, wait_ready
+from aligner.wire.readiness import (  # the URL helpers live there; named here as before
+    DEFAULT_URL,
+    ENV_URL,
+    parse_url,
+    protocol_mismatch,
+    resolve_critic_url,
+    wait_ready,
+)
 from aligner.wire.requests import INFER_OUTPUTS, float32s, infer_chunks, infer_request, infer_result, int64s
+from aligner.wire.tls import ClientTLS
 from aligner.wire.transport import Connection, CriticFuture, classify, error_detail, run_into, timed_out
 
 __all__ = [
@@ -98,35 +106,13 @@ log = logging.getLogger("aligner.wire.client")
 
 T = TypeVar("T")
 
-ENV_URL = "ALIGNER_CRITIC_URL"
-DEFAULT_URL = "grpc://127.0.0.1:8001"
-
-
-def resolve_critic_url(configured: str | None) -> str:
-    """The critic server's URL: ``configured`` if set, else ``$ALIGNER_CRITIC_URL``, else
-    ``grpc://127.0.0.1:8001``. Checked to be ``grpc://host:port`` or ``http://host:port``."""
-    url = (configured or "").strip() or os.environ.get(ENV_URL, "").strip() or DEFAULT_URL
-    parse_url(url)
-    return url
-
-
-def protocol_mismatch(url: str, server_version: int) -> str:
-    """Why this client refuses the server at ``url`` that speaks ``server_version``, naming both
-    versions (a client of protocol 4 tells a server of protocol 5 the same, in its own words)."""
-    return (
-        f"critic server at {url} speaks protocol version {server_version}, this client "
-        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 5: critic_train "
-        "answers train_ms, the server's time for the update; 4: critic_infer carries after_step)"
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # The client
 # ----------------------------------------------------------------------------------------------
 
 
 class RemoteCriticClient:
-    """Client of the critic/reward server (gRPC ``grpc://host:port`` or HTTP ``http://host:port``).
+    """Client of the critic/reward server (``grpc://host:port``, ``grpcs://`` with TLS, ``http://``).
 
     Args:
         url: the server's URL (see :func:`resolve_critic_url`).
@@ -144,9 +130,12 @@ class RemoteCriticClient:
             (CriticRestartedError otherwise). Off for clients that only send ``critic_infer``
             beside one that trains (the actor's other ranks): the fencing of the trainer's
             requests catches a restart for all of them.
+        tls: for a ``grpcs://`` URL, the CA to trust and a client certificate (None: the
+            system's roots, none); ValueError when set for another URL.
 
     Raises (at construction): CriticTimeoutError when the server is not ready within
-    ``ready_timeout_s``; CriticIncompatibleError when it speaks another protocol version.
+    ``ready_timeout_s``; CriticIncompatibleError when it speaks another protocol version;
+    CriticTLSError when it and this client disagree on TLS or distrust a certificate.
     """
 
     def __init__(
@@ -161,9 +150,11 @@ class RemoteCriticClient:
         max_workers: int = 4,
         run_token: str | None = None,
         watch_restarts: bool = True,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.url = url
         self.scheme, self.hostport = parse_url(url)
+        self.tls = tls if tls is None else tls.checked(url, self.scheme)
         self.timeout_s = timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.wait_timeout_s = wait_timeout_s
@@ -209,7 +200,7 @@ class RemoteCriticClient:
     def _conn(self) -> Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = Connection(self.scheme, self.hostport, self.timeout_s)
+            conn = Connection(self.scheme, self.hostport, self.timeout_s, self.tls)
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)
@@ -231,7 +222,7 @@ class RemoteCriticClient:
         try:
             if budget <= 0:
                 raise TimeoutError("no time left")
-            wait_ready(self.url, timeout_s=budget, models=MODEL_NAMES)
+            wait_ready(self.url, timeout_s=budget, models=MODEL_NAMES, tls=self.tls)
         except TimeoutError as e:
             raise CriticTimeoutError(
                 call, self.url, limit, step=step, what=f"waiting for the server to be ready: {e}"
@@ -287,7 +278,7 @@ class RemoteCriticClient:
         subclass (or ``UnauthorizedError``)."""
         deadline = time.monotonic() + self.wait_timeout_s
         attempt = 0
-        peers = 0  # batch-peer refusals: someone else's bad request, no sign of trouble here
+        refused: dict[str, int] = {}  # batch-peer and overloaded refusals: no sign of trouble here
         while True:
             if self._closed:
                 raise CriticError(f"client for {self.url} is closed")
@@ -312,14 +303,17 @@ class RemoteCriticClient:
                         f"{model} failed on the critic server at {self.url}: {detail}"
                     ) from e
                 ran_out = time.monotonic() >= deadline
-                if kind == "peer" and not ran_out:
-                    # Resent at once, then after a short pause, until the deadline, and not counted
-                    # against `retries`: another client's bad requests, merged with ours by Triton,
-                    # must not use up our retries and stop the run.
-                    peers += 1
-                    if peers % 10 == 0:
-                        log.warning("%s to %s: %d batch-peer refusals; resending", model, self.url, peers)
-                    time.sleep(min(0.01 * (peers - 1), 0.5, max(deadline - time.monotonic(), 0.0)))
+                if kind in ("peer", "overloaded") and not ran_out:
+                    # Resent until the deadline, not against `retries` (nothing was run): a batch
+                    # peer's at once, then after a pause; an overloaded one's after a backoff.
+                    refused[kind] = n = refused.get(kind, 0) + 1
+                    pause = 0.01 * (n - 1) if kind == "peer" else self.backoff_s * 2 ** min(n - 1, 5)
+                    if n % 10 == 0 or (kind == "overloaded" and n == 1):
+                        log.warning(
+                            "%s to %s: %d %s refusal(s) (%s); resending", model, self.url, n, kind, detail
+                        )
+                    cap = 0.5 if kind == "peer" else 8.0
+                    time.sleep(min(pause, cap, max(deadline - time.monotonic(), 0.0)))
                     continue
                 if ran_out or (attempt >= self.retries and timed_out(e)):  # a hung server, not a lost one
                     limit = self.wait_timeout_s if ran_out else (attempt_s or self.timeout_s)
@@ -562,6 +556,14 @@ class RemoteCriticClient:
             raise CriticServerError(f"critic_load of step {step} at {self.url} did not report ok")
         with self._state_lock:
             self._expected_step = critic_step_after_load(step)
+            self._restarted = None
+
+    def follow(self, instance_id: str) -> None:
+        """The server process ``instance_id`` (after a restart the run rolled back from, on every
+        rank, whichever rank's client loaded the step) is this client's from now on: a restart it
+        had found counts as handled, and only another process after it is a restart."""
+        with self._state_lock:
+            self.instance_id = instance_id
             self._restarted = None
 
     def close(self) -> None:

@@ -1,15 +1,29 @@
 """Is a critic server ready? Triton's readiness over gRPC or HTTP, polled until a deadline: the
 local launcher (:mod:`aligner.critic.launch`), the actor's client and ``python -m
-aligner.critic.wait`` (what the cluster recipes run) all wait through :func:`wait_ready`."""
+aligner.critic.wait`` (what the cluster recipes run) all wait through :func:`wait_ready`. A
+``grpcs://`` URL waits over TLS (:mod:`aligner.wire.tls`); a TLS mismatch or an untrusted
+certificate ends the wait at once (:class:`~aligner.wire.tls.CriticTLSError`)."""
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-__all__ = ["wait_ready", "ServerStartError", "parse_url"]
+from aligner.wire.protocol import PROTOCOL_VERSION
+from aligner.wire.tls import TLS_SCHEME, ClientTLS, CriticTLSError, grpc_client_options, tls_problem
+
+__all__ = [
+    "wait_ready",
+    "ServerStartError",
+    "parse_url",
+    "resolve_critic_url",
+    "protocol_mismatch",
+    "ENV_URL",
+    "DEFAULT_URL",
+]
 
 
 class ServerStartError(RuntimeError):
@@ -17,21 +31,52 @@ class ServerStartError(RuntimeError):
 
 
 def parse_url(url: str) -> tuple[str, str]:
-    """``grpc://host:port`` or ``http://host:port`` -> (scheme, 'host:port'). A bare 'host:port'
-    is gRPC."""
+    """``grpc://host:port``, ``grpcs://host:port`` (TLS) or ``http://host:port`` -> (scheme,
+    'host:port'). A bare 'host:port' is gRPC."""
     if "://" not in url:
         return "grpc", url
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
-    if scheme not in ("grpc", "http"):
-        raise ValueError(f"critic url {url!r}: expected grpc://host:port or http://host:port")
+    if scheme == "https":
+        raise ValueError(
+            f"critic url {url!r}: Triton's HTTP endpoint has no TLS; use {TLS_SCHEME}://host:port "
+            "(gRPC with TLS, server.tls) or http:// behind a TLS-terminating proxy"
+        )
+    if scheme not in ("grpc", TLS_SCHEME, "http"):
+        raise ValueError(
+            f"critic url {url!r}: expected grpc://host:port, {TLS_SCHEME}://host:port or http://host:port"
+        )
     rest = rest.rstrip("/")
     if ":" not in rest:
         raise ValueError(f"critic url {url!r}: expected an explicit port (grpc://host:port)")
     return scheme, rest
 
 
-def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: float) -> str | None:
+ENV_URL = "ALIGNER_CRITIC_URL"
+DEFAULT_URL = "grpc://127.0.0.1:8001"
+
+
+def resolve_critic_url(configured: str | None) -> str:
+    """The critic server's URL: ``configured`` if set, else ``$ALIGNER_CRITIC_URL``, else
+    ``grpc://127.0.0.1:8001``. Checked to be ``grpc://``, ``grpcs://`` (TLS) or ``http://host:port``."""
+    url = (configured or "").strip() or os.environ.get(ENV_URL, "").strip() or DEFAULT_URL
+    parse_url(url)
+    return url
+
+
+def protocol_mismatch(url: str, server_version: int) -> str:
+    """Why this client refuses the server at ``url`` that speaks ``server_version``, naming both
+    versions (a client of protocol 4 tells a server of protocol 5 the same, in its own words)."""
+    return (
+        f"critic server at {url} speaks protocol version {server_version}, this client "
+        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 5: critic_train "
+        "answers train_ms, the server's time for the update; 4: critic_infer carries after_step)"
+    )
+
+
+def _ready_once(
+    scheme: str, hostport: str, models: Sequence[str], timeout_s: float, tls: ClientTLS | None = None
+) -> str | None:
     """None when the server and every model are ready, else what was not."""
     if scheme == "http":
         paths = ["/v2/health/ready"] + [f"/v2/models/{m}/ready" for m in models]
@@ -47,7 +92,7 @@ def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: fl
         return None
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(hostport)
+    client = grpcclient.InferenceServerClient(hostport, **grpc_client_options(scheme, tls))
     try:
         if not client.is_server_ready(client_timeout=timeout_s):
             return "server is not ready"
@@ -56,7 +101,7 @@ def _ready_once(scheme: str, hostport: str, models: Sequence[str], timeout_s: fl
                 return f"model {m} is not ready"
         return None
     except Exception as e:  # InferenceServerException, grpc errors: not up yet
-        return f"{type(e).__name__}: {str(e)[:200]}"
+        return f"{type(e).__name__}: {str(e)[:500]}"
     finally:
         client.close()
 
@@ -68,12 +113,16 @@ def wait_ready(
     *,
     poll_s: float = 0.2,
     abort: Callable[[], str | None] | None = None,
+    tls: ClientTLS | None = None,
 ) -> None:
     """Block until ``url`` answers Triton's readiness (``/v2/health/ready``, and each of
     ``models`` ready); TimeoutError naming the url and the last thing that was not ready.
 
     ``abort``, polled between attempts, returns why waiting is pointless (e.g. the server
-    process exited) or None; a reason raises :class:`ServerStartError` at once.
+    process exited) or None; a reason raises :class:`ServerStartError` at once. ``tls``: what a
+    ``grpcs://`` wait trusts (None: the system's roots, no client certificate); a failure no
+    retry can fix (a TLS mismatch, an untrusted certificate) raises
+    :class:`~aligner.wire.tls.CriticTLSError` at once.
     The local launcher, the actor's client and ``python -m aligner.critic.wait`` (what the
     cluster recipes run) all wait through this function."""
     scheme, hostport = parse_url(url)
@@ -82,9 +131,12 @@ def wait_ready(
     while True:
         # Each probe within what is left of the wait (a hung server answers no probe at all).
         probe_s = min(5.0, max(0.2, deadline - time.monotonic()))
-        last = _ready_once(scheme, hostport, models, timeout_s=probe_s) or ""
+        last = _ready_once(scheme, hostport, models, timeout_s=probe_s, tls=tls) or ""
         if not last:
             return
+        problem = tls_problem(url, scheme, hostport, last, tls) if scheme != "http" else None
+        if problem:
+            raise CriticTLSError(problem)
         reason = abort() if abort is not None else None
         if reason:
             raise ServerStartError(f"critic server at {url} will not become ready: {reason}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from aligner.wire.errors import CriticTimeoutError
 from aligner.wire.protocol import error_kind, server_message
+from aligner.wire.tls import ClientTLS, grpc_client_options
 
 __all__ = ["Connection", "CriticFuture", "run_into", "WIRE_DTYPES", "classify", "timed_out", "error_detail"]
 
@@ -26,16 +27,18 @@ WIRE_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dty
 
 
 class Connection:
-    """One tritonclient client (gRPC or HTTP) owned by one thread."""
+    """One tritonclient client (gRPC, gRPC with TLS, or HTTP) owned by one thread; ``tls``: what
+    a ``grpcs`` client trusts and presents (:class:`~aligner.wire.tls.ClientTLS`)."""
 
-    def __init__(self, scheme: str, hostport: str, timeout_s: float) -> None:
+    def __init__(self, scheme: str, hostport: str, timeout_s: float, tls: ClientTLS | None = None) -> None:
         self.scheme = scheme
         self.hostport = hostport
         self.timeout_s = timeout_s
-        if scheme == "grpc":
+        self.grpc = scheme != "http"
+        if self.grpc:
             import tritonclient.grpc as mod
 
-            self.client = mod.InferenceServerClient(hostport)
+            self.client = mod.InferenceServerClient(hostport, **grpc_client_options(scheme, tls))
         else:
             import tritonclient.http as mod
 
@@ -55,7 +58,7 @@ class Connection:
         """One request, bounded by ``timeout_s`` (what is left of the caller's deadline) and by
         ``attempt_s`` (by default the connection's per-request timeout), over gRPC and HTTP alike."""
         mod = self.mod
-        binary = {} if self.scheme == "grpc" else {"binary_data": True}
+        binary = {} if self.grpc else {"binary_data": True}
         ins = []
         for name, a in inputs.items():
             i = mod.InferInput(name, list(a.shape), WIRE_DTYPES[a.dtype])
@@ -64,7 +67,7 @@ class Connection:
         outs = [mod.InferRequestedOutput(n, **binary) for n in outputs]
         limit = self.timeout_s if attempt_s is None else attempt_s
         limit = max(limit if timeout_s is None else min(limit, timeout_s), 0.001)
-        if self.scheme == "grpc":
+        if self.grpc:
             r = self.client.infer(model, ins, outputs=outs, client_timeout=limit)
         elif abs(limit - self.timeout_s) < 1e-3:
             r = self.client.infer(model, ins, outputs=outs)
@@ -124,10 +127,18 @@ def run_into(future: CriticFuture[T], fn: Callable[..., T], *args: Any) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+_QUEUE_FULL = re.compile(
+    r"\A(?:\[(?:StatusCode\.UNAVAILABLE|503)\] )?(?:\[request id: [^\]\n]*\] )?Exceeds maximum queue size"
+)
+"""Triton's own refusal of a request its model's queue has no room for (``server.max_queue_size``),
+at the start of the text tritonclient raises (gRPC status UNAVAILABLE, HTTP 503)."""
+
+
 def classify(exc: BaseException) -> str:
     """'fenced' (the server no longer holds the expected critic step), 'unauthorized' (run
-    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'unavailable' (retry
-    after readiness), or 'server' (a real server-side failure).
+    token), 'request' (contract error), 'peer' (batch-peer error: retry), 'overloaded' (a full
+    queue or a spent memory budget: back off and retry), 'unavailable' (retry after readiness),
+    or 'server' (a real server-side failure).
 
     A mark counts only where the server's own message starts
     (:func:`~aligner.wire.protocol.server_message`), never anywhere in the text: what another
@@ -136,6 +147,8 @@ def classify(exc: BaseException) -> str:
     kind = error_kind(text)
     if kind is not None:
         return kind
+    if _QUEUE_FULL.match(text.strip()):  # Triton's text alone, never one a request could echo
+        return "overloaded"
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return "unavailable"
     if "Traceback (most recent call last)" in text:

@@ -4,8 +4,9 @@ out of Triton's error text without trusting anything a request sent.
 Every error a server raises reaches the client inside Triton's text (wrapped in a traceback);
 the mark its message starts with says what it is: :data:`ERROR_MARK` a request that breaks the
 contract, :data:`FENCED_MARK` a server that holds another critic step than the request expects,
-:data:`UNAUTHORIZED_MARK` a mutating request without the run token. Two more marks are no errors
-of the caller's: :data:`BATCH_PEER_MARK` and :data:`UNAVAILABLE_MARK` (retry).
+:data:`UNAUTHORIZED_MARK` a mutating request without the run token. Three more marks are no
+errors of the caller's: :data:`BATCH_PEER_MARK`, :data:`UNAVAILABLE_MARK` and
+:data:`OVERLOADED_MARK` (retry).
 
 Why a peer cannot forge a mark (docs/design.md, "Wire protocol", "Errors"). Two rules, each
 enough on its own against text a request supplied:
@@ -32,6 +33,7 @@ __all__ = [
     "ERROR_MARK",
     "BATCH_PEER_MARK",
     "UNAVAILABLE_MARK",
+    "OVERLOADED_MARK",
     "FENCED_MARK",
     "UNAUTHORIZED_MARK",
     "MARK_KINDS",
@@ -62,6 +64,10 @@ UNAVAILABLE_MARK = "[critic-unavailable] "
 """Prefix of the error a valid request gets from a server that is shutting down and ran nothing:
 retry once a server is ready again."""
 
+OVERLOADED_MARK = "[critic-overloaded] "
+"""Prefix of the error a valid request gets from a server whose memory budget its work would pass
+(``server.memory_budget_gb``): nothing was run; retry after a backoff."""
+
 FENCED_MARK = "[critic-fenced] "
 """Prefix of :class:`FencedError`: the server holds another critic step than the request expects."""
 
@@ -73,6 +79,7 @@ MARK_KINDS: dict[str, str] = {
     UNAUTHORIZED_MARK: "unauthorized",
     BATCH_PEER_MARK: "peer",
     UNAVAILABLE_MARK: "unavailable",
+    OVERLOADED_MARK: "overloaded",
     ERROR_MARK: "request",
 }
 """Each mark and the kind of failure a client reads in it (:func:`error_kind`)."""
@@ -262,7 +269,7 @@ def server_message(text: str) -> str | None:
 
 
 def error_kind(text: str) -> str | None:
-    """'request', 'fenced', 'unauthorized', 'peer' or 'unavailable': the kind the mark of the
+    """'request', 'fenced', 'unauthorized', 'peer', 'unavailable' or 'overloaded': the kind the mark of the
     server's own message says (:func:`server_message`); None when it has no mark."""
     message = server_message(text)
     if message is None:

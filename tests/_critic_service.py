@@ -30,3 +30,26 @@ def assert_values_of_real_positions(got, want, lengths, atol: float = 0.0) -> No
     got, want = np.asarray(got), np.asarray(want)
     real = np.arange(got.shape[1])[None, :] < np.asarray(lengths)[:, None]
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=atol)
+
+
+def concurrently(fns: list) -> list:
+    """Run each function in its own thread, released together (a barrier), so that the server
+    gets their requests at once; their results, or the exceptions they raised, in order."""
+    import threading
+
+    results: list = [None] * len(fns)
+    barrier = threading.Barrier(len(fns))
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = fns[i]()
+        except Exception as e:  # the caller looks at what each one got
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results

@@ -28,18 +28,42 @@ execution answers when the last is computed or has failed, so a ready request me
 waiting one waits at most ``server.infer_wait_s``. While one execution waits, Triton queues the
 next critic_infer requests (one execution of a model at a time); waiting holds nothing beyond the
 execution's own checked requests, each within the ``limits`` and ``server.max_batch_size``.
+
+Before any of that, a request that names the server instance its caller works with
+(``instance_id``) is checked against this process's: a server that was restarted between two
+requests (the client's channel reconnects without a failed request) holds an older step, and
+the request would wait for a train that never comes. It is refused at once instead
+(:func:`other_instances`), fenced, alone: the requests merged with it go on.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from aligner.critic.errors import CriticServiceError, ServiceClosedError
-from aligner.wire.protocol import ANY_CRITIC_STEP, INFER, ProtocolError
+from aligner.critic.security import RefusalLog
+from aligner.wire.protocol import ANY_CRITIC_STEP, INFER, InferRequest, OtherInstanceError, ProtocolError
 
-__all__ = ["StepGate", "StepWaitError", "step_passed"]
+__all__ = ["StepGate", "StepWaitError", "step_passed", "other_instances"]
+
+log = logging.getLogger("aligner.critic")
+_refusals = RefusalLog(log)  # a peer sends what it likes: one line a minute, counted
+
+
+def other_instances(requests: Sequence[InferRequest], instance_id: str) -> list[Exception | None]:
+    """Per request: its refusal when it names another server instance than ``instance_id`` (this
+    process's), else None (it names this one, or none)."""
+    out: list[Exception | None] = []
+    for r in requests:
+        if r.instance_id is None or r.instance_id == instance_id:
+            out.append(None)
+            continue
+        out.append(OtherInstanceError(INFER, r.instance_id, instance_id))
+        _refusals.refused(INFER, out[-1])
+    return out
 
 
 class StepWaitError(CriticServiceError):

@@ -49,7 +49,8 @@ request of a merged execution is.
 Ordering. critic_infer's ``after_step`` names the critic step its values must come from; the
 callable waits for it (``server.infer_wait_s``) on a condition of the service's lock, which it
 releases meanwhile, so critic_train, on a thread of its own, applies the step it waits for
-(:mod:`aligner.critic.ordering`). Triton queues the next critic_infer requests meanwhile.
+(:mod:`aligner.critic.ordering`). Triton queues the next critic_infer requests meanwhile. A
+request naming another server ``instance_id`` is refused first, fenced, and never waits.
 
 Batching is shown, not assumed. ``critic_infer`` is bound with Triton's dynamic batcher
 (``server.max_queue_delay_us``, ``server.preferred_batch_size``; ``server.dynamic_batching=false``
@@ -124,6 +125,7 @@ from aligner.critic.service import CriticService
 from aligner.critic.tls import http_options, own_ready_url, pytriton_http_port
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
+    FENCED_MARK,
     INFER,
     INFO,
     LOAD,
@@ -134,6 +136,7 @@ from aligner.wire.protocol import (
     TRAIN,
     BatchPeerError,
     InferRequest,
+    OtherInstanceError,
     ProtocolError,
     infer_error_wire,
     validate_infer,
@@ -153,6 +156,12 @@ def _bytes_array(blob: bytes) -> np.ndarray:
 def _optional(request: Any, name: str) -> Any:
     """An optional input of one request (PyTriton's Request or a dict), or None when it was left out."""
     return request[name] if name in request.keys() else None
+
+
+def _row_mark(error: Exception) -> str:
+    """The mark of a failed request's ``error`` rows in a merged execution: the fenced one for a
+    request that named another server instance, none for the others (errors of their own)."""
+    return FENCED_MARK if isinstance(error, OtherInstanceError) else ""
 
 
 class CriticTritonServer:
@@ -241,6 +250,7 @@ class CriticTritonServer:
                         # different sets of them (an absent one is not in that request's dict).
                         **{name: _optional(r, name) for name in OPTIONAL_INFER_INPUTS},
                         after_step=_optional(r, "after_step"),  # left out: any critic step
+                        instance_id=_optional(r, "instance_id"),  # left out: any server instance
                         require=require,
                         input_limits=self.input_limits,
                     )
@@ -264,9 +274,10 @@ class CriticTritonServer:
             raise results[0]  # alone in its execution: its own Triton error
         # Merged: a request the reward function failed on, or whose critic step did not come or
         # is past, gets its message in its `error` output (PyTriton can fail only a whole
-        # execution), the others their values and rewards.
+        # execution), the others their values and rewards; one for another server instance its
+        # fenced refusal, marked (its own message: the client raises CriticRestartedError).
         return [
-            infer_error_wire(wire_text(str(r) or type(r).__name__, ""), p.tokens.shape[0])
+            infer_error_wire(wire_text(str(r) or type(r).__name__, _row_mark(r)), p.tokens.shape[0])
             if isinstance(r, Exception)
             else r.to_wire()
             for r, p in zip(results, parsed)

@@ -67,7 +67,7 @@ from aligner.critic.errors import (
 )
 from aligner.critic.exactly_once import AppliedSteps
 from aligner.critic.metrics import MetricsWriter, RequestStats
-from aligner.critic.ordering import StepGate
+from aligner.critic.ordering import StepGate, other_instances
 from aligner.critic.peers import Op
 from aligner.critic.reward_fn import parse_extras, score_requests
 from aligner.critic.reward_model import RewardTextError
@@ -278,6 +278,7 @@ class CriticService:
         prompt_texts: Any = None,
         response_texts: Any = None,
         extras: Any = None,
+        instance_id: Any = None,
     ) -> InferResponse:
         """Values and rewards of one batch (validated here).
 
@@ -287,7 +288,8 @@ class CriticService:
                 waited for (:mod:`aligner.critic.ordering`); None: any.
             prompt_texts, response_texts: ``b`` strings each (needed when the reward model reads
                 text: :attr:`required_inputs`); extras: ``b`` JSON objects (the samples' extra
-                data-set columns for the reward function), or None.
+                data-set columns for the reward function), or None. instance_id: the caller's
+                server instance (another one refuses the request); None: any.
 
         Returns:
             values ``[b, s-1]`` float32 and rewards ``[b]`` float32.
@@ -305,6 +307,7 @@ class CriticService:
             response_text=response_texts,
             extras=extras,
             after_step=after_step,
+            instance_id=instance_id,
             require=self.required_inputs,
         )
         out = self.infer_many([req])[0]
@@ -322,15 +325,16 @@ class CriticService:
 
         A request whose samples the reward function (or the reward tokenizer) fails on gets its
         :class:`~aligner.critic.errors.RequestRewardError` in its place, one whose critic step did
-        not come or is past its error (:mod:`aligner.critic.ordering`); the others what an
-        unmerged call gives (:func:`~aligner.critic.reward_fn.score_requests`). Each request's
-        optional inputs are its own: one without ``extras`` gives the reward function no columns.
+        not come or is past, or that names another server instance (checked first), its error
+        (:mod:`aligner.critic.ordering`); the others what an unmerged call gives
+        (:func:`~aligner.critic.reward_fn.score_requests`). Each request's optional inputs are its
+        own: one without ``extras`` gives the reward function no columns.
         """
-        out: list[InferResponse | Exception | None] = [None] * len(requests)
+        out: list[InferResponse | Exception | None] = list(other_instances(requests, self.instance_id))
         # The reward model's own ids, tokenized before the lock (a failing request fails alone).
         rm_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.reward_tokens is not None:
-            for i, r in enumerate(requests):
+            for i, r in [(i, r) for i, r in enumerate(requests) if out[i] is None]:
                 missing = [n for n in TEXT_INPUTS if n not in r.texts()]
                 if missing:  # validated requests carry them; an in-process caller may not
                     raise ProtocolError(

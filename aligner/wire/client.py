@@ -29,14 +29,18 @@
   step the actor had it load, then each applied train's step; never taken from ``server_info``
   later. ``critic_train`` and ``critic_save`` carry it as ``expected_step``, with the run token.
   A server that no longer holds it refuses them (``FencedError``), and a reconnect that finds
-  another server process (``instance_id``) is caught too: both raise
-  :class:`~aligner.wire.errors.CriticRestartedError`, and every later ``infer``, ``train`` and
-  ``save`` raises it again until the actor has the server ``load`` a step.
+  another server process (``instance_id``) is caught too. ``critic_infer`` carries the
+  ``instance_id`` (when watching restarts): a server restarted between two requests (gRPC
+  reconnects without a failed request) refuses it at once, fenced, instead of waiting for a
+  critic step it will never hold. Each raises :class:`~aligner.wire.errors.CriticRestartedError`,
+  and every later ``infer``, ``train`` and ``save`` raises it again until the actor has the
+  server ``load`` a step.
 - Thread-safe: every thread (pool workers and callers) gets its own tritonclient client.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -85,12 +89,21 @@ from aligner.wire.protocol import (
 from aligner.wire.readiness import (  # the URL helpers live there; named here as before
     DEFAULT_URL,
     ENV_URL,
+    compatibility_problems,
     parse_url,
     protocol_mismatch,
     resolve_critic_url,
     wait_ready,
 )
-from aligner.wire.requests import INFER_OUTPUTS, float32s, infer_chunks, infer_request, infer_result, int64s
+from aligner.wire.requests import (
+    INFER_OUTPUTS,
+    fenced_rows,
+    float32s,
+    infer_chunks,
+    infer_request,
+    infer_result,
+    int64s,
+)
 from aligner.wire.tls import ClientTLS
 from aligner.wire.transport import Connection, CriticFuture, classify, error_detail, run_into, timed_out
 
@@ -126,10 +139,10 @@ class RemoteCriticClient:
         max_workers: threads that send ``infer`` requests concurrently.
         run_token: the run's shared secret, sent with ``critic_train``, ``critic_save`` and
             ``critic_load`` (``aligner.wire.protocol.resolve_run_token``); None sends none.
-        watch_restarts: after a reconnect, check that the same server process answers
-            (CriticRestartedError otherwise). Off for clients that only send ``critic_infer``
-            beside one that trains (the actor's other ranks): the fencing of the trainer's
-            requests catches a restart for all of them.
+        watch_restarts: after a reconnect, check that the same server process answers, and
+            send its ``instance_id`` with every ``critic_infer`` (CriticRestartedError when
+            another answers). Off for a client whose run depends on nothing the server holds
+            (a critic-free run): a restarted server is then simply reconnected.
         tls: for a ``grpcs://`` URL, the CA to trust and a client certificate (None: the
             system's roots, none); ValueError when set for another URL.
 
@@ -406,21 +419,7 @@ class RemoteCriticClient:
         """
         info = self.server_info()
         self._info = info
-        problems = []
-        if info.protocol_version != PROTOCOL_VERSION:
-            problems.append(
-                f"protocol_version: server {info.protocol_version}, client {PROTOCOL_VERSION} (run one "
-                "release of aligner on both sides)"
-            )
-        if vocab_size != info.vocab_size:
-            problems.append(f"vocab_size: actor {vocab_size}, server {info.vocab_size}")
-        if max_seq_len > info.max_seq_len:
-            problems.append(f"max_seq_len: actor {max_seq_len} exceeds the server's {info.max_seq_len}")
-        if tokenizer_fingerprint != info.tokenizer_fingerprint:
-            problems.append(
-                f"tokenizer_fingerprint: actor {tokenizer_fingerprint!r}, server "
-                f"{info.tokenizer_fingerprint!r} (tokenizer {info.tokenizer!r})"
-            )
+        problems = compatibility_problems(info, vocab_size, max_seq_len, tokenizer_fingerprint)
         if problems:
             raise CriticIncompatibleError(
                 f"critic server at {self.url} is incompatible with this actor: " + "; ".join(problems)
@@ -489,6 +488,8 @@ class RemoteCriticClient:
                     what=f"waiting for the critic_train of step {after.step} submitted before it",
                 )
         self._check_restarted(INFER)
+        instance = self.instance_id if self.watch_restarts else None  # another process refuses it
+        req = dataclasses.replace(req, instance_id=instance or None)
         # A request naming its critic step may wait on the server (up to its infer_wait_s) for
         # that step's train: each attempt gets that long on top of timeout_s, so the server's
         # answer (the values, or an error naming the step) comes before the client would resend.
@@ -496,6 +497,9 @@ class RemoteCriticClient:
         values, rewards = [], []
         for chunk in infer_chunks(req, self.limits.max_batch):
             out = self._call(INFER, chunk.to_wire(), INFER_OUTPUTS, step=step, attempt_s=attempt_s)
+            fenced = fenced_rows(out)  # refused alone in a merged execution: another server process
+            if fenced is not None:
+                raise self._restart(INFER, fenced, self._read_info(self.timeout_s))
             v, r = infer_result(out, self.url)
             values.append(v)
             rewards.append(r)

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-from aligner.wire.protocol import PROTOCOL_VERSION
+from aligner.wire.protocol import PROTOCOL_VERSION, ServerInfo
 from aligner.wire.tls import TLS_SCHEME, ClientTLS, CriticTLSError, grpc_client_options, tls_problem
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "parse_url",
     "resolve_critic_url",
     "protocol_mismatch",
+    "compatibility_problems",
     "ENV_URL",
     "DEFAULT_URL",
 ]
@@ -66,12 +67,37 @@ def resolve_critic_url(configured: str | None) -> str:
 
 def protocol_mismatch(url: str, server_version: int) -> str:
     """Why this client refuses the server at ``url`` that speaks ``server_version``, naming both
-    versions (a client of protocol 4 tells a server of protocol 5 the same, in its own words)."""
+    versions (a client of protocol 5 tells a server of protocol 6 the same, in its own words)."""
     return (
         f"critic server at {url} speaks protocol version {server_version}, this client "
-        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 5: critic_train "
-        "answers train_ms, the server's time for the update; 4: critic_infer carries after_step)"
+        f"{PROTOCOL_VERSION}: run one release of aligner on both sides (protocol 6: critic_infer "
+        "carries instance_id, the server process it is for; 5: critic_train answers train_ms, the "
+        "server's time for the update; 4: critic_infer carries after_step)"
     )
+
+
+def compatibility_problems(
+    info: ServerInfo, vocab_size: int, max_seq_len: int, tokenizer_fingerprint: str
+) -> list[str]:
+    """Every field where an actor (its tokenizer's ``vocab_size`` and ``tokenizer_fingerprint``,
+    which must equal the server's, and its ``max_seq_len``, which must not exceed the server's)
+    and the server of ``info`` differ, each naming both sides; empty when none does."""
+    problems = []
+    if info.protocol_version != PROTOCOL_VERSION:
+        problems.append(
+            f"protocol_version: server {info.protocol_version}, client {PROTOCOL_VERSION} (run one "
+            "release of aligner on both sides)"
+        )
+    if vocab_size != info.vocab_size:
+        problems.append(f"vocab_size: actor {vocab_size}, server {info.vocab_size}")
+    if max_seq_len > info.max_seq_len:
+        problems.append(f"max_seq_len: actor {max_seq_len} exceeds the server's {info.max_seq_len}")
+    if tokenizer_fingerprint != info.tokenizer_fingerprint:
+        problems.append(
+            f"tokenizer_fingerprint: actor {tokenizer_fingerprint!r}, server "
+            f"{info.tokenizer_fingerprint!r} (tokenizer {info.tokenizer!r})"
+        )
+    return problems
 
 
 def _ready_once(

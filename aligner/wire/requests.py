@@ -23,10 +23,20 @@ from aligner.wire.protocol import (
     Limits,
     ServerInfo,
     as_numpy,
+    error_kind,
+    server_message,
     validate_infer,
 )
 
-__all__ = ["int64s", "float32s", "infer_request", "infer_chunks", "infer_result", "INFER_OUTPUTS"]
+__all__ = [
+    "int64s",
+    "float32s",
+    "infer_request",
+    "infer_chunks",
+    "infer_result",
+    "fenced_rows",
+    "INFER_OUTPUTS",
+]
 
 INFER_OUTPUTS = ["values", "rewards", "error"]
 """What the client asks ``critic_infer`` for (``error`` too: see :func:`infer_result`)."""
@@ -94,13 +104,29 @@ def infer_chunks(req: InferRequest, max_batch: int) -> Iterator[InferRequest]:
         yield req.rows(start, start + max_batch)
 
 
+def _first_error(out: dict[str, np.ndarray]) -> str | None:
+    """The first non-empty ``error`` row of one ``critic_infer`` response, as text, or None."""
+    failed = [m for m in np.asarray(out.get("error", [])).reshape(-1) if m]
+    if not failed:
+        return None
+    return failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
+
+
+def fenced_rows(out: dict[str, np.ndarray]) -> str | None:
+    """The server's fenced refusal of this request alone, in an execution Triton merged with
+    others (its ``error`` rows start with the fenced mark: the request named another server
+    instance than the one answering), or None. Only the mark at the start of the server's own
+    message counts (:func:`~aligner.wire.protocol.server_message`)."""
+    text = _first_error(out)
+    return server_message(text) if text is not None and error_kind(text) == "fenced" else None
+
+
 def infer_result(out: dict[str, np.ndarray], url: str) -> tuple[np.ndarray, np.ndarray]:
     """Values ``[b, s-1]`` and rewards ``[b]`` (float32) of one ``critic_infer`` response;
     CriticServerError when its ``error`` rows say this request's samples failed on their own
     (in an execution Triton merged with others)."""
-    failed = [m for m in np.asarray(out["error"]).reshape(-1) if m]
-    if failed:
-        text = failed[0].decode("utf-8", "replace") if isinstance(failed[0], bytes) else str(failed[0])
+    text = _first_error(out)
+    if text is not None:
         raise CriticServerError(f"{INFER} failed on the critic server at {url}: {text}")
     missing = [name for name in ("values", "rewards") if out.get(name) is None]
     if missing:  # an error row with no message, or a server that is not ours

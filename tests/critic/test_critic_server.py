@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _critic_service import assert_values_of_real_positions
+from _critic_service import assert_values_of_real_positions, concurrently
 
 from aligner.checkpoint import load_tensors
 from aligner.critic.launch import start_server
@@ -434,26 +434,6 @@ def test_a_bad_request_merged_with_good_ones_fails_alone(env, client):
     assert len(errors) == 1 and "field 'tokens'" in errors[0]
 
 
-def _concurrently(fns: list) -> list:
-    """Run each function in its own thread, released together; their results (or exceptions)."""
-    results: list = [None] * len(fns)
-    barrier = threading.Barrier(len(fns))
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = fns[i]()
-        except Exception as e:  # the test looks at what each client got
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results
-
-
 def test_one_clients_bad_sample_fails_only_that_client(env):
     """Concurrent clients, one of them with a sample the reward function fails on (it raises, or
     answers NaN): that client gets an error naming the reward function and the sample's index in
@@ -472,7 +452,7 @@ def test_one_clients_bad_sample_fails_only_that_client(env):
     merged = 0
     for what, (bad_inputs, sample, words) in bad.items():
         for _ in range(4):  # until the batcher merged the bad request with good ones at least once
-            got = _concurrently(
+            got = concurrently(
                 [lambda g=g: raw_infer(url, P.INFER, g) for g in good]
                 + [lambda b=bad_inputs: raw_infer(url, P.INFER, b)]
             )

@@ -14,11 +14,12 @@ that fails for a reason of the server's own, and a reward function's words.
 from __future__ import annotations
 
 import json
-import threading
+import time
 import traceback
 
 import numpy as np
 import pytest
+from _critic_service import concurrently
 from tritonclient.utils import InferenceServerException
 
 from aligner.critic.config import build_config
@@ -39,6 +40,7 @@ from aligner.critic.testing import (
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 from aligner.wire.client import RemoteCriticClient
+from aligner.wire.requests import fenced_rows
 from aligner.wire.transport import classify
 
 pytestmark = pytest.mark.server
@@ -127,26 +129,6 @@ def test_each_hostile_request_alone_is_refused_naming_extras_and_forges_nothing(
     assert env["server"].returncode is None and _state(url) == before
 
 
-def _concurrently(fns: list) -> list:
-    """Each function in its own thread, released together; their results (or exceptions)."""
-    results: list = [None] * len(fns)
-    barrier = threading.Barrier(len(fns))
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = fns[i]()
-        except Exception as e:  # the test looks at what each one got
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results
-
-
 def test_hostile_requests_merged_with_good_ones_fail_alone(env, client):
     """Good requests (bare, and through the actor's client) sent together with every hostile
     one, until Triton merged some: a bare good one gets the batch-peer error, read as 'peer'
@@ -159,7 +141,7 @@ def test_hostile_requests_merged_with_good_ones_fail_alone(env, client):
     hostile = [make for make, _ in HOSTILE.values()]
     peer_errors: list[str] = []
     for _ in range(8):  # until the batcher merged good requests with hostile ones at least once
-        got = _concurrently(
+        got = concurrently(
             [lambda g=g: raw_infer(url, P.INFER, g) for g in good]
             + [
                 lambda g=g: client.infer(g["tokens"], g["lengths"], g["prompt_lengths"]).result()
@@ -204,6 +186,57 @@ def _in_process(pstate, root, **top) -> CriticTritonServer:
     cfg.update(top)
     svc = CriticService(build_config(cfg), pstate)
     return CriticTritonServer(svc, svc.cfg, root)
+
+
+def test_an_infer_for_another_server_instance_is_refused_alone_before_any_wait(pstate, tmp_path):
+    """A request naming another server instance (its client trained with a process that was
+    restarted since) is refused at once with the fenced mark, before the wait for the critic step
+    it names (which would never come); merged with others it fails alone, in its own error rows,
+    and they are answered; a malformed id is refused naming the field."""
+    server = _in_process(pstate, tmp_path)  # server.infer_wait_s: 600 s
+    svc = server.service
+    mine, held = svc.instance_id, svc.critic_step
+
+    def request(seed: int, instance_id: str | None, after_step: int = held) -> dict[str, np.ndarray]:
+        wire = _inputs(2, seed)
+        wire["after_step"] = np.full((2, 1), after_step, np.int64)
+        if instance_id is not None:
+            wire["instance_id"] = P.text_array([instance_id] * 2)
+        return wire
+
+    alone = server.infer_fn([request(20, mine)])[0]
+    t0 = time.monotonic()
+    with pytest.raises(P.OtherInstanceError) as e:  # would wait 600 s for critic step held + 5
+        server.infer_fn([request(21, "0" * 32, held + 5)])
+    text = f"Traceback ...\naligner.wire.protocol.errors.OtherInstanceError: {e.value}\n"
+    assert classify(InferenceServerException(text)) == "fenced"
+    assert str(e.value).startswith(
+        f"{P.FENCED_MARK}critic_infer: the request is for server instance {'0' * 32}"
+    )
+    assert f"this is server instance {mine}" in str(e.value)
+    # Merged: the one for another instance fails alone, at once; the others are answered.
+    out = server.infer_fn([request(20, mine), request(22, "f" * 32, held + 5), request(23, None)])
+    assert time.monotonic() - t0 < 30
+    assert set(out[1]) == {"error"} and fenced_rows(out[1]).startswith(P.FENCED_MARK + "critic_infer: ")
+    assert fenced_rows(out[0]) is None and fenced_rows(out[2]) is None
+    np.testing.assert_allclose(out[0]["values"], alone["values"], rtol=0, atol=1e-5)
+    assert out[2]["rewards"].shape == (2, 1) and set(out[2]["error"].ravel()) == {b""}
+    assert svc.order.stats()["waited"] == 0 and svc.critic_step == held
+    # Malformed: refused naming the field, alone; merged, the others get the batch-peer error.
+    malformed = {
+        "too long": P.text_array(["a" * 65] * 2),
+        "int64": np.zeros((2, 1), np.int64),
+        "rows differ": P.text_array([mine, "0" * 32]),
+        "forged mark": P.text_array([f"{FENCED}\n{CANARY}"] * 2),
+    }
+    for what, value in malformed.items():
+        bad = dict(request(24, None), instance_id=value)
+        with pytest.raises(P.ProtocolError) as e:
+            server.infer_fn([bad])
+        assert str(e.value).startswith(f"{P.ERROR_MARK}critic_infer: field 'instance_id'"), (what, e.value)
+        assert type(e.value) is P.ProtocolError and "[critic-fenced]" not in str(e.value), what
+        with pytest.raises(P.BatchPeerError, match=r"\(request 1: field 'instance_id'\)"):
+            server.infer_fn([request(25, mine), bad])
 
 
 def test_reward_only_rows_longer_than_the_limit_are_refused_naming_tokens(pstate, tmp_path):

@@ -162,7 +162,7 @@ ANSWERS = ["1234", "079", "555", "011223345678"]
 
 def test_server_info_names_the_inputs_it_needs(env):
     info = raw_info(env["server"].url)
-    assert info.protocol_version == P.PROTOCOL_VERSION == 5
+    assert info.protocol_version == P.PROTOCOL_VERSION == 6
     assert info.infer_inputs == ["extras", "prompt_text", "response_text"]
     text = info.reward["text"]
     assert text["tokenizer"] == str(env["root"] / "rm") and text["max_len"] == RM_MAX_LEN

@@ -10,11 +10,11 @@ set by the test.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
 import pytest
+from _critic_service import concurrently
 from tritonclient.utils import InferenceServerException
 
 from aligner.config_checks import ConfigError
@@ -65,30 +65,11 @@ def server(tmp_path_factory):
         s.stop()
 
 
-def _together(fns: list) -> list:
-    results: list = [None] * len(fns)
-    barrier = threading.Barrier(len(fns))
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = fns[i]()
-        except Exception as e:  # the test looks at what each one got
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results
-
-
 @pytest.mark.server
 def test_a_full_queue_refuses_as_overloaded_and_the_client_resends(server):
     before = raw_info(server.url)
     want = raw_infer(server.url, P.INFER, _infer_inputs(2, 1))
-    got = _together([lambda: raw_infer(server.url, P.INFER, _infer_inputs(2, 1)) for _ in range(8)])
+    got = concurrently([lambda: raw_infer(server.url, P.INFER, _infer_inputs(2, 1)) for _ in range(8)])
     refused = [g for g in got if isinstance(g, Exception)]
     assert refused, "8 requests at once never overflowed a queue of 2"
     for e in refused:
@@ -199,7 +180,7 @@ def test_a_flood_of_refused_requests_leaves_the_servers_memory_where_it_was(serv
     """Refused requests (over critic_infer's row limit, refused by Triton itself; over the queue)
     leave the server's process tree within 300 MiB of where it was once idle."""
     for _ in range(2):  # warm: Triton's buffers for requests of this size exist once
-        _together([lambda: raw_infer(server.url, P.INFER, _infer_inputs(2, 1)) for _ in range(4)])
+        concurrently([lambda: raw_infer(server.url, P.INFER, _infer_inputs(2, 1)) for _ in range(4)])
     time.sleep(1.0)
     start = B.tree_memory_bytes(server.pid)
     huge = _infer_inputs(2, 1)

@@ -9,6 +9,9 @@
 - A server killed and started again on the same ports is another instance: the reconnect
   raises CriticRestartedError. That second server requires a run token: a client without it
   is refused at once (UnauthorizedError, no retries), one with it trains.
+- A server killed and started again *between* two requests (no request fails: gRPC reconnects
+  quietly): the next infer names the instance the client trained with and is refused at once
+  (CriticRestartedError), where one that names none waits for a critic step that never comes.
 
 The actor's side (rolling back) is tests/actor/test_actor_recovery.py; real restarts under a running
 actor are the fault suite's.
@@ -23,6 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from aligner.critic.launch import start_server
@@ -43,8 +47,9 @@ PATIENT = {"timeout_s": 60.0, "ready_timeout_s": 60.0, "wait_timeout_s": 120.0, 
 class Server:
     """A tiny critic server on fixed ports, that can be killed and started again there."""
 
-    def __init__(self, root) -> None:
+    def __init__(self, root, **overrides: object) -> None:
         self.root = root
+        self.overrides = overrides
         self.ports = {"server.grpc_port": free_port()}
         self.url = f"grpc://127.0.0.1:{self.ports['server.grpc_port']}"
         self.process = None
@@ -53,7 +58,7 @@ class Server:
     def start(self, **env: str) -> None:
         self.starts += 1
         overrides = tiny_overrides(
-            self.root, **self.ports, **{"reward.fn": "aligner.tasks.digits:copy_reward"}
+            self.root, **self.ports, **{"reward.fn": "aligner.tasks.digits:copy_reward"}, **self.overrides
         )
         self.process = start_server(overrides, log_path=self.root / f"server-{self.starts}.log", env=env)
 
@@ -197,3 +202,82 @@ def test_a_server_started_again_is_another_instance_and_enforces_its_run_token(s
         assert c.train(tokens, lengths, returns, old_values, mask, 1).result().applied_step == 1
         c.save(1)
         assert 1 in c.server_info().checkpoint_steps
+
+
+@pytest.mark.server
+def test_a_server_restarted_between_two_requests_refuses_the_next_infer_at_once(tmp_path):
+    """The client trains step 1; the server is killed and another starts on the same port
+    (holding an older critic step) while no request is in flight. The next infer, naming
+    after_step 1, would wait server.infer_wait_s (600 s) for a train that never comes: it names
+    the instance the client trained with, and the new server refuses it at once, fenced. A client
+    that does not watch for restarts names none, and its infer is held waiting."""
+    tokens, lengths, prompt_lengths, returns, old_values, mask = _batch(seed=3)
+    server = Server(tmp_path, **{"server.infer_wait_s": 600})
+    server.start()
+    try:
+        trainer = RemoteCriticClient(server.url, **PATIENT)
+        blind = RemoteCriticClient(server.url, **{**PATIENT, "wait_timeout_s": 3.0}, watch_restarts=False)
+        first = trainer.instance_id
+        trainer.load(0)
+        assert trainer.train(tokens, lengths, returns, old_values, mask, 1).result().applied_step == 1
+        assert trainer.infer(tokens, lengths, prompt_lengths, after_step=1).result()[0].shape[0] == 4
+        assert blind.infer(tokens, lengths, prompt_lengths, after_step=1).result()[0].shape[0] == 4
+        server.kill()
+        server.start()  # between two requests: no request of the clients' failed
+        t0 = time.monotonic()
+        with pytest.raises(CriticRestartedError) as e:
+            trainer.infer(tokens, lengths, prompt_lengths, step=2, after_step=1).result()
+        assert time.monotonic() - t0 < 10
+        assert e.value.instance_id != first and e.value.instance_id == trainer.instance_id
+        assert e.value.critic_step < 1 and e.value.expected_step == 1
+        assert "[critic-fenced] critic_infer: the request is for server instance " + first in str(e.value)
+        with pytest.raises(CriticRestartedError, match="has not had it load a step"):
+            trainer.infer(tokens, lengths, prompt_lengths, after_step=1)
+        # Without the id the same infer waits on the server for a train that never comes (until
+        # the client's own wait_timeout_s here; server.infer_wait_s, 600 s, on the server).
+        t0 = time.monotonic()
+        with pytest.raises(CriticTimeoutError, match="critic_infer of step 2 "):
+            blind.infer(tokens, lengths, prompt_lengths, step=2, after_step=1).result()
+        assert time.monotonic() - t0 >= 2.5
+        waits = trainer.info()["extra"]["infer_after_step"]
+        assert waits["waiting"] == 1 and waits["timed_out"] == 0, waits
+        blind.close()
+        trainer.close()
+    finally:
+        server.kill()
+
+
+def test_a_merged_infer_refused_for_another_instance_raises_restarted_and_sends_the_id():
+    """No server: the client's infer task, answered as a merged execution answers. It sends the
+    instance it works with (not when it does not watch for restarts); a request refused
+    alone in a merged execution (fenced error rows) raises CriticRestartedError, and the restart
+    stands until a load."""
+    tokens, lengths, prompt_lengths, *_ = _batch(b=2, seed=4)
+    info = P.ServerInfo(P.PROTOCOL_VERSION, TOK.vocab_size, 64, "char", "", 3, 8, 8, instance_id="a" * 32)
+    client = object.__new__(RemoteCriticClient)
+    client.url, client.timeout_s, client.wait_timeout_s, client._info = "grpc://127.0.0.1:1", 1.0, 1.0, info
+    client._state_lock, client._restarted, client._expected_step = threading.Lock(), None, 3
+    client.instance_id, client.watch_restarts = info.instance_id, True
+    client._read_info = lambda timeout_s: None
+    refusal = str(P.OtherInstanceError(P.INFER, "a" * 32, "b" * 32))
+    sent: list[dict] = []
+
+    def answer(model, inputs, outputs, **kw):
+        sent.append(inputs)
+        return P.infer_error_wire(refusal, inputs["tokens"].shape[0])
+
+    client._call = answer
+    req = P.InferRequest(tokens, lengths, prompt_lengths, after_step=3)
+    with pytest.raises(CriticRestartedError, match=r"\[critic-fenced\] critic_infer: the request is for"):
+        client._infer_task(req, None, 4)
+    assert list(sent[0]["instance_id"].ravel()) == [b"a" * 32] * 2
+    with pytest.raises(CriticRestartedError, match="has not had it load a step"):
+        client._infer_task(req, None, 4)
+    client.follow("b" * 32)  # the rollback's: the new process is this client's
+    client.watch_restarts = False  # a critic-free run's: sends no id
+    client._call = lambda model, inputs, outputs, **kw: (
+        sent.append(inputs)
+        or P.InferResponse(np.zeros((2, tokens.shape[1] - 1), np.float32), np.ones(2, np.float32)).to_wire()
+    )
+    values, rewards = client._infer_task(req, None, 5)
+    assert "instance_id" not in sent[-1] and list(rewards) == [1.0, 1.0]

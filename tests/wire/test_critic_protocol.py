@@ -142,11 +142,12 @@ def test_a_client_refuses_a_server_of_another_protocol_naming_both_versions():
 
     url = "grpc://127.0.0.1:1"
     msg = protocol_mismatch(url, 3)
-    assert msg.startswith(f"critic server at {url} speaks protocol version 3, this client 5: ")
+    assert msg.startswith(f"critic server at {url} speaks protocol version 3, this client 6: ")
+    assert "protocol 6: critic_infer carries instance_id" in msg
     client = object.__new__(RemoteCriticClient)  # no server: server_info answers as an old one would
     client.url = url
     client.server_info = lambda: P.ServerInfo(3, 14, 16, "char", "char:abc", -1, 1, 4)
-    with pytest.raises(CriticIncompatibleError, match="protocol_version: server 3, client 5 "):
+    with pytest.raises(CriticIncompatibleError, match="protocol_version: server 3, client 6 "):
         client.check_compatible(14, 16, "char:abc")
 
 
@@ -173,9 +174,10 @@ def test_optional_infer_inputs_pass_typed_and_go_on_the_wire_per_row():
         "prompt_lengths",
         "after_step",
     }
-    # Optional to Triton: the texts, and after_step (which the server's own checks require).
+    # Optional to Triton: the texts, after_step (which the server's own checks require) and
+    # instance_id (sent by a client that watches for restarts: protocol 6).
     optional = {t.name for t in P.MODELS[P.INFER].inputs if t.optional}
-    assert optional == set(P.OPTIONAL_INFER_INPUTS) | {"after_step"}
+    assert optional == set(P.OPTIONAL_INFER_INPUTS) | {"after_step", "instance_id"}
     assert set(P.TEXT_INPUTS) < set(P.OPTIONAL_INFER_INPUTS)
 
 
@@ -339,7 +341,7 @@ def test_server_info_round_trip_ignores_unknown_fields():
 
 
 def test_every_model_spec_is_consistent():
-    assert P.PROTOCOL_VERSION == 5
+    assert P.PROTOCOL_VERSION == 6
     assert set(P.MODELS) == set(P.MODEL_NAMES)
     assert [m for m, s in P.MODELS.items() if s.batched] == [P.INFER]
     assert P.MODELS[P.TRAIN].input("step").shape == (1, 1)
@@ -353,6 +355,9 @@ def test_every_model_spec_is_consistent():
         assert ("expected_step" in names) == (model in (P.TRAIN, P.SAVE)), model
     assert P.MODELS[P.TRAIN].input("expected_step").shape == (1, 1)
     assert P.MODELS[P.LOAD].input("run_token").shape == (1,)
+    # critic_infer may name the server instance it is for (protocol 6): optional, one id per row.
+    spec = P.MODELS[P.INFER].input("instance_id")
+    assert spec.optional and spec.dtype is np.bytes_ and spec.shape == (1,)
     # critic_infer answers each merged request on its own: an error output beside the values.
     assert [t.name for t in P.MODELS[P.INFER].outputs] == ["values", "rewards", "error"]
     ok = P.InferResponse(np.zeros((2, 3), np.float32), np.zeros(2, np.float32)).to_wire()
@@ -572,3 +577,38 @@ def test_the_clients_requests_carry_what_the_server_needs_in_chunks_it_takes():
         0.25,
     )
     assert P.TrainResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
+def test_instance_id_goes_on_the_wire_per_row_and_is_checked_naming_the_field():
+    tokens, lengths, pl = _good()
+    limits = P.Limits(14, 16, 4, 4)
+    req = P.InferRequest(tokens, lengths, pl, after_step=3, instance_id="a1b2" * 8)
+    wire = req.to_wire()
+    assert wire["instance_id"].shape == (2, 1) and wire["instance_id"][1, 0] == b"a1b2" * 8
+    assert req.rows(1, 2).to_wire()["instance_id"].shape == (1, 1)
+    assert "instance_id" not in P.InferRequest(tokens, lengths, pl).to_wire()  # none: not sent
+    back = P.validate_infer(tokens, lengths, pl, limits, instance_id=wire["instance_id"])
+    assert back.instance_id == "a1b2" * 8
+    for empty in (None, "", P.text_array(["", ""])):  # names no instance: any server answers
+        assert P.validate_infer(tokens, lengths, pl, limits, instance_id=empty).instance_id is None
+    bad = {
+        "too long": (P.text_array(["x" * 65] * 2), "at most 64 bytes, got row 0: 65 bytes"),
+        "int64": (np.zeros((2, 1), np.int64), "got dtype int64 shape [2, 1]"),
+        "wrong rows": (P.text_array(["abc"] * 3), "got dtype object shape [3, 1]"),
+        "rows differ": (P.text_array(["abc", "abd"]), "the same id in every row"),
+        "not an id": (P.text_array(["[critic-fenced] x\n"] * 2), "got '(critic-fenced] x\\n'"),
+        "not bytes": (np.array([[1], [2]], dtype=object), "got row 0: int"),
+    }
+    for what, (value, words) in bad.items():
+        with pytest.raises(P.ProtocolError) as e:
+            P.validate_infer(tokens, lengths, pl, limits, instance_id=value)
+        assert e.value.field == "instance_id" and words in str(e.value), (what, str(e.value))
+        assert str(e.value).startswith(f"{P.ERROR_MARK}critic_infer: field 'instance_id'"), what
+
+
+def test_another_instance_is_refused_with_the_fenced_mark():
+    err = P.OtherInstanceError(P.INFER, "old\n[critic] x", "new")
+    assert P.mark_of(err) == P.FENCED_MARK and P.wire_text(str(err), P.mark_of(err)) == str(err)
+    assert str(err).startswith(f"{P.FENCED_MARK}critic_infer: the request is for server instance ")
+    assert "\n" not in str(err) and "[critic]" not in str(err)
+    assert P.error_kind(f"Traceback ...\nOtherInstanceError: {err}\n") == "fenced"

@@ -12,9 +12,10 @@ per-token arrays have length ``s-1`` and element ``t`` describes the state ``0..
 
 - ``critic_infer`` (dynamic batching, ``b`` leading): tokens i64 [b,s], lengths and
   prompt_lengths i64 [b,1], after_step i64 [b,1] (the same critic step in every row; the client
-  always sends it), and the optional prompt_text, response_text and extras bytes [b,1] (one
-  UTF-8 string per row; :data:`OPTIONAL_INFER_INPUTS`) -> values f32 [b,s-1], rewards f32
-  [b,1], error bytes [b,1].
+  always sends it), the optional prompt_text, response_text and extras bytes [b,1] (one
+  UTF-8 string per row; :data:`OPTIONAL_INFER_INPUTS`), and the optional instance_id bytes
+  [b,1] (the server instance the caller works with, the same in every row) -> values f32
+  [b,s-1], rewards f32 [b,1], error bytes [b,1].
 - ``critic_train`` (no batching: whole shapes): tokens i64 [b,s], lengths i64 [b,1], returns,
   old_values, mask f32 [b,s-1], step and expected_step i64 [1,1], run_token bytes [1] -> loss,
   grad_norm, explained_variance, value_clipfrac, train_ms f32 [1,1], applied_step i64 [1,1]
@@ -60,12 +61,17 @@ a server that holds another one (it restarted, or was rolled back) refuses them 
 checks ``critic_train`` in this order: the contract (shapes, values), the run token, exactly once
 (a step id already applied whose result is kept gets that result, whatever ``expected_step``
 says), fencing, then the in-order rule; ``critic_save``: the contract, the run token, fencing. A
+``critic_infer`` that names a server ``instance_id`` (a client that watches for restarts sends
+the one it works with) is refused by any other server process with :class:`OtherInstanceError`,
+marked as fencing is, before it waits for its ``after_step``: a server restarted between two
+requests holds an older step, and the request would wait for a train that never comes; in a
+merged execution only that request is refused (its ``error`` rows, marked), the others go on. A
 refused request changes nothing.
 
 Errors. A request that breaks the contract raises :class:`ProtocolError`, whose message starts
 with :data:`ERROR_MARK` and names the model, the field, what was expected and what came, so a
-client can pick it out of Triton's error text; :class:`FencedError`, :class:`UnauthorizedError`
-and :class:`BatchPeerError` carry marks of their own (:func:`extract_fenced`,
+client can pick it out of Triton's error text; :class:`FencedError` (and :class:`OtherInstanceError`),
+:class:`UnauthorizedError` and :class:`BatchPeerError` carry marks of their own (:func:`extract_fenced`,
 :func:`extract_unauthorized`). A client reads a mark only where the server's message starts
 (:func:`server_message`), and the server echoes what a request sent only neutralized
 (:func:`neutralize`), so no request can pass its text off as a mark (:mod:`.errors`). Triton itself rejects a wrong dtype, rank, fixed dimension, a
@@ -86,6 +92,7 @@ from aligner.wire.protocol.errors import (
     UNAVAILABLE_MARK,
     BatchPeerError,
     FencedError,
+    OtherInstanceError,
     ProtocolError,
     UnauthorizedError,
     error_kind,
@@ -140,6 +147,7 @@ from aligner.wire.protocol.validation import (
     validate_after_step,
     validate_expected_step,
     validate_infer,
+    validate_instance_id,
     validate_step,
     validate_texts,
     validate_train,
@@ -172,6 +180,7 @@ __all__ = [
     "InputLimits",
     "ProtocolError",
     "FencedError",
+    "OtherInstanceError",
     "UnauthorizedError",
     "BatchPeerError",
     "InferRequest",
@@ -186,6 +195,7 @@ __all__ = [
     "critic_step_after_load",
     "validate_infer",
     "validate_after_step",
+    "validate_instance_id",
     "validate_texts",
     "validate_train",
     "validate_step",

@@ -40,6 +40,7 @@ __all__ = [
     "RUN_TOKEN_ENV",
     "ProtocolError",
     "FencedError",
+    "OtherInstanceError",
     "UnauthorizedError",
     "BatchPeerError",
     "neutralize",
@@ -169,6 +170,27 @@ class FencedError(ProtocolError):
         )
 
 
+class OtherInstanceError(ProtocolError):
+    """A critic_infer names the server instance its caller works with (``instance_id``), and this
+    server is another process (it was restarted since): nothing was run. The message starts with
+    :data:`FENCED_MARK`, as :class:`FencedError`'s does: the caller's server is gone.
+
+    Attributes:
+        asked: the instance the request named (neutralized).
+        held: this server's instance.
+    """
+
+    def __init__(self, model: str, asked: str, held: str) -> None:
+        self.model, self.field = neutralize(model, 100), "instance_id"
+        self.asked, self.held = neutralize(asked, 64), neutralize(held, 64)
+        self.expected, self.got = f"server instance {self.held}", f"instance_id={self.asked}"
+        ValueError.__init__(
+            self,
+            f"{FENCED_MARK}{self.model}: the request is for server instance {self.asked}, but this is "
+            f"server instance {self.held} (restarted since?); nothing run",
+        )
+
+
 class UnauthorizedError(ProtocolError):
     """A mutating request came without the server's run token, or with another one: nothing was
     applied. The message starts with :data:`UNAUTHORIZED_MARK` and never holds a token.
@@ -231,6 +253,7 @@ def mark_of(exc: BaseException) -> str:
     """The mark the wire contract's own errors carry, chosen by type: ``""`` for any other."""
     for cls, mark in (
         (FencedError, FENCED_MARK),
+        (OtherInstanceError, FENCED_MARK),
         (UnauthorizedError, UNAUTHORIZED_MARK),
         (BatchPeerError, BATCH_PEER_MARK),
         (ProtocolError, ERROR_MARK),

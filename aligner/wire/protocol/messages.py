@@ -45,6 +45,9 @@ class InferRequest:
             the caller sent, or of the load it had the server do; the server answers once it
             holds that step, and refuses the request when it holds a later one.
             :data:`~aligner.wire.protocol.spec.ANY_CRITIC_STEP` (-1) asks for none.
+        instance_id: the server instance the caller works with (``server_info``'s
+            ``instance_id``): another server process refuses the request at once
+            (:class:`~aligner.wire.protocol.errors.OtherInstanceError`). None: any.
     """
 
     tokens: np.ndarray
@@ -54,11 +57,12 @@ class InferRequest:
     response_texts: list[str] | None = None
     extras: list[str] | None = None
     after_step: int = ANY_CRITIC_STEP
+    instance_id: str | None = None
 
     def to_wire(self) -> dict[str, np.ndarray]:
         """The critic_infer inputs: tokens [b,s], lengths [b,1], prompt_lengths [b,1], after_step
-        [b,1] (the same step in every row), and those of prompt_text, response_text and extras
-        (BYTES [b,1], UTF-8) that are set."""
+        [b,1] (the same step in every row), and those of prompt_text, response_text, extras and
+        instance_id (BYTES [b,1], UTF-8; instance_id the same in every row) that are set."""
         wire = {
             "tokens": self.tokens,
             "lengths": self.lengths.reshape(-1, 1),
@@ -67,6 +71,8 @@ class InferRequest:
         }
         for name, texts in self.texts().items():
             wire[name] = text_array(texts)
+        if self.instance_id:
+            wire["instance_id"] = text_array([self.instance_id] * self.tokens.shape[0])
         return wire
 
     def texts(self) -> dict[str, list[str]]:
@@ -92,6 +98,7 @@ class InferRequest:
             cut(self.response_texts),
             cut(self.extras),
             self.after_step,
+            self.instance_id,
         )
 
 

@@ -25,7 +25,7 @@ __all__ = [
     "ANY_CRITIC_STEP",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped whenever a name, dtype, shape or meaning on the wire changes incompatibly (2: the run
 token, ``expected_step`` fencing, ``instance_id``, and critic_infer's ``error`` output; 3:
 critic_infer's optional text inputs ``prompt_text``, ``response_text`` and ``extras``, and
@@ -35,7 +35,10 @@ critic_infer's ``after_step``, the critic step its values must come from, which 
 waits for: a client of version 3 cannot order its infers after another client's trains, and
 one of version 4 sends an input a server of version 3 refuses; 5: critic_train's ``train_ms``
 output, the server's time for the update, which a client of version 5 asks a server of version 4
-for in vain; each refuses the other at connection, naming both versions)."""
+for in vain; 6: critic_infer's optional ``instance_id``, the server process its caller works with,
+which a server of another process refuses at once (fenced) instead of waiting for a critic step
+that will never come, and which a server of version 5 would not read; each refuses the other at
+connection, naming both versions)."""
 
 ANY_CRITIC_STEP = -1
 """critic_infer's ``after_step`` that asks for no particular critic step: answered at once with
@@ -106,6 +109,10 @@ MODELS: dict[str, ModelSpec] = {
             # The client always sends it; a request without it (a bare tritonclient, a tool
             # written before it) asks for no particular critic step (ANY_CRITIC_STEP).
             TensorSpec("after_step", _I64, (1,), optional=True),
+            # The server instance the caller works with (server_info's instance_id, the same in
+            # every row): another server process refuses the request at once, fenced. Left out
+            # (or empty): any instance (a caller that does not watch for restarts).
+            TensorSpec("instance_id", _BYTES, (1,), optional=True),
         ),
         outputs=(
             TensorSpec("values", _F32, (-1,)),

@@ -29,6 +29,8 @@ __all__ = [
     "as_numpy",
     "validate_infer",
     "validate_after_step",
+    "validate_instance_id",
+    "INSTANCE_ID_MOST",
     "validate_texts",
     "validate_train",
     "validate_step",
@@ -311,6 +313,51 @@ def validate_after_step(after_step: Any, b: int) -> int:
     return value
 
 
+INSTANCE_ID_MOST = 64
+"""The most bytes of critic_infer's ``instance_id`` (a server's is 32 hex digits)."""
+_INSTANCE_ID = re.compile(r"[0-9A-Za-z_.-]+")
+
+
+def validate_instance_id(instance_id: Any, b: int) -> str | None:
+    """critic_infer's ``instance_id`` as one str: a str, or BYTES ``[b, 1]`` (or ``[b]``) holding
+    the same id in every row, each at most :data:`INSTANCE_ID_MOST` bytes of letters, digits,
+    ``_``, ``.`` and ``-`` (sizes checked before anything is decoded or compared). None, or an
+    empty id (in every row): the request names no instance, and any server answers it.
+
+    Raises:
+        ProtocolError: naming ``instance_id``, what was expected and what came.
+    """
+    name, want = "instance_id", f"BYTES [{b}, 1]: one server instance id, the same in every row"
+    if instance_id is None:
+        return None
+    if isinstance(instance_id, str):
+        items: list[Any] = [instance_id]
+    else:
+        a = as_numpy(instance_id)
+        if a.dtype.kind not in "SO" or a.shape not in ((b,), (b, 1)):
+            raise ProtocolError(INFER, name, want, _describe(a))
+        items = list(a.reshape(b))
+    for i, v in enumerate(items):
+        if not isinstance(v, (bytes, np.bytes_, str)):
+            raise ProtocolError(INFER, name, want, f"row {i}: {type(v).__name__}")
+        if len(v) > INSTANCE_ID_MOST:
+            raise ProtocolError(INFER, name, f"at most {INSTANCE_ID_MOST} bytes", f"row {i}: {len(v)} bytes")
+    first = items[0]
+    if any(v != first for v in items[1:]):
+        i = next(i for i, v in enumerate(items) if v != first)
+        raise ProtocolError(
+            INFER, name, "the same id in every row (one request, one server)", f"row {i} differs"
+        )
+    text = first if isinstance(first, str) else bytes(first).decode("ascii", "replace")
+    if not text:
+        return None
+    if not _INSTANCE_ID.fullmatch(text):
+        raise ProtocolError(
+            INFER, name, "letters, digits, '_', '.' and '-' (a server's instance_id)", quote(text)
+        )
+    return text
+
+
 def validate_infer(
     tokens: Any,
     lengths: Any,
@@ -321,6 +368,7 @@ def validate_infer(
     response_text: Any = None,
     extras: Any = None,
     after_step: Any = None,
+    instance_id: Any = None,
     require: Mapping[str, str] | None = None,
     input_limits: InputLimits | None = None,
 ) -> InferRequest:
@@ -333,6 +381,8 @@ def validate_infer(
         prompt_text, response_text, extras: the optional inputs (:func:`validate_texts`), or None.
         after_step: the critic step the values must come from (:func:`validate_after_step`): an
             int, or int64 ``[b, 1]``; None: any.
+        instance_id: the server instance the caller works with (:func:`validate_instance_id`);
+            None: any.
         require: optional inputs the server needs -> why (a request without one is refused).
         input_limits: how large the text inputs may be (:class:`InputLimits`; the server passes
             its own); None checks no sizes.
@@ -355,6 +405,7 @@ def validate_infer(
             f"({int(bad.sum())} such row(s))",
         )
     step = validate_after_step(after_step, b)
+    instance = validate_instance_id(instance_id, b)
     given = {"prompt_text": prompt_text, "response_text": response_text, "extras": extras}
     for name, why in (require or {}).items():
         if given.get(name) is None:
@@ -364,10 +415,8 @@ def validate_infer(
                 f"the input {name!r} (BYTES [{b}, 1], one string per sample): {why}",
                 "a request without it",
             )
-    texts = {k: None if v is None else validate_texts(k, v, b, input_limits) for k, v in given.items()}
-    return InferRequest(
-        tokens, lengths, prompt_lengths, texts["prompt_text"], texts["response_text"], texts["extras"], step
-    )
+    texts = [None if v is None else validate_texts(k, v, b, input_limits) for k, v in given.items()]
+    return InferRequest(tokens, lengths, prompt_lengths, *texts, step, instance)
 
 
 def _scalar(model: str, name: str, x: Any) -> int:

@@ -199,6 +199,9 @@ class ActorCheckpointConfig:
     """HF architecture of the export (default: the one recorded when the policy was imported, else llama)."""
     export_interval: int = 0
     """Also export every N steps, to <export_hf>-step_XXXXXXXX (0 = off; needs export_hf)."""
+    export_keep_last: int = 0
+    """Step exports kept (the newest; older <export_hf>-step_XXXXXXXX folders are removed once a newer
+    one is written); 0 keeps all. The best and final exports are never removed."""
     export_best: bool = False
     """Also export each new best validation/scores step to <export_hf>-best, replacing the previous best's
     (needs export_hf, keep_best and validation.interval > 0)."""
@@ -210,7 +213,9 @@ class ActorCheckpointConfig:
 
     def problems(self, prefix: str = "checkpoint", validation_interval: int | None = None) -> Problems:
         e = Problems()
-        e.non_negative_ints(self, prefix, ("save_interval", "keep_last", "export_interval"))
+        e.non_negative_ints(
+            self, prefix, ("save_interval", "keep_last", "export_interval", "export_keep_last")
+        )
         e.expect(
             self.export_dtype in ("bf16", "fp16", "fp32"),
             f"{prefix}.export_dtype",

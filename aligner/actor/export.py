@@ -5,7 +5,8 @@ With ``checkpoint.export_hf=<folder>`` (say ``runs/qwen_hf``)::
     runs/qwen_hf/                  the final policy, after the last step
     runs/qwen_hf-best/             checkpoint.export_best: the step with the best validation/scores, written
                                    when it becomes the best (replacing the previous best's)
-    runs/qwen_hf-step_00000100/    checkpoint.export_interval=100: every 100 steps
+    runs/qwen_hf-step_00000100/    checkpoint.export_interval=100: every 100 steps (the newest
+                                   checkpoint.export_keep_last of them kept; 0: all)
 
 The step and best exports sit beside the final one, not inside it, so each folder is exactly
 what ``from_pretrained`` and the Hub take, and replacing one never touches another. Each is
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,8 @@ class PolicyExporter:
         c = self.cfg.checkpoint
         if c.export_interval and step % c.export_interval == 0:
             self.export(export_dir(self.cfg, "step", step), step, f"The policy at step {step}.")
+            if c.export_keep_last and self.log_rank:  # global rank 0, which writes them
+                self.prune_step_exports(c.export_keep_last)
         if new_best and c.export_best:
             score = metrics.get(BEST_KEY)
             of = f" ({BEST_KEY} {float(score):.6g})" if isinstance(score, (int, float)) else ""
@@ -111,6 +115,22 @@ class PolicyExporter:
                 step,
                 f"The policy at step {step}, the best validation score of the run so far{of}.",
             )
+
+    def prune_step_exports(self, keep: int) -> list[Path]:
+        """Remove all but the newest ``keep`` step exports (``<export_hf>-step_XXXXXXXX``, by step
+        number; a folder of another name beside them is left alone); the folders removed."""
+        root = export_dir(self.cfg)
+        prefix = root.name + "-step_"
+        steps = []
+        for p in root.parent.iterdir() if root.parent.is_dir() else []:
+            tail = p.name[len(prefix) :] if p.name.startswith(prefix) else ""
+            if tail.isdigit() and p.is_dir():
+                steps.append((int(tail), p))
+        removed = [p for _, p in sorted(steps)[: max(len(steps) - keep, 0)]]
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+            log.info("removed the step export %s (checkpoint.export_keep_last=%d)", p, keep)
+        return removed
 
     def at_end(self, step: int | None = None) -> Path:
         """The final export (``checkpoint.export_hf``)."""

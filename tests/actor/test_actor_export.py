@@ -90,6 +90,30 @@ def test_exports_during_and_after_a_run(world, tmp_path):
     )
 
 
+def test_only_the_newest_step_exports_are_kept(world, tmp_path):
+    """``checkpoint.export_keep_last=2``: each step export removes all but the newest two (by step
+    number), never the best or final export nor a folder of another name beside them."""
+    base_dir = tmp_path / "base"
+    save_qwen_base(base_dir)
+    policy, mcfg = hf.import_hf(base_dir, max_seq_len=RUN_LEN)
+    cfg = _config(tmp_path, base_dir, mcfg)
+    cfg.checkpoint.export_interval, cfg.checkpoint.export_keep_last = 1, 2
+    out = tmp_path / "out"
+    (out / "qwen_hf-step_notes").mkdir(parents=True)  # not a step export: left alone
+    ex = PolicyExporter(cfg, policy, log_rank=True)
+    ex.after_step(1, {"validation/scores": 0.5}, True)
+    for step in (2, 3, 10):
+        ex.after_step(step, {"validation/scores": 0.1}, False)
+    ex.at_end(10)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "qwen_hf",
+        "qwen_hf-best",
+        "qwen_hf-step_00000003",
+        "qwen_hf-step_00000010",
+        "qwen_hf-step_notes",
+    ]
+
+
 def test_a_run_exports_every_n_steps_its_best_and_its_end(tmp_path):
     """Through :func:`aligner.actor.run.run` (the toy server in process): the exporter is wired to
     the checkpointer and to the end of the run."""
@@ -148,6 +172,7 @@ def test_the_checkpointer_tells_the_exporter_of_each_step_and_new_best(tmp_path)
             "export_best=true needs checkpoint.keep_best",
         ),
         ({"export_hf": "x", "export_interval": -1}, "checkpoint.export_interval"),
+        ({"export_hf": "x", "export_keep_last": -1}, "checkpoint.export_keep_last"),
         ({"export_dtype": "int8"}, "checkpoint.export_dtype"),
         ({"export_max_shard_size": "huge"}, "checkpoint.export_max_shard_size"),
     ],

@@ -20,7 +20,8 @@ import numpy as np
 from aligner.critic.service import CriticService
 from aligner.gpu_check.measure import PeakMemory, sync
 from aligner.wire.errors import CriticIncompatibleError
-from aligner.wire.protocol import PROTOCOL_VERSION, ServerInfo, TrainResult
+from aligner.wire.protocol import ServerInfo, TrainResult
+from aligner.wire.readiness import compatibility_problems
 from aligner.wire.requests import float32s, int64s
 
 __all__ = ["InProcessCritic"]
@@ -68,18 +69,7 @@ class InProcessCritic:
     def check_compatible(self, vocab_size: int, max_seq_len: int, tokenizer_fingerprint: str) -> None:
         """The client's check (:meth:`RemoteCriticClient.check_compatible`): the same vocabulary
         and tokenizer, and a sequence length the service takes."""
-        info = self.service.info()
-        problems = []
-        if info.protocol_version != PROTOCOL_VERSION:
-            problems.append(f"protocol_version: service {info.protocol_version}, actor {PROTOCOL_VERSION}")
-        if vocab_size != info.vocab_size:
-            problems.append(f"vocab_size: actor {vocab_size}, service {info.vocab_size}")
-        if max_seq_len > info.max_seq_len:
-            problems.append(f"max_seq_len: actor {max_seq_len} exceeds the service's {info.max_seq_len}")
-        if tokenizer_fingerprint != info.tokenizer_fingerprint:
-            problems.append(
-                f"tokenizer_fingerprint: actor {tokenizer_fingerprint!r}, service {info.tokenizer_fingerprint!r}"
-            )
+        problems = compatibility_problems(self.service.info(), vocab_size, max_seq_len, tokenizer_fingerprint)
         if problems:
             raise CriticIncompatibleError(
                 "the in-process critic is incompatible with the actor: " + "; ".join(problems)

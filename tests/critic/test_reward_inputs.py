@@ -18,11 +18,11 @@ same text tokenized by its own tokenizer.
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
 import torch
+from _critic_service import concurrently
 
 from aligner.actor.critic_link import sample_texts
 from aligner.critic.launch import start_server
@@ -137,22 +137,7 @@ def _expected(env, prompts, responses, answers) -> np.ndarray:
 def _together(url, inputs: list[dict]) -> list:
     """One raw critic_infer per item of ``inputs``, each from its own thread, released at once;
     what each got: its outputs, or its error."""
-    results: list = [None] * len(inputs)
-    barrier = threading.Barrier(len(inputs))
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = raw_infer(url, P.INFER, inputs[i])
-        except Exception as e:  # the test looks at what each request got
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return results
+    return concurrently([lambda x=x: raw_infer(url, P.INFER, x) for x in inputs])
 
 
 PROMPTS = ["3142:", "907:", "555:", "123456789012:"]

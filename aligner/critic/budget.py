@@ -235,17 +235,18 @@ class MemoryBudget:
     def describe(self) -> str:
         return "off" if self.budget is None else f"{self.budget / GIB:.2f} GiB"
 
-    def estimate(self, model: str, requests: Any) -> int:
-        """The memory an execution's work is estimated to add (its inputs x the model's factor)."""
-        return int(request_bytes(requests) * self.work_factor.get(model, 1.0))
+    def estimate(self, model: str, nbytes: int) -> int:
+        """The memory an execution's work is estimated to add: its inputs' ``nbytes``
+        (:func:`request_bytes`) x the model's factor."""
+        return int(nbytes * self.work_factor.get(model, 1.0))
 
-    def admit(self, model: str, requests: Any) -> None:
+    def admit(self, model: str, nbytes: int) -> None:
         """Raise :class:`~aligner.critic.errors.OverloadedError` (nothing run) when the memory in
-        use and the execution's estimate pass the budget; free heap memory is handed back and
-        measured again before refusing."""
+        use and the estimate of an execution whose inputs are ``nbytes`` pass the budget; free
+        heap memory is handed back and measured again before refusing."""
         if self.budget is None:
             return
-        need = self.estimate(model, requests)
+        need = self.estimate(model, nbytes)
         used = self.measure()
         if used + need > self.budget:
             release_free_memory()
@@ -254,10 +255,10 @@ class MemoryBudget:
             self.refused += 1
             raise OverloadedError(model, self.budget, used, need)
 
-    def done(self, requests: Any, failed: bool) -> None:
-        """After an execution: hand free heap memory back when its inputs were large, or were
-        over a MiB and it failed (a refused request leaves nothing behind)."""
-        if request_bytes(requests) >= (1 << 20 if failed else TRIM_AFTER_BYTES):
+    def done(self, nbytes: int, failed: bool) -> None:
+        """After an execution whose inputs were ``nbytes``: hand free heap memory back when they
+        were large, or over a MiB and it failed (a refused request leaves nothing behind)."""
+        if nbytes >= (1 << 20 if failed else TRIM_AFTER_BYTES):
             release_free_memory()
 
 

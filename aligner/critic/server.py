@@ -101,7 +101,7 @@ from aligner import faults
 from aligner.config_checks import ConfigError
 from aligner.configs import CONFIG_PATH
 from aligner.cpu_memory import tune_allocator
-from aligner.critic.budget import MemoryBudget, work_factors
+from aligner.critic.budget import MemoryBudget, request_bytes, work_factors
 from aligner.critic.config import CriticServerConfig, build_config
 from aligner.critic.errors import (
     PYTRITON_MISSING,
@@ -213,9 +213,10 @@ class CriticTritonServer:
         t0 = time.perf_counter()
         ok = False
         rows = 0
+        nbytes = request_bytes(requests)  # once, for the budget's check and its clean-up
         try:
             if model != INFO:  # never refused: probes and readiness checks ask it
-                self.budget.admit(model, requests)  # over the memory budget: nothing run
+                self.budget.admit(model, nbytes)  # over the memory budget: nothing run
             out = fn(requests)
             ok = True
             rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == INFER else len(out)
@@ -228,7 +229,7 @@ class CriticTritonServer:
             # No chained exception: Triton would show its text, which the server did not compose.
             raise for_the_wire(e, model) from None
         finally:
-            self.budget.done(requests, failed=not ok)  # free heap memory back to the OS
+            self.budget.done(nbytes, failed=not ok)  # free heap memory back to the OS
             self.service.request_stats.record(model, time.perf_counter() - t0, ok, rows, len(requests))
 
     def infer_fn(self, requests) -> list[dict[str, np.ndarray]]:

@@ -111,8 +111,7 @@ def server_run_token(cfg: Any, configured: str | None) -> str | None:
             (or is empty).
     """
     s = cfg.server
-    tls_on = bool(getattr(getattr(s, "tls", None), "on", False))
-    reason = token_required_reason(s.host, s.http_port is not None, tls_on)
+    reason = token_required_reason(s.host, s.http_port is not None, s.tls.on)
     if configured is not None or reason is None:
         return configured
     if s.allow_no_token:

@@ -18,6 +18,7 @@ from aligner.critic import probe, security
 from aligner.critic.config import build_config
 from aligner.critic.launch import start_server
 from aligner.critic.testing import digit_batch, raw_error, raw_info, tiny_config, tiny_overrides, train_arrays
+from aligner.critic.tls import ServerTLSConfig
 from aligner.tokenizers import build_tokenizer
 from aligner.wire import protocol as P
 
@@ -44,7 +45,9 @@ def test_http_is_off_by_default(tmp_path):
 
 
 def _cfg(tmp_path, host="0.0.0.0", http_port=None, allow_no_token=False):
-    server = SimpleNamespace(host=host, http_port=http_port, allow_no_token=allow_no_token)
+    server = SimpleNamespace(
+        host=host, http_port=http_port, allow_no_token=allow_no_token, tls=ServerTLSConfig()
+    )
     return SimpleNamespace(server=server, log=SimpleNamespace(dir=str(tmp_path / "log")))
 
 

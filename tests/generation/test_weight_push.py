@@ -135,6 +135,15 @@ def _pairs(pushed):
     return list(zip(pushed["sender"], pushed["receiver"], strict=False))
 
 
+def _refused(pushed, i: int, text: str) -> dict:
+    """Push ``i`` was refused by the receiver with ``text`` in its error, and the sender heard of
+    it; the receiver's report."""
+    s, r = _pairs(pushed)[i]
+    assert text in r["error"], r["error"]
+    assert s["refused"] == 1
+    return r
+
+
 @pytest.mark.multiprocess
 def test_good_versions_arrive_bit_for_bit_in_buckets_of_every_size(pushed):
     sender, receiver = pushed["sender"], pushed["receiver"]
@@ -163,31 +172,27 @@ def test_a_corrupted_bucket_is_refused_naming_it_and_nothing_is_swapped(pushed):
 
 @pytest.mark.multiprocess
 def test_an_older_or_equal_version_is_refused(pushed):
-    pairs = _pairs(pushed)
     v4 = pushed["sender"][4]["sent"]
     for i, text in [
         (5, "version 4 is not newer than version 4"),
         (6, "version 2 is not newer than version 4"),
         (11, "version 6 is not newer than version 9"),  # expect_after=9
     ]:
-        s, r = pairs[i]
-        assert text in r["error"] and s["refused"] == 1
-    for i in (5, 6):
-        assert pairs[i][1]["owned"] == v4 and pairs[i][1]["last_version"] == 4
+        r = _refused(pushed, i, text)
+        if i in (5, 6):
+            assert r["owned"] == v4 and r["last_version"] == 4
 
 
 @pytest.mark.multiprocess
 def test_a_header_or_manifest_that_does_not_match_is_refused(pushed):
-    pairs = _pairs(pushed)
     v4 = pushed["sender"][4]["sent"]
     for i, text in [
         (7, "version 5, bucket 2: the header names version 6"),
         (8, "version 5: the manifest"),
         (9, "version 5, bucket 1: bucket 2 came where bucket 1 was expected"),
     ]:
-        s, r = pairs[i]
-        assert text in r["error"], r["error"]
-        assert s["refused"] == 1 and r["owned"] == v4 and r["module"] == v4
+        r = _refused(pushed, i, text)
+        assert r["owned"] == v4 and r["module"] == v4
 
 
 @pytest.mark.multiprocess

@@ -15,8 +15,9 @@ Layers, lowest first:
 3. ``aligner.generation``: the engines;
 4. ``aligner.actor`` and ``aligner.critic`` (the server), side by side: each reaches the other
    only through ``aligner.wire``;
-5. ``aligner.gpu_check``: the GPU check, which composes both roles in one process, and
-   ``aligner.node``: both roles' processes on one node (``aligner-launch``).
+5. ``aligner.gpu_check``: the GPU check, which composes both roles in one process,
+   ``aligner.node``: both roles' processes on one node (``aligner-launch``), and
+   ``aligner.rollout``: the rollout worker role, made of the actor's generation parts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LAYERS = {
     "aligner.critic": 4,
     "aligner.gpu_check": 5,
     "aligner.node": 5,
+    "aligner.rollout": 5,
 }
 ROLES = ("aligner.actor", "aligner.critic")
 WIRE = "aligner.wire"

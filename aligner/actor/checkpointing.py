@@ -16,6 +16,8 @@ Layout under the run's checkpoint root (shared with the critic server when both 
                                     the same file, which loads at any DP size, sharded or not)
         rng_tp00_pp00_dp000.safetensors
                                     every RNG state of the rank at (tp 0, pp 0, dp 0)
+        rollouts.safetensors        with rollout workers and max_staleness > 0: the batches asked
+                                    for and not yet trained on (their prompts are in the state)
         trainer_state.json          step, KL controller, score normaliser, data position, LR
                                     schedule position, the config it was made with and its
                                     fingerprint, the run id, checks
@@ -134,6 +136,13 @@ class ActorState:
     training: dict[str, Any]
     """Everything else the next step depends on, as JSON (KL controller, score normaliser, data
     position, LR schedule position, the critic's last result): ``PPOTrainer.training_state()``."""
+    rollouts: dict[str, torch.Tensor] | None = None
+    """With rollout workers: the batches asked for and not yet trained on (rank 0 writes them to
+    ``rollouts.safetensors``; their JSON half is in ``training``)."""
+
+
+ROLLOUTS_FILE = "rollouts.safetensors"
+"""The batches an asynchronous run asked its rollout workers for and had not trained on yet."""
 
 
 def checkpoint_root(cfg: ActorConfig) -> Path:
@@ -329,6 +338,8 @@ class ActorCheckpointer:
         elif state.optimizer.sharded:  # its part of gathering them from every replica's slice
             state.optimizer.state_tensors(keep=False)
         save_tensors(tmp / self._rng_file(), rng_state_tensors())
+        if st.rank == 0 and state.rollouts:
+            save_tensors(tmp / ROLLOUTS_FILE, state.rollouts)
         barrier()
         faults.ACTOR.hit("before_commit", step)
         if st.rank == 0:
@@ -478,7 +489,10 @@ class ActorCheckpointer:
         if not self.critic_free:  # a critic-free run has nothing on the server to load
             self._on_rank0(f"critic_load of step {step}", lambda: self.critic.load(step))
         self.last_saved = step
-        return saved["trainer"]
+        trainer = dict(saved["trainer"])
+        if (d / ROLLOUTS_FILE).is_file():
+            trainer["rollout_tensors"] = load_tensors(d / ROLLOUTS_FILE)
+        return trainer
 
     def _on_rank0(self, what: str, fn: Callable[[], None]) -> None:
         """``fn()`` on rank 0 (a request to the server), and its outcome on every rank: rank 0

@@ -17,6 +17,7 @@ from aligner.actor.ppo_config import PPOConfig
 from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.config import GenerationConfig
+from aligner.generation.remote import RolloutConfig
 from aligner.metrics import WandbConfig
 from aligner.models.config import FORWARD_MODES, ConversionError, ModelConfig
 from aligner.models.lora import LoraConfig
@@ -307,6 +308,8 @@ class ActorConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: ActorCheckpointConfig = field(default_factory=ActorCheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers of their own (``aligner-rollout``) and the staleness bound."""
     tokenizer: str = "auto"
     """'char' (the built-in digit vocabulary), 'char:<alphabet>', a HF tokenizer folder, or 'auto':
     ``init_from``'s tokenizer when that folder holds one, else 'char'."""
@@ -364,6 +367,7 @@ class ActorConfig:
         e += self.critic.problems("critic")
         e += self.validation.problems("validation")
         e += self.logging.problems("logging")
+        e += self.rollout_problems(world_size)
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
         e += [f"model: {m}" for m in self.model.problems(tp, pp)]
         e += self.generation.layout_problems(self.parallel, self.model)
@@ -388,6 +392,37 @@ class ActorConfig:
                 g.tensor_parallel_size,
                 f"null or {tp} with generation.engine=trtllm (its engine spans the training TP group)",
             )
+        return e
+
+    def rollout_problems(self, world_size: int) -> Problems:
+        """``rollout.*`` and what rollout workers need of the rest: in this version, a trainer of
+        one process, the native engine in the training dtype and layout, one generation round per
+        step; a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""
+        e = self.rollout.problems("rollout")
+        if self.rollout.workers < 1:
+            e.expect(
+                self.rollout.max_staleness == 0,
+                "rollout.max_staleness",
+                self.rollout.max_staleness,
+                "0 without rollout workers (set rollout.workers >= 1)",
+            )
+            return e
+        need = {
+            "world size": (world_size, 1, "1: rollout workers serve a trainer of one process"),
+            "generation.engine": (self.generation.engine, "native", "'native' on rollout workers"),
+            "generation.tensor_parallel_size": (self.generation.tensor_parallel_size, None, "null"),
+            "generation.dtype": (self.generation.dtype, None, "null (the policy's dtype)"),
+            "ppo.dynamic_sampling": (self.ppo.dynamic_sampling, False, "false with rollout workers"),
+        }
+        for key, (value, want, expected) in need.items():
+            e.expect(value == want, key, value, expected)
+        e.expect(
+            self.rollout.max_staleness == 0 or self.ppo.tis_cap is not None,
+            "ppo.tis_cap",
+            self.ppo.tis_cap,
+            f"a cap (e.g. 2.0) with rollout.max_staleness={self.rollout.max_staleness}: the update weights "
+            "each token by its proximal/behaviour probability ratio, truncated there (decoupled PPO)",
+        )
         return e
 
     def parallel_problems(self, world_size: int) -> Problems:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from aligner.config_checks import Problems
 from aligner.rl import ESTIMATORS, GROUP_ESTIMATORS
 
-__all__ = ["PPOConfig"]
+__all__ = ["PPOConfig", "estimator_line"]
 
 
 @dataclass
@@ -239,3 +239,22 @@ class PPOConfig:
             "a finite number >= 0",
         )
         return e
+
+
+def estimator_line(p: PPOConfig, critic_free: bool, server_critic: bool) -> str:
+    """The console line that says which advantage estimator a run uses (``server_critic``: the
+    server holds a critic)."""
+    what = {
+        "gae": f"gae (the critic's values, lambda {p.lam}{', whitened' if p.whiten_advantages else ''})",
+        "grpo": f"grpo ({'std-normalised' if p.grpo_std_norm else 'not std-normalised: Dr. GRPO'})",
+        "rloo": "rloo (leave-one-out baseline)",
+        "reinforce_pp": f"reinforce_pp (returns-to-go, gamma {p.gamma}, whitened over the batch)",
+    }[p.advantage]
+    line = f"ppo: advantage estimator {what}, {p.samples_per_prompt} sample(s) per prompt"
+    if critic_free:
+        line += "; critic-free: no critic values used, no critic_train sent"
+        if server_critic:
+            line += " (this server holds a critic it will not use: start it with mode=reward_only)"
+    elif p.critic_warmup_steps:
+        line += f"; critic warm-up: the policy waits for the first {p.critic_warmup_steps} step(s)"
+    return line

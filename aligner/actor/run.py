@@ -44,6 +44,7 @@ from aligner.actor.export import PolicyExporter, export_policy
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.actor.prompts import PromptSampler
 from aligner.actor.resume import check_resume, resolve_resume
+from aligner.actor.rollout_workers import RolloutWorkers
 from aligner.actor.trainer import PPOTrainer
 from aligner.checkpoint import read_json, write_json
 from aligner.config_checks import ConfigError
@@ -51,6 +52,7 @@ from aligner.cpu_memory import tune_allocator
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine
 from aligner.generation.native import NativeEngine
+from aligner.generation.remote import worker_identity
 from aligner.generation.trtllm import TrtllmEngine
 from aligner.metrics import MetricsLogger, format_console, read_metrics
 from aligner.models import gpt
@@ -345,6 +347,7 @@ class Actor:
     resume_step: int = -1  # -1: a fresh start (rows of an earlier run in run_dir are dropped)
     bar: Any | None = None  # tqdm's bar, on the logging rank with logging.progress_bar
     trainer: PPOTrainer | None = None
+    workers: RolloutWorkers | None = None  # rollout workers of their own (rollout.workers)
 
     @property
     def log(self) -> bool:
@@ -386,7 +389,10 @@ class Actor:
             print(format_console(step, m), flush=True)
 
     def close(self) -> None:
-        """The engine's processes (TensorRT-LLM), the metrics files and the client."""
+        """The rollout workers (told to stop), the engine's processes (TensorRT-LLM), the metrics
+        files and the client."""
+        if self.workers is not None:
+            self.workers.close()
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -408,7 +414,7 @@ def build_actor(
     tune_allocator(state.device.type)  # keep freed activations in the heap on CPU runs
     if critic is None:
         critic = connect_critic(cfg, inputs, state)  # 3
-    engine = actor = None
+    engine = actor = workers = None
     try:
         policy, reference = build_models(cfg, state)  # 4
         # 5. The initial weights' digest: a resumed run must have the same frozen reference.
@@ -422,6 +428,11 @@ def build_actor(
         # Decided before anything is logged; a fresh start resets a trained server's critic.
         resume_dir = resolve_resume(checkpointer)
         engine = build_engine(cfg, policy, inputs.tokenizer, state)  # 6
+        if cfg.rollout.workers:  # 6b. rollout workers of their own: the trainer hosts their store
+            identity = worker_identity(
+                cfg.model, inputs.tokenizer, resolve_precision(cfg.precision, state.device)
+            )
+            workers = RolloutWorkers(cfg, identity, cfg.model, state.device)
         sampler = build_sampler(cfg, inputs, state)  # 7
         # 8. W&B (logging.wandb): the same metrics, with the whole config as the run's config.
         resume_step, checkpointer.run_id = -1, fingerprint.new_run_id()
@@ -459,6 +470,7 @@ def build_actor(
             None,
             run_config,
             resume_step,
+            workers=workers,
         )
         actor.logger = actor.open_logger(log_from)
         if log:
@@ -494,6 +506,7 @@ def build_actor(
             else None,
             raw_prompts=inputs.raw_prompts,
             on_rollback=actor.on_rollback,
+            workers=workers,
         )
         if resume_dir is not None:
             actor.trainer.load_training_state(checkpointer.load(actor.trainer.actor_state(), resume_dir))
@@ -502,6 +515,8 @@ def build_actor(
         if actor is not None:  # the engine, the logger and its bar, the client
             actor.close()
         else:
+            if workers is not None:
+                workers.close()
             close = getattr(engine, "close", None)
             if close is not None:
                 close()

@@ -22,6 +22,10 @@ the manifest guard the framing.
 A receiver that finds a bad bucket receives the rest of the version unread (so all stay in
 step), then raises :class:`WeightPushError`. A bucket that never comes ends the wait with the
 group's timeout (``dist.new_group(..., timeout=...)``). :class:`PushFault` injects faults.
+
+The group is a group of the default world (``src`` a global rank) or a
+:class:`~aligner.peer_group.PeerGroup` joining separately launched processes (``src`` its rank
+there: the trainer and its rollout workers).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from aligner.distributed import comm_device
 from aligner.generation.weights import OwnedWeights
 from aligner.models.gpt import config_of, head_of, unwrap
 from aligner.models.layout import load_megatron_tensors, megatron_tensor_specs
+from aligner.peer_group import PeerGroup
 
 __all__ = ["ALIGN", "PushFault", "PushReport", "WeightPushError", "WeightPusher", "WeightReceiver"]
 __all__ += ["apply_weights", "checksum", "plan_buckets", "receive_into"]
@@ -155,6 +160,20 @@ def plan_buckets(
         yield bucket, True
 
 
+def _broadcast(t: torch.Tensor, src: int, group: object) -> None:
+    if isinstance(group, PeerGroup):
+        group.broadcast(t, src)
+    else:
+        dist.broadcast(t, src=src, group=group)
+
+
+def _all_reduce(t: torch.Tensor, group: object) -> None:
+    if isinstance(group, PeerGroup):
+        group.all_reduce(t)
+    else:
+        dist.all_reduce(t, group=group)
+
+
 def _encode_header(obj: dict, header_bytes: int, device: torch.device) -> torch.Tensor:
     body = json.dumps(obj, separators=(",", ":")).encode()
     if len(body) + 8 > header_bytes:
@@ -195,7 +214,7 @@ class WeightPusher:
     ) -> None:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.header_bytes, self.ack = header_bytes, ack
-        self.device = comm_device(group)
+        self.device = group.device if isinstance(group, PeerGroup) else comm_device(group)
         self._buf: torch.Tensor | None = None
 
     def push(
@@ -237,13 +256,13 @@ class WeightPusher:
             if hit and fault.kind == "skip":
                 continue
             h = _encode_header(header, self.header_bytes, self.device)
-            dist.broadcast(h, src=self.src, group=self.group)
-            dist.broadcast(payload, src=self.src, group=self.group)
+            _broadcast(h, self.src, self.group)
+            _broadcast(payload, self.src, self.group)
             wire += h.numel() + payload.numel()
         refused = None
         if self.ack and not stopped:
             n = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.all_reduce(n, group=self.group)
+            _all_reduce(n, self.group)
             refused = int(n.item())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -297,7 +316,7 @@ class WeightReceiver:
 
     def __init__(self, group: object, src: int, header_bytes: int = HEADER_BYTES, ack: bool = True) -> None:
         self.group, self.src, self.header_bytes, self.ack = group, src, header_bytes, ack
-        self.device = comm_device(group)
+        self.device = group.device if isinstance(group, PeerGroup) else comm_device(group)
         self.last_version: int | None = None
         """The last version accepted."""
         self._broken: str | None = None
@@ -322,7 +341,7 @@ class WeightReceiver:
             h = torch.empty(self.header_bytes, dtype=torch.uint8, device=self.device)
             where = f"version {'?' if version is None else version}, bucket {k}"
             try:
-                dist.broadcast(h, src=self.src, group=self.group)
+                _broadcast(h, self.src, self.group)
             except RuntimeError as e:  # the group's timeout, or a dead peer
                 self._broken = f"{where} never came"
                 raise WeightPushError(
@@ -339,7 +358,7 @@ class WeightReceiver:
                     f"{where}: the bucket header is unreadable ({e}); the stream is out of step"
                 ) from e
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            dist.broadcast(payload, src=self.src, group=self.group)
+            _broadcast(payload, self.src, self.group)
             if version is None:
                 version = head.get("version")
                 where = f"version {version}, bucket {k}"
@@ -357,7 +376,7 @@ class WeightReceiver:
                 error = f"version {version}: the manifest {m} does not match what came, {came}"
         if self.ack:
             n = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(n, group=self.group)
+            _all_reduce(n, self.group)
         if error is not None:
             raise WeightPushError(f"refused: {error}; nothing was swapped")
         self.last_version = version

@@ -1,0 +1,153 @@
+"""Generation on rollout workers of their own: the ``rollout`` config section, the channels
+between a trainer and its workers, and what travels on them (docs/design.md, "Rollout workers").
+
+Three :class:`~aligner.peer_group.PeerGroup` channels over one TCP store that the trainer hosts
+at ``rollout.address`` (rank 0: the trainer; rank ``w``: worker ``w``, 1..``rollout.workers``):
+
+- ``commands``, trainer -> worker, one message at a time: ``generate`` (a step's prompt tokens
+  and sampling parameters, and the policy version it must be generated from), ``weights`` (a
+  version follows on ``weights``), ``reset`` (the trainer rolled back: versions start again),
+  ``stop``;
+- ``rollouts``, worker -> trainer: ``hello`` first (what the worker serves, checked against the
+  trainer's policy), then one ``rollout`` per ``generate`` (the tokens, lengths, the engine's
+  log-probs, the version that generated them, the worker's generate and idle seconds) or an
+  ``error``;
+- ``weights``: the versioned push of :mod:`aligner.generation.weight_push` (all workers at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aligner.config_checks import Problems
+from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.peer_group import PeerGroup, open_store, split_address
+
+__all__ = [
+    "RolloutConfig",
+    "RolloutLinks",
+    "decode_output",
+    "decode_prompts",
+    "encode_output",
+    "encode_prompts",
+]
+__all__ += ["sampling_from", "sampling_to", "worker_identity"]
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout workers of their own (``aligner-rollout``), fed the policy's weights by version."""
+
+    workers: int = 0
+    """Rollout worker processes (0: the actor's own ranks generate, as they always did)."""
+    max_staleness: int = 0
+    """k: step t trains on rollouts generated from policy version t-1-k (k = 0: the synchronous
+    algorithm on separate workers; k >= 1: workers generate the next batches while the trainer
+    trains, corrected by ``ppo.tis_cap``)."""
+    address: str = "127.0.0.1:29650"
+    """host:port of the store the trainer hosts and the workers join (the trainer's host)."""
+    worker_rank: int = 1
+    """On a worker: which one it is, 1..workers (each rank once)."""
+    timeout_s: float = 600.0
+    """Longest wait for the workers to join, for a rollout, and for a push."""
+    bucket_mb: int = 256
+    """Size of the weight push's buckets."""
+    weights_backend: str = "auto"
+    """The weight push's group: 'gloo', 'nccl', or 'auto' (nccl where the trainer is on a GPU)."""
+
+    def problems(self, prefix: str = "rollout") -> Problems:
+        p = Problems()
+        p.expect(self.workers >= 0, f"{prefix}.workers", self.workers, "an integer >= 0")
+        p.expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, "an integer >= 0")
+        p.expect(self.timeout_s > 0, f"{prefix}.timeout_s", self.timeout_s, "a number of seconds > 0")
+        p.expect(self.bucket_mb >= 1, f"{prefix}.bucket_mb", self.bucket_mb, "an integer >= 1")
+        p.expect(
+            self.weights_backend in ("auto", "gloo", "nccl"),
+            f"{prefix}.weights_backend",
+            self.weights_backend,
+            "'auto', 'gloo' or 'nccl'",
+        )
+        try:
+            split_address(self.address)
+        except ValueError:
+            p.expect(False, f"{prefix}.address", self.address, "host:port")
+        return p
+
+
+class RolloutLinks:
+    """One process's end of the three channels: the trainer (``rank`` 0, hosting the store) or
+    worker ``rank``. Returns once every process of the run has joined each channel."""
+
+    def __init__(self, cfg: RolloutConfig, rank: int, weights_backend: str = "gloo") -> None:
+        self.rank, self.size = rank, cfg.workers + 1
+        self.store = open_store(cfg.address, self.size, rank == 0, cfg.timeout_s)
+        try:
+            self.commands = PeerGroup(self.store, "commands", rank, self.size, cfg.timeout_s)
+            self.rollouts = PeerGroup(self.store, "rollouts", rank, self.size, cfg.timeout_s)
+            self.weights = PeerGroup(self.store, "weights", rank, self.size, cfg.timeout_s, weights_backend)
+        except RuntimeError as e:
+            who = "every rollout worker to join" if rank == 0 else "the trainer and every other worker"
+            raise RuntimeError(
+                f"rollout.address={cfg.address}: waited {cfg.timeout_s:g} s for {who} "
+                f"({cfg.workers} worker(s) configured): {e}"
+            ) from e
+
+
+def worker_identity(model: Any, tokenizer: Any, dtype: str) -> dict[str, Any]:
+    """What a worker serves, as the trainer checks it: the architecture (a
+    :class:`~aligner.models.config.ModelConfig`), the tokenizer's fingerprint and the dtype it
+    generates in ('bf16' or 'fp32')."""
+    return {"model": model.to_dict(), "tokenizer": tokenizer.fingerprint(), "dtype": dtype}
+
+
+# -- what travels -------------------------------------------------------------------------------
+
+
+def encode_prompts(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """A batch of prompt token lists as two tensors (the tokens end to end, and each length)."""
+    flat = [t for p in prompts for t in p]
+    return {
+        "prompt_tokens": torch.tensor(flat, dtype=torch.int64),
+        "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+    }
+
+
+def decode_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
+    flat, lengths = t["prompt_tokens"].tolist(), t["prompt_lengths"].tolist()
+    if sum(lengths) != len(flat) or min(lengths, default=1) < 1:
+        raise ValueError(f"prompt_lengths {lengths} do not cut {len(flat)} prompt tokens into prompts")
+    out, at = [], 0
+    for n in lengths:
+        out.append(flat[at : at + n])
+        at += n
+    return out
+
+
+_FIELDS = ("tokens", "lengths", "prompt_lengths", "logprobs", "ended")
+
+
+def encode_output(gen: GenerationOutput, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + f: getattr(gen, f).detach().cpu() for f in _FIELDS}
+
+
+def decode_output(
+    t: dict[str, torch.Tensor], prefix: str = "", device: torch.device | None = None
+) -> GenerationOutput:
+    missing = [prefix + f for f in _FIELDS if prefix + f not in t]
+    if missing:
+        raise ValueError(f"a rollout without {missing}")
+    return GenerationOutput(
+        **{f: t[prefix + f].to(device) if device is not None else t[prefix + f] for f in _FIELDS}
+    )
+
+
+def sampling_to(s: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(s)
+
+
+def sampling_from(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**d)

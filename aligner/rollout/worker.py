@@ -1,0 +1,175 @@
+"""The rollout worker: a native generation engine in a process of its own that joins a trainer's
+channels (:mod:`aligner.generation.remote`), takes its weights by version, generates the batches
+the trainer asks for and sends them back with the version that generated them.
+
+    aligner-rollout <the actor's overrides> rollout.workers=2 rollout.worker_rank=1
+    python -m aligner.rollout.worker ...                    # the same
+
+It reads the actor's config (``actor.yaml``, the same overrides as the trainer's): the model and
+tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
+with random weights, then generates only from versions the trainer pushed (version 0 before the
+first batch), each verified whole before it is swapped in. It exits when the trainer says stop
+(0), or with an error when the trainer goes away or a version is refused (1).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import aligner.actor.run  # noqa: F401 - registers the config's schema (actor_schema)
+from aligner import distributed
+from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.actor.model_source import model_keys_named, resolve_model_config
+from aligner.distributed import ParallelConfig
+from aligner.generation.native import NativeEngine
+from aligner.generation.remote import (
+    RolloutLinks,
+    decode_prompts,
+    encode_output,
+    sampling_from,
+    worker_identity,
+)
+from aligner.generation.weight_push import WeightPushError, WeightReceiver, receive_into
+from aligner.models import gpt
+from aligner.peer_group import recv_message, send_message
+from aligner.precision import precision_dtype, resolve_precision
+from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
+
+__all__ = ["RolloutWorker", "main", "serve"]
+
+
+class RolloutWorker:
+    """One worker's engine and its end of the channels."""
+
+    def __init__(self, cfg: ActorConfig, model_keys: set[str] | None = None) -> None:
+        r = cfg.rollout
+        if not 1 <= r.worker_rank <= r.workers:
+            raise ValueError(
+                f"rollout.worker_rank={r.worker_rank}: expected 1..rollout.workers ({r.workers})"
+            )
+        cfg.model, _ = resolve_model_config(cfg.model, cfg.init_from, model_keys or ())
+        cfg.tokenizer = resolve_tokenizer_spec(cfg.tokenizer, cfg.init_from)
+        self.tokenizer = build_tokenizer(cfg.tokenizer, cfg.init_from)
+        validate_actor_config(cfg, world_size=1, vocab_size=self.tokenizer.vocab_size)
+        self.cfg, self.rank = cfg, r.worker_rank
+        # A world of its own (one process); the trainer's groups are joined through the store.
+        self.state = distributed.initialize(ParallelConfig(backend=cfg.parallel.backend), seed=cfg.seed)
+        self.precision = resolve_precision(cfg.precision, self.state.device)
+        dtype = precision_dtype(self.precision)
+        # The architecture only: every weight the engine uses comes from a pushed version.
+        self.policy = gpt.build_policy(cfg.model, params_dtype=dtype).to(self.state.device).eval()
+        self.policy.requires_grad_(False)
+        self.engine = NativeEngine(
+            self.policy,
+            self.tokenizer,
+            parallel_state=self.state,
+            vocab_size=getattr(self.tokenizer, "sample_vocab_size", self.tokenizer.vocab_size),
+            num_threads=cfg.generation.num_threads,
+            decode_step=cfg.generation.decode_step,
+        )
+        backend = r.weights_backend
+        if backend == "auto":
+            backend = "nccl" if self.state.device.type == "cuda" else "gloo"
+        self.links = RolloutLinks(r, self.rank, backend)
+        self.receiver = WeightReceiver(self.links.weights, src=0)
+        self.version: int | None = None
+        self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
+
+    def say(self, msg: str) -> None:
+        print(f"[rollout {self.rank}] {msg}", flush=True)
+
+    def _send(self, meta: dict[str, Any], tensors: dict | None = None) -> None:
+        send_message(self.links.rollouts, 0, meta, tensors)
+
+    def serve(self) -> int:
+        """Answer the trainer's commands until it says stop. Returns the exit status."""
+        self._send({"op": "hello", "rank": self.rank, **self.identity})
+        idle_since, generated = time.perf_counter(), 0
+        while True:
+            meta, tensors = recv_message(self.links.commands, 0)
+            op = meta.get("op")
+            if op == "stop":
+                self.say(f"stopped by the trainer after {generated} batch(es); last version {self.version}")
+                return 0
+            if op == "reset":  # the trainer rolled back: its next version may repeat an older number
+                self.receiver.last_version, self.version = None, None
+            elif op == "weights":
+                t0 = time.perf_counter()
+                try:
+                    self.version = receive_into(self.receiver, self.policy)
+                except WeightPushError as e:
+                    self.say(f"{e}")  # the trainer's push reports the refusal too, and stops
+                    return 1
+                self.engine.refit(self.policy)
+                self.push_s = time.perf_counter() - t0
+            elif op == "generate":
+                idle = time.perf_counter() - idle_since
+                if self.version is None or self.version != meta.get("version"):
+                    self._send(
+                        {
+                            "op": "error",
+                            "step": meta.get("step"),
+                            "message": (
+                                f"asked for step {meta.get('step')} from version {meta.get('version')}, "
+                                f"holding version {self.version}"
+                            ),
+                        }
+                    )
+                    return 1
+                t0 = time.perf_counter()
+                gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+                seconds = time.perf_counter() - t0
+                generated += 1
+                self._send(
+                    {
+                        "op": "rollout",
+                        "step": meta["step"],
+                        "version": self.version,
+                        "generate_s": seconds,
+                        "idle_s": idle,
+                    },
+                    encode_output(gen),
+                )
+                idle_since = time.perf_counter()
+            else:
+                self.say(f"an unknown command {op!r} from the trainer: stopping")
+                return 1
+
+
+def serve(cfg: ActorConfig, model_keys: set[str] | None = None) -> int:
+    worker = None
+    try:
+        worker = RolloutWorker(cfg, model_keys)
+        worker.say(
+            f"joined {cfg.rollout.address} as worker {worker.rank} of {cfg.rollout.workers} "
+            f"({worker.state.device}, {worker.precision})"
+        )
+        return worker.serve()
+    except RuntimeError as e:  # the trainer went away, or never came
+        print(f"[rollout {cfg.rollout.worker_rank}] stopping: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        distributed.destroy()
+
+
+@hydra.main(config_path="pkg://aligner.configs", config_name="actor", version_base=None)
+def _hydra_main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg: ActorConfig = OmegaConf.to_object(dcfg)
+    status = serve(cfg, model_keys_named(list(HydraConfig.get().overrides.task)))
+    if status:
+        sys.exit(status)
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -62,6 +62,12 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "generation.engine",  # how rollouts are generated: the engine, its layout and its settings
     "generation.tensor_parallel_size",
     "generation.trtllm",
+    "rollout.workers",  # where rollouts are generated (rollout.max_staleness is the run's)
+    "rollout.address",
+    "rollout.worker_rank",
+    "rollout.timeout_s",
+    "rollout.bucket_mb",
+    "rollout.weights_backend",
 )
 """Config keys (and whole sections) left out of the fingerprint: what may change when a run is
 continued. Every other key, the learning rate among them, is the run's."""

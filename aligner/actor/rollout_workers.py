@@ -17,11 +17,12 @@ drops whatever the abandoned continuation still had in flight, so that nothing i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +116,10 @@ class RolloutWorkers:
         """Push ``version`` (the policy after that many updates) to every worker, once."""
         if self.pushed == version:
             return None
-        for w in range(1, self.n + 1):
-            send_message(self.links.commands, w, {"op": "weights", "version": version})
-        report = self.pusher.push(version, iter_megatron_tensors(policy, self.policy_cfg))
+        with self._reaching(f"the push of version {version}"):
+            for w in range(1, self.n + 1):
+                send_message(self.links.commands, w, {"op": "weights", "version": version})
+            report = self.pusher.push(version, iter_megatron_tensors(policy, self.policy_cfg))
         if report.refused:
             raise RolloutWorkerError(
                 f"{report.refused} rollout worker(s) refused version {version} (their logs say why); nothing was swapped"
@@ -132,9 +134,33 @@ class RolloutWorkers:
             prompts, extras, tokens, sampling = draw(s)
             w, v = self.worker_of(s), self.version_of(s)
             meta = {"op": "generate", "step": s, "version": v, "sampling": sampling_to(sampling)}
-            send_message(self.links.commands, w, meta, encode_prompts(tokens))
+            with self._reaching(f"asking worker {w} for step {s}"):
+                send_message(self.links.commands, w, meta, encode_prompts(tokens))
             self.asked[s] = (v, w, prompts, extras)
             self.submitted = s
+
+    @contextlib.contextmanager
+    def _reaching(self, what: str) -> Iterator[None]:
+        """A worker that went away (a send or the push failed) stops the run, with what came from
+        the workers first (a worker's own error says more than the broken connection)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, RolloutWorkerError):
+                raise
+            said = self._said()
+            raise RolloutWorkerError(f"{what} failed: a rollout worker went away ({e}){said}") from e
+
+    def _said(self) -> str:
+        """What the workers sent that was not a rollout, as a suffix for an error."""
+        notes = []
+        while True:
+            try:
+                w, meta, _ = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                return "".join(f"; worker {w}: {m}" for w, m in notes)
+            if meta.get("op") != "rollout":
+                notes.append((w, meta.get("message", meta)))
 
     def take(self, step: int) -> Arrived:
         """Step ``step``'s batch (waiting for it at most ``rollout.timeout_s``)."""

@@ -1,0 +1,187 @@
+"""Rollout workers of their own (``aligner-rollout``, :mod:`aligner.actor.rollout_workers`): real
+worker processes joining the trainer's store, the trainer in this process against the toy critic
+(:class:`ToyCritic`: values that depend on every update).
+
+- k = 0 on a worker is the in-process run, every number and every final weight;
+- k = 1 is stale by one version from step 2 on, and a run of two steps resumed to four (on two
+  workers) ends equal to four steps in one go (on one worker): the checkpoint keeps the batch
+  asked for and not yet trained on;
+- a worker that serves another model is refused by name; a worker killed mid-run stops the run
+  with an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _toy_critic import ToyCritic
+from safetensors.torch import load_file
+
+from aligner.actor.rollout_workers import RolloutWorkerError
+from aligner.actor.run import build_actor
+from aligner.checkpoint import step_dir_name
+from aligner.distributed import destroy, free_port
+from aligner.metrics import read_metrics
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = [
+    "data.task=copy",
+    "data.num_digits=3",
+    "data.num_prompts=256",
+    "generation.max_new_tokens=4",
+    "ppo.global_batch_size=16",
+    "ppo.mini_batch_size=16",
+    "ppo.micro_batch_size=16",
+    "ppo.tis_cap=2.0",
+    "precision=fp32",
+    "optim.lr=1e-3",
+    "optim.min_lr=1e-4",
+    "optim.warmup_steps=1",
+    "validation.interval=0",
+    "validation.before_train=false",
+]
+"""What the trainer and its workers are both given (the workers read the same config)."""
+VARYING = ("timers/", "perf/", "time", "throughput/", "refit/", "rollout/worker", "rollout/trainer", "push/")
+"""Metrics that measure time, or exist on one side only: every other one must be equal."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group():
+    yield
+    destroy()
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
+        return OmegaConf.to_object(compose("actor", overrides=overrides))
+
+
+def _workers(n: int, address: str, extra: list[str], log_dir: Path) -> list[subprocess.Popen]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aligner.rollout.worker",
+                *COMMON,
+                *extra,
+                f"rollout.workers={n}",
+                f"rollout.worker_rank={w}",
+                f"rollout.address={address}",
+            ],
+            stdout=open(log_dir / f"worker{w}.log", "w"),  # noqa: SIM115 - closed with the process
+            stderr=subprocess.STDOUT,
+            cwd=str(log_dir),
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        for w in range(1, n + 1)
+    ]
+
+
+def _run(root: Path, steps: int, *, workers=0, k=0, worker_extra=(), resume=False, on_step=None, critic=None):
+    """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
+    the toy critic to use (a resumed run's must be the one its first part saved to)."""
+    address = f"127.0.0.1:{free_port()}"
+    rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
+    rollout = rollout if workers else []
+    cfg = _compose(
+        [
+            *COMMON,
+            *rollout,
+            "ppo.num_steps=4",  # the schedule's length; the run stops after ``steps``
+            f"checkpoint.dir={root / 'ckpt'}",
+            "checkpoint.save_interval=2",
+            f"checkpoint.resume={'auto' if resume else 'none'}",
+            f"logging.run_dir={root / 'run'}",
+            "logging.tensorboard=false",
+            "logging.progress_bar=false",
+        ]
+    )
+    cfg.rollout.timeout_s = 60.0
+    procs = _workers(workers, address, [*rollout, *worker_extra], root / "workers") if workers else []
+    try:
+        actor = build_actor(cfg, critic=critic or ToyCritic())
+        if on_step is not None:
+            actor.trainer.on_step = on_step(procs)
+        try:
+            actor.trainer.train(steps)
+        finally:
+            actor.close()
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [r for r in read_metrics(str(root / "run" / "metrics.jsonl")) if "objective/scores" in r], codes
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not k.startswith(VARYING)}
+        diff = {k: (ra[k], rb.get(k)) for k in sorted(keys) if ra[k] != rb.get(k)}
+        assert not diff, f"step {ra['step']}: {diff}"
+
+
+def _weights(root: Path, step: int) -> dict:
+    return load_file(str(root / "ckpt" / step_dir_name(step) / "actor" / "policy" / "model.safetensors"))
+
+
+def _same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()]
+
+
+def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path):
+    ours, _ = _run(tmp_path / "in-process", 4)
+    theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0)
+    assert codes == [0]  # told to stop at the end
+    _same(ours, theirs)
+    _same_weights(_weights(tmp_path / "in-process", 4), _weights(tmp_path / "worker", 4))
+    assert [r["rollout/staleness"] for r in theirs] == [0.0] * 4
+    assert all(r["push/mbytes"] > 0 and 0 <= r["rollout/trainer_wait_frac"] <= 1 for r in theirs)
+
+
+def test_k1_is_one_version_stale_and_resumes_exactly_on_another_number_of_workers(tmp_path: Path):
+    whole, _ = _run(tmp_path / "whole", 4, workers=1, k=1)
+    assert [r["rollout/staleness"] for r in whole] == [0.0, 1.0, 1.0, 1.0]
+    # The importance weight is in use: the trainer's log-probs differ from the behaviour's.
+    assert any(r["policy/tis_weight_mean"] != 1.0 for r in whole[1:])
+
+    split, critic = tmp_path / "split", ToyCritic()
+    first, _ = _run(split, 2, workers=2, k=1, critic=critic)
+    _same(whole[:2], first)
+    second, codes = _run(split, 4, workers=2, k=1, resume=True, critic=critic)
+    assert codes == [0, 0]
+    _same(whole, second)
+    _same_weights(_weights(tmp_path / "whole", 4), _weights(split, 4))
+
+
+def test_a_worker_serving_another_model_is_refused(tmp_path: Path):
+    with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 serves something else.*hidden_size"):
+        _run(tmp_path, 2, workers=1, worker_extra=["model.hidden_size=32"])
+
+
+def test_a_worker_killed_mid_run_stops_the_run_naming_it(tmp_path: Path):
+    def kill_after_step_1(procs):
+        def on_step(step, _metrics):
+            if step == 1:
+                procs[0].send_signal(signal.SIGKILL)
+                procs[0].wait()
+
+        return on_step
+
+    with pytest.raises(RolloutWorkerError, match="rollout worker"):
+        _run(tmp_path, 4, workers=1, k=0, on_step=kill_after_step_1)

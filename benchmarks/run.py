@@ -1,6 +1,6 @@
 """``make bench``: every benchmark in turn, each printing JSON and a table.
 
-.venv/bin/python benchmarks/run.py [actor|critic|generation|attention|balance|estimators|vs_trl|shapes|packing|ragged|weight_push ...]
+.venv/bin/python benchmarks/run.py [actor|critic|generation|attention|balance|estimators|vs_trl|shapes|packing|ragged|weight_push|async ...]
 
 ``vs_trl`` (benchmarks/bench_vs_trl.py) runs TRL's PPOTrainer beside our system when trl is
 installed (``pip install -e '.[bench]'``; ``make bench`` does it), else our side alone.
@@ -26,6 +26,7 @@ BENCHES = {
     "packing": ["bench_packing.py"],
     "ragged": ["bench_ragged.py"],
     "weight_push": ["bench_weight_push.py"],
+    "async": ["bench_async.py"],
 }
 
 

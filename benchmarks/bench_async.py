@@ -1,0 +1,185 @@
+"""Generation and training overlapped: one GRPO run on a rollout worker of its own at staleness
+k = 1, beside k = 0 on a worker (the synchronous algorithm, generated elsewhere) and the
+in-process run (the actor's own rank generates), in one run of this script.
+
+A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light reward
+function; on two cores the trainer (this process) has one and the worker the other (the server
+shares the trainer's: its reward function is cheap, and the trainer waits for its scores). Each mode runs the same steps from the same
+seed. Reported per mode: the median step time (after two warm-up steps), the wall time, the
+time and the episodes to a target reward (the mean score over three steps), the trainer's
+share of the step spent waiting for rollouts and pushing weights, the worker's idle share, and
+the last steps' score.
+
+    .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BATCH = 256
+SETTINGS = [
+    "data.task=sort",
+    "data.num_digits=6",
+    "data.num_prompts=4096",
+    "model.max_seq_len=16",
+    "generation.max_new_tokens=7",
+    "ppo.advantage=grpo",
+    "ppo.samples_per_prompt=8",
+    f"ppo.global_batch_size={BATCH}",
+    "ppo.mini_batch_size=128",
+    "ppo.micro_batch_size=128",
+    "ppo.ppo_epochs=1",
+    "ppo.init_kl_coef=0.0",
+    "ppo.tis_cap=2.0",
+    "optim.lr=2e-3",
+    "optim.min_lr=2e-3",
+    "optim.warmup_steps=2",
+    "precision=fp32",
+    "validation.interval=0",
+    "validation.before_train=false",
+    "checkpoint.save_interval=0",
+    "checkpoint.resume=none",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+"""Both sides' config (the worker reads the same)."""
+MODES = {"in-process": (0, 0), "k0": (1, 0), "k1": (1, 1)}
+"""Mode -> (rollout workers, max_staleness)."""
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int]) -> list[dict]:
+    """One mode's run (the worker on ``cores[1]`` when there are two); its metrics rows."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from aligner.actor.run import run
+    from aligner.distributed import free_port
+    from aligner.metrics import read_metrics
+
+    workers, k = MODES[mode]
+    address = f"127.0.0.1:{free_port()}"
+    rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
+    run_dir = tmp / mode
+    with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
+        dcfg = compose(
+            "actor",
+            overrides=[
+                *SETTINGS,
+                *rollout,
+                f"critic.url={url}",
+                f"ppo.num_steps={steps}",
+                f"logging.run_dir={run_dir}",
+                f"checkpoint.dir={run_dir / 'ckpt'}",
+            ],
+        )
+    worker = None
+    if workers:
+        pin = (lambda: os.sched_setaffinity(0, {cores[1]})) if len(cores) >= 2 else None
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "aligner.rollout.worker", *SETTINGS, *rollout, "rollout.worker_rank=1"],
+            stdout=subprocess.DEVNULL,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            preexec_fn=pin,
+            cwd=str(tmp),
+        )
+    try:
+        run(OmegaConf.to_object(dcfg))
+    finally:
+        if worker is not None:
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+    return read_metrics(str(run_dir / "metrics.jsonl"))
+
+
+def summarize(rows: list[dict], target: float, batch: int) -> dict:
+    rows = [r for r in rows if "objective/scores" in r]
+    t0 = rows[0]["time"] - rows[0]["timers/step"]
+    scores = [r["objective/scores"] for r in rows]
+    hit = next((i for i in range(2, len(rows)) if sum(scores[i - 2 : i + 1]) / 3 >= target), None)
+    mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows[2:])  # noqa: E731
+    wait = statistics.fmean((r["timers/generate"] + r["timers/refit"]) / r["timers/step"] for r in rows[2:])
+    return {
+        "step_s": statistics.median(r["timers/step"] for r in rows[2:]),
+        "wall_s": rows[-1]["time"] - t0,
+        "time_to_target_s": None if hit is None else rows[hit]["time"] - t0,
+        "episodes_to_target": None if hit is None else (hit + 1) * batch,
+        "trainer_wait_share": wait,
+        "worker_idle_share": mean("rollout/worker_idle_frac")
+        if "rollout/worker_idle_frac" in rows[-1]
+        else None,
+        "final_score": statistics.fmean(scores[-3:]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--target", type=float, default=0.25, help="mean score over three steps")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    args = ap.parse_args(argv)
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes: expected some of {list(MODES)}")
+
+    import torch
+
+    from aligner.critic.launch import start_server
+
+    torch.set_num_threads(1)
+    cores = _cores()
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, {cores[0]})  # the server inherits the trainer's core
+    tmp = Path(tempfile.mkdtemp(prefix="bench-async-"))
+    server = start_server(
+        [
+            "server.grpc_port=0",
+            "server.metrics_port=null",
+            "mode=reward_only",
+            "reward.fn=aligner.tasks.digits:sort_reward",
+            f"log.dir={tmp / 'server'}",
+            "checkpoint.save_on_sigterm=false",
+            "log.tensorboard=false",
+        ],
+        log_path=tmp / "server.log",
+    )
+    results = {}
+    try:
+        for mode in modes:
+            rows = one_run(mode, args.steps, server.url, tmp, cores)
+            results[mode] = summarize(rows, args.target, BATCH)
+    finally:
+        server.stop()
+    print(
+        json.dumps(
+            {"cores": len(cores), "steps": args.steps, "target": args.target, "results": results}, indent=2
+        )
+    )
+    print(f"\n{'mode':<12}" + "".join(f"{k:>20}" for k in next(iter(results.values()))))
+    for mode, r in results.items():
+        cells = "".join(
+            f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v):>20}" for v in r.values()
+        )
+        print(f"{mode:<12}{cells}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The pieces rollout workers are made of (:mod:`aligner.peer_group`,
+:mod:`aligner.generation.remote`): what travels, checked against what was sent; a group of its own
+between two threads of this process over a real TCP store; the ``rollout`` config's checks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from aligner.actor.config import ActorConfig
+from aligner.distributed import free_port
+from aligner.generation.engine import GenerationOutput, SamplingParams
+from aligner.generation.remote import (
+    RolloutConfig,
+    decode_output,
+    decode_prompts,
+    encode_output,
+    encode_prompts,
+    sampling_from,
+    sampling_to,
+)
+from aligner.peer_group import PeerGroup, open_store, recv_message, send_message, split_address
+
+
+def test_prompts_outputs_and_sampling_travel_unchanged():
+    prompts = [[3, 4, 5], [6], [7, 8]]
+    assert decode_prompts(encode_prompts(prompts)) == prompts
+    bad = encode_prompts(prompts)
+    bad["prompt_lengths"] = torch.tensor([3, 1, 3])
+    with pytest.raises(ValueError, match="do not cut 6 prompt tokens"):
+        decode_prompts(bad)
+    gen = GenerationOutput(
+        tokens=torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]]),
+        lengths=torch.tensor([3, 4]),
+        prompt_lengths=torch.tensor([1, 2]),
+        logprobs=torch.randn(2, 3),
+        ended=torch.tensor([True, False]),
+    )
+    back = decode_output(encode_output(gen, prefix="step7."), prefix="step7.")
+    for f in ("tokens", "lengths", "prompt_lengths", "logprobs", "ended"):
+        assert (
+            torch.equal(getattr(back, f), getattr(gen, f)) and getattr(back, f).dtype == getattr(gen, f).dtype
+        )
+    with pytest.raises(ValueError, match="without"):
+        decode_output(encode_output(gen), prefix="step7.")
+    s = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3, stop_token_ids=(4, 5), seed=11)
+    assert sampling_from(sampling_to(s)) == s
+
+
+def test_a_group_of_its_own_carries_messages_broadcasts_and_sums_between_two_processes_ends():
+    address = f"127.0.0.1:{free_port()}"
+    got: dict = {}
+
+    def peer():
+        store = open_store(address, 2, False, 30)
+        g = PeerGroup(store, "t", 1, 2, 30)
+        got["message"] = recv_message(g, 0)
+        t = torch.zeros(4)
+        g.broadcast(t, src=0)
+        got["broadcast"] = t
+        n = torch.tensor([5], dtype=torch.int64)
+        g.all_reduce(n)
+        send_message(g, 0, {"op": "done", "n": int(n.item())})
+
+    th = threading.Thread(target=peer)
+    th.start()
+    store = open_store(address, 2, True, 30)
+    g = PeerGroup(store, "t", 0, 2, 30)
+    x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    send_message(g, 1, {"op": "hello", "nested": {"a": [1, 2]}}, {"x": x, "flag": torch.tensor([True])})
+    g.broadcast(torch.arange(4.0), src=0)
+    n = torch.tensor([2], dtype=torch.int64)
+    g.all_reduce(n)
+    meta, tensors = recv_message(g, 1)
+    th.join(30)
+    assert meta == {"op": "done", "n": 7} and tensors == {} and int(n.item()) == 7
+    meta, tensors = got["message"]
+    assert meta == {"op": "hello", "nested": {"a": [1, 2]}}
+    assert torch.equal(tensors["x"], x) and tensors["x"].dtype == torch.bfloat16 and bool(tensors["flag"])
+    assert torch.equal(got["broadcast"], torch.arange(4.0))
+
+
+def test_addresses_and_rollout_settings_are_checked():
+    assert split_address("10.0.0.5:29650") == ("10.0.0.5", 29650)
+    assert split_address("[::1]:80") == ("::1", 80)
+    for bad in ("29650", "host:", "host:0", "host:70000", ":5"):
+        with pytest.raises(ValueError, match="expected host:port"):
+            split_address(bad)
+    p = RolloutConfig(
+        workers=-1, max_staleness=-2, timeout_s=0, bucket_mb=0, weights_backend="mpi", address="x"
+    ).problems()
+    for key in ("workers", "max_staleness", "timeout_s", "bucket_mb", "weights_backend", "address"):
+        assert any(m.startswith(f"rollout.{key}=") for m in p), (key, p)
+
+
+def test_what_rollout_workers_need_of_the_rest_of_the_config():
+    cfg = ActorConfig()
+    cfg.rollout.max_staleness = 1
+    assert any("rollout.max_staleness=1: expected 0 without rollout workers" in m for m in cfg.problems())
+    cfg.rollout.workers = 2
+    problems = cfg.problems(world_size=2)
+    assert any(m.startswith("world size=2: expected 1") for m in problems), problems
+    assert any(m.startswith("ppo.tis_cap=None: expected a cap") for m in problems), problems
+    cfg.ppo.tis_cap = 2.0
+    cfg.generation.engine, cfg.ppo.dynamic_sampling = "trtllm", True
+    problems = cfg.problems(world_size=1)
+    assert any(m.startswith("generation.engine='trtllm'") for m in problems)
+    assert any(m.startswith("ppo.dynamic_sampling=True") for m in problems)
+    cfg.generation.engine, cfg.ppo.dynamic_sampling = "native", False
+    assert not [m for m in cfg.problems(world_size=1) if "rollout" in m or "tis_cap" in m]

@@ -154,8 +154,17 @@ def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path):
     assert all(r["push/mbytes"] > 0 and 0 <= r["rollout/trainer_wait_frac"] <= 1 for r in theirs)
 
 
-def test_k1_is_one_version_stale_and_resumes_exactly_on_another_number_of_workers(tmp_path: Path):
-    whole, _ = _run(tmp_path / "whole", 4, workers=1, k=1)
+@pytest.fixture(scope="module")
+def whole_k1(tmp_path_factory):
+    """Four steps at k = 1 on one worker, uninterrupted: its rows and final weights."""
+    root = tmp_path_factory.mktemp("whole-k1")
+    rows, codes = _run(root, 4, workers=1, k=1)
+    assert codes == [0]
+    return rows, _weights(root, 4)
+
+
+def test_k1_is_one_version_stale_and_resumes_exactly_on_another_number_of_workers(tmp_path: Path, whole_k1):
+    whole, weights = whole_k1
     assert [r["rollout/staleness"] for r in whole] == [0.0, 1.0, 1.0, 1.0]
     # The importance weight is in use: the trainer's log-probs differ from the behaviour's.
     assert any(r["policy/tis_weight_mean"] != 1.0 for r in whole[1:])
@@ -166,7 +175,20 @@ def test_k1_is_one_version_stale_and_resumes_exactly_on_another_number_of_worker
     second, codes = _run(split, 4, workers=2, k=1, resume=True, critic=critic)
     assert codes == [0, 0]
     _same(whole, second)
-    _same_weights(_weights(tmp_path / "whole", 4), _weights(split, 4))
+    _same_weights(weights, _weights(split, 4))
+
+
+def test_a_restarted_server_rolls_the_asynchronous_run_back_and_it_ends_as_the_uninterrupted_one(
+    tmp_path: Path, whole_k1, capsys
+):
+    """The server restarts during step 4's critic update: both roles go back to step 2, the batch
+    of step 5 already asked for is received and dropped, step 3's comes back from the checkpoint."""
+    whole, weights = whole_k1
+    rows, codes = _run(tmp_path, 4, workers=1, k=1, critic=ToyCritic(restart_in_train=4))
+    assert "rolled both roles back to step 2" in capsys.readouterr().out
+    assert codes == [0]
+    _same(whole, rows)
+    _same_weights(weights, _weights(tmp_path, 4))
 
 
 def test_a_worker_serving_another_model_is_refused(tmp_path: Path):

@@ -1,8 +1,11 @@
-"""Both roles on one node: ``aligner-launch`` starts the critic/reward server on the GPUs named
-for it, waits until it serves, runs the actor on the others, and stops both when either ends.
+"""The roles on one node: ``aligner-launch`` starts the critic/reward server on the GPUs named
+for it, waits until it serves, runs the actor on the others (and rollout workers on theirs, with
+``--rollout-gpus``), and stops all of them when the actor or the server ends.
 
     aligner-launch --critic-gpus 0 --actor-gpus 1,2,3 \\
         --critic +server_recipe=gsm8k_ppo_qwen2.5_0.5b -- +recipe=gsm8k_ppo_qwen2.5_0.5b
+    aligner-launch --critic-gpus 0 --actor-gpus 1 --rollout-gpus 2,3 -- \\
+        +recipe=... rollout.max_staleness=1 ppo.tis_cap=2.0       # 1 GPU trains, 2 generate
 
 - ``--critic-gpus`` / ``--actor-gpus``: comma-separated device indices (``CUDA_VISIBLE_DEVICES``
   of that role), or ``cpu`` (no GPU visible). A role on several devices runs under torchrun, one
@@ -11,6 +14,10 @@ for it, waits until it serves, runs the actor on the others, and stops both when
 - ``--critic ARG``: one Hydra override of the server (repeatable); everything after ``--`` goes
   to the actor. The server listens on a free loopback port unless ``server.grpc_port`` is given,
   and the actor is pointed at it (``critic.url``).
+- ``--rollout-gpus``: one rollout worker (``aligner-rollout``) per device named, or ``cpu`` with
+  ``--rollout-procs N``; each gets the actor's overrides, and the actor hosts their store on a
+  free loopback port (``rollout.workers``, ``rollout.address`` and each ``rollout.worker_rank``
+  are set by the launcher). Their output goes to ``<--log-dir>/rollout_<rank>.log``.
 - The server's stderr goes to ``<--log-dir>/critic_server.log`` (default ``runs/launch``).
 - The actor's exit code is the launcher's; a server that does not start is 1 before the actor
   starts; a server that dies while the actor runs stops the actor (SIGTERM, then SIGKILL after
@@ -31,9 +38,10 @@ from pathlib import Path
 from aligner.critic.launch import ServerProcess, start_server
 from aligner.wire.readiness import ServerStartError
 
-__all__ = ["main", "parse_devices", "role_env", "actor_command"]
+__all__ = ["main", "parse_devices", "role_env", "actor_command", "rollout_command"]
 
 ACTOR_MODULE = "aligner.actor.run"
+ROLLOUT_MODULE = "aligner.rollout.worker"
 
 
 def parse_devices(text: str, flag: str) -> list[str] | None:
@@ -62,6 +70,14 @@ def actor_command(nproc: int, url: str, overrides: Sequence[str], python: str = 
     return [*head, "-m", ACTOR_MODULE, f"critic.url={url}", *overrides]
 
 
+def rollout_command(
+    rank: int, workers: int, address: str, overrides: Sequence[str], python: str = sys.executable
+) -> list[str]:
+    """``python -m aligner.rollout.worker`` as worker ``rank`` of ``workers``, joining ``address``."""
+    where = [f"rollout.workers={workers}", f"rollout.worker_rank={rank}", f"rollout.address={address}"]
+    return [python, "-m", ROLLOUT_MODULE, *overrides, *where]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="aligner-launch",
@@ -71,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-gpus", required=True, help="the actor's devices, e.g. 1,2,3; or cpu")
     p.add_argument("--critic-procs", type=int, default=None, help="server processes on cpu (default 1)")
     p.add_argument("--actor-procs", type=int, default=None, help="actor processes on cpu (default 1)")
+    p.add_argument("--rollout-gpus", default=None, help="one rollout worker per device, e.g. 2,3; or cpu")
+    p.add_argument("--rollout-procs", type=int, default=None, help="rollout workers on cpu (default 1)")
     p.add_argument("--critic", action="append", default=[], metavar="OVERRIDE", help="a server override")
     p.add_argument("--share-gpus", action="store_true", help="allow the two roles the same devices")
     p.add_argument("--log-dir", default="runs/launch", help="where the server's log goes")
@@ -102,19 +120,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         critic_gpus = parse_devices(args.critic_gpus, "--critic-gpus")
         actor_gpus = parse_devices(args.actor_gpus, "--actor-gpus")
-        shared = sorted(set(critic_gpus or ()) & set(actor_gpus or ()), key=int)
-        if shared and not args.share_gpus:
-            raise ValueError(
-                f"--critic-gpus and --actor-gpus share device(s) {','.join(shared)}: give each role "
-                "its own, or pass --share-gpus (both roles' memory on one device)"
-            )
+        rollout_gpus = parse_devices(args.rollout_gpus, "--rollout-gpus") if args.rollout_gpus else None
+        sets = {"--critic-gpus": critic_gpus, "--actor-gpus": actor_gpus, "--rollout-gpus": rollout_gpus}
+        for i, (a, da) in enumerate(sets.items()):
+            for b, db in list(sets.items())[i + 1 :]:
+                shared = sorted(set(da or ()) & set(db or ()), key=int)
+                if shared and not args.share_gpus:
+                    raise ValueError(
+                        f"{a} and {b} share device(s) {','.join(shared)}: give each role its own, or "
+                        "pass --share-gpus (the roles' memory on one device)"
+                    )
         critic_procs = _procs(critic_gpus, args.critic_procs, "--critic-procs")
         actor_procs = _procs(actor_gpus, args.actor_procs, "--actor-procs")
+        workers = 0
+        if args.rollout_gpus:
+            workers = _procs(rollout_gpus, args.rollout_procs, "--rollout-procs")
+        elif args.rollout_procs is not None:
+            raise ValueError("--rollout-procs: name the workers' devices with --rollout-gpus (or cpu)")
+        if workers and actor_procs > 1:
+            raise ValueError(
+                f"--rollout-gpus: rollout workers serve an actor of one process ({actor_procs} named)"
+            )
     except ValueError as e:
         parser.error(str(e))
     bad = [o for o in actor_overrides if o.startswith(("critic.url=", "+critic.url="))]
     if bad:
         parser.error(f"{bad[0]}: the launcher points the actor at the server it starts")
+    placed = ("rollout.workers=", "rollout.address=", "rollout.worker_rank=")
+    bad = [o for o in actor_overrides if workers and o.lstrip("+").startswith(placed)]
+    if bad:
+        parser.error(f"{bad[0]}: the launcher places the rollout workers (--rollout-gpus)")
     overrides = list(args.critic)
     if not any(o.lstrip("+").startswith("server.grpc_port=") for o in overrides):
         overrides.append("server.grpc_port=0")
@@ -132,13 +167,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aligner-launch: the critic server did not start:\n{e}", file=sys.stderr, flush=True)
         return 1
     print(f"aligner-launch: server ready at {server.url}; actor on {args.actor_gpus}", flush=True)
+    started: list[subprocess.Popen] = []
+    if workers:
+        from aligner.distributed import free_port
+
+        address, same = f"127.0.0.1:{free_port()}", list(actor_overrides)
+        actor_overrides = [*same, f"rollout.workers={workers}", f"rollout.address={address}"]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for w in range(1, workers + 1):
+            env = role_env(None if rollout_gpus is None else [rollout_gpus[w - 1]])
+            log = open(log_dir / f"rollout_{w}.log", "w")  # noqa: SIM115 - the child holds it
+            started.append(
+                subprocess.Popen(
+                    rollout_command(w, workers, address, same),
+                    env={**os.environ, **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            log.close()
+        print(
+            f"aligner-launch: {workers} rollout worker(s) on {args.rollout_gpus}, joining {address}",
+            flush=True,
+        )
     return _run_actor(
-        server, actor_command(actor_procs, server.url, actor_overrides), actor_gpus, args.grace_s
+        server, actor_command(actor_procs, server.url, actor_overrides), actor_gpus, args.grace_s, started
     )
 
 
-def _run_actor(server: ServerProcess, cmd: list[str], devices: list[str] | None, grace_s: float) -> int:
-    """Run the actor to its end while watching the server; stop both, whatever happens."""
+def _run_actor(
+    server: ServerProcess,
+    cmd: list[str],
+    devices: list[str] | None,
+    grace_s: float,
+    workers: Sequence[subprocess.Popen] = (),
+) -> int:
+    """Run the actor to its end while watching the server; stop all of them, whatever happens
+    (the rollout workers stop on their own when the actor tells them)."""
     actor = subprocess.Popen(cmd, env={**os.environ, **role_env(devices)}, start_new_session=True)
     server_died = threading.Event()
     done = threading.Event()
@@ -166,6 +232,8 @@ def _run_actor(server: ServerProcess, cmd: list[str], devices: list[str] | None,
         for s, handler in previous.items():
             signal.signal(s, handler)
         _stop(actor, grace_s)
+        for w in workers:
+            _stop(w, grace_s)
         print("aligner-launch: stopping the critic server ...", flush=True)
         server.stop(timeout=grace_s)
     if server_died.is_set():
@@ -187,7 +255,7 @@ def _signal(proc: subprocess.Popen, signum: int) -> None:
 
 
 def _stop(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the actor's group, SIGKILL it after ``grace_s``."""
+    """SIGTERM a role's process group, SIGKILL it after ``grace_s``."""
     if proc.poll() is None:
         _signal(proc, signal.SIGTERM)
         try:

@@ -64,6 +64,31 @@ def test_devices_and_commands():
     [
         (["--critic-gpus", "0", "--actor-gpus", "0,1"], "share device(s) 0"),
         (
+            ["--critic-gpus", "0", "--actor-gpus", "1", "--rollout-gpus", "1,2"],
+            "--actor-gpus and --rollout-gpus share",
+        ),
+        (
+            ["--critic-gpus", "cpu", "--actor-gpus", "cpu", "--rollout-procs", "2"],
+            "name the workers' devices",
+        ),
+        (
+            ["--critic-gpus", "cpu", "--actor-gpus", "0,1", "--rollout-gpus", "2"],
+            "rollout workers serve an actor of one process",
+        ),
+        (
+            [
+                "--critic-gpus",
+                "cpu",
+                "--actor-gpus",
+                "cpu",
+                "--rollout-gpus",
+                "cpu",
+                "--",
+                "rollout.workers=3",
+            ],
+            "the launcher places the rollout workers",
+        ),
+        (
             ["--critic-gpus", "0", "--actor-gpus", "1", "--actor-procs", "2"],
             "--actor-procs=2: one process per device",
         ),
@@ -86,8 +111,10 @@ def test_bad_arguments_are_refused_before_anything_starts(args, message, capsys)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def _launch(tmp_path: Path, critic: list[str], actor: list[str], **env: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "aligner.node", "--critic-gpus", "cpu", "--actor-gpus", "cpu"]
+def _launch(
+    tmp_path: Path, critic: list[str], actor: list[str], *flags: str, **env: str
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "aligner.node", "--critic-gpus", "cpu", "--actor-gpus", "cpu", *flags]
     cmd += [x for o in critic for x in ("--critic", o)]
     cmd += ["--log-dir", str(tmp_path / "log"), "--grace-s", "30", "--", *actor]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
@@ -103,11 +130,16 @@ def test_both_roles_run_and_stop_and_a_failing_actor_stops_the_server(tmp_path):
         ckpt = f"checkpoint.dir={d / 'ckpt'}"
         return [*CRITIC, f"log.dir={d / 'critic'}", ckpt], [*ACTOR, f"logging.run_dir={d / 'actor'}", ckpt]
 
+    # All three roles: the actor trains on batches a rollout worker generates one version behind.
     critic, actor = roles(tmp_path / "ok")
-    out = _launch(tmp_path / "ok", critic, actor)
+    actor += ["rollout.max_staleness=1", "ppo.tis_cap=2.0"]
+    out = _launch(tmp_path / "ok", critic, actor, "--rollout-gpus", "cpu", "--rollout-procs", "1")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "server ready at grpc://127.0.0.1:" in out.stdout and "stopping the critic server" in out.stdout
     assert "step 3 " in out.stdout and (tmp_path / "ok" / "log" / "critic_server.log").is_file()
+    assert "1 rollout worker(s) on cpu" in out.stdout and "rollout: 1 worker(s) joined" in out.stdout
+    worker_log = (tmp_path / "ok" / "log" / "rollout_1.log").read_text()
+    assert "stopped by the trainer after 4 batch(es)" in worker_log, worker_log
     # An actor that fails at start (a key it does not know) stops the server; its code is kept.
     critic, actor = roles(tmp_path / "bad")
     bad = _launch(tmp_path / "bad", critic, [*actor, "ppo.no_such_key=1"])

@@ -1,16 +1,17 @@
-"""Generation and training overlapped: one GRPO run on a rollout worker of its own at staleness
-k = 1, beside k = 0 on a worker (the synchronous algorithm, generated elsewhere) and the
-in-process run (the actor's own rank generates), in one run of this script.
+"""Generation and training overlapped: one run on a rollout worker of its own at staleness k = 1
+(``--modes``: also k = 2), beside k = 0 on a worker (the synchronous algorithm, generated
+elsewhere) and the in-process run (the actor's own rank generates), in one run of this script.
 
-A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light reward
-function; on two cores the trainer (this process) has one and the worker the other (the server
+A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light
+reward function (``--advantage gae``: GAE against the server's critic); on two cores the trainer (this process) has one and the worker the other (the server
 shares the trainer's: its reward function is cheap, and the trainer waits for its scores). Each mode runs the same steps from the same
 seed. Reported per mode: the median step time (after two warm-up steps), the wall time, the
 time and the episodes to a target reward (the mean score over three steps), the trainer's
 share of the step spent waiting for rollouts and pushing weights, the worker's idle share, and
 the last steps' score.
 
-    .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1]
+    .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1,k2]
+        [--advantage grpo|gae]
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ SETTINGS = [
     "data.num_prompts=4096",
     "model.max_seq_len=16",
     "generation.max_new_tokens=7",
-    "ppo.advantage=grpo",
-    "ppo.samples_per_prompt=8",
     f"ppo.global_batch_size={BATCH}",
     "ppo.mini_batch_size=128",
     "ppo.micro_batch_size=128",
@@ -54,7 +53,7 @@ SETTINGS = [
     "logging.tensorboard=false",
 ]
 """Both sides' config (the worker reads the same)."""
-MODES = {"in-process": (0, 0), "k0": (1, 0), "k1": (1, 1)}
+MODES = {"in-process": (0, 0), "k0": (1, 0), "k1": (1, 1), "k2": (1, 2)}
 """Mode -> (rollout workers, max_staleness)."""
 
 
@@ -62,7 +61,14 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
-def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int]) -> list[dict]:
+ESTIMATORS = {
+    "grpo": ["ppo.advantage=grpo", "ppo.samples_per_prompt=8"],
+    "gae": ["ppo.advantage=gae", "ppo.samples_per_prompt=1"],
+}
+"""``--advantage``: critic-free GRPO against a reward-only server, or GAE against a critic."""
+
+
+def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int], settings: list[str]) -> list[dict]:
     """One mode's run (the worker on ``cores[1]`` when there are two); its metrics rows."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -79,7 +85,7 @@ def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int]) -> lis
         dcfg = compose(
             "actor",
             overrides=[
-                *SETTINGS,
+                *settings,
                 *rollout,
                 f"critic.url={url}",
                 f"ppo.num_steps={steps}",
@@ -91,7 +97,7 @@ def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int]) -> lis
     if workers:
         pin = (lambda: os.sched_setaffinity(0, {cores[1]})) if len(cores) >= 2 else None
         worker = subprocess.Popen(
-            [sys.executable, "-m", "aligner.rollout.worker", *SETTINGS, *rollout, "rollout.worker_rank=1"],
+            [sys.executable, "-m", "aligner.rollout.worker", *settings, *rollout, "rollout.worker_rank=1"],
             stdout=subprocess.DEVNULL,
             env=dict(os.environ, OMP_NUM_THREADS="1"),
             preexec_fn=pin,
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--target", type=float, default=0.25, help="mean score over three steps")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    ap.add_argument("--modes", default="in-process,k0,k1", help=f"comma list of {list(MODES)}")
+    ap.add_argument("--advantage", choices=list(ESTIMATORS), default="grpo")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
@@ -152,7 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
         [
             "server.grpc_port=0",
             "server.metrics_port=null",
-            "mode=reward_only",
+            *(
+                ["mode=reward_only"]
+                if args.advantage == "grpo"
+                else ["model.max_seq_len=16", "optim.lr=1e-3"]
+            ),
             "reward.fn=aligner.tasks.digits:sort_reward",
             f"log.dir={tmp / 'server'}",
             "checkpoint.save_on_sigterm=false",
@@ -163,13 +174,15 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     try:
         for mode in modes:
-            rows = one_run(mode, args.steps, server.url, tmp, cores)
+            rows = one_run(mode, args.steps, server.url, tmp, cores, [*SETTINGS, *ESTIMATORS[args.advantage]])
             results[mode] = summarize(rows, args.target, BATCH)
     finally:
         server.stop()
     print(
         json.dumps(
-            {"cores": len(cores), "steps": args.steps, "target": args.target, "results": results}, indent=2
+            {"cores": len(cores), "advantage": args.advantage, "steps": args.steps, "target": args.target}
+            | {"results": results},
+            indent=2,
         )
     )
     print(f"\n{'mode':<12}" + "".join(f"{k:>20}" for k in next(iter(results.values()))))

@@ -206,7 +206,8 @@ class RolloutWorkers:
             self._inbox.put((w, meta, tensors))
 
     @staticmethod
-    def metrics(a: Arrived, step: int, push: PushReport | None) -> dict[str, float]:
+    def metrics(a: Arrived, step: int, push: PushReport | None, step_s: float) -> dict[str, float]:
+        """Staleness, the worker's time, and this step's push (its share of the step too)."""
         out = {
             "rollout/staleness": float(step - 1 - a.version),
             "rollout/worker_generate_s": float(a.generate_s),
@@ -216,6 +217,7 @@ class RolloutWorkers:
             out.update(
                 {"push/seconds": push.seconds, "push/gbps": push.gbps, "push/mbytes": push.bytes / 1e6}
             )
+            out["push/step_frac"] = push.seconds / max(step_s, 1e-9)
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------

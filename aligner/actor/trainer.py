@@ -398,8 +398,8 @@ class PPOTrainer:
         if p.critic_warmup_steps:
             metrics["ppo/critic_warmup"] = float(warmup)
         if self.workers is not None:  # staleness, the worker's time, the push, the trainer's wait
-            metrics.update(self.workers.metrics(arrived, step_id, refit))
             t = timed.seconds
+            metrics.update(self.workers.metrics(arrived, step_id, refit, t["timers/step"]))
             waited = t["timers/generate"] + t["timers/refit"]
             metrics["rollout/trainer_wait_frac"] = waited / max(t["timers/step"], 1e-9)
         elif hasattr(self.engine, "last_refit"):  # what this step's refit moved into the engine, on this rank

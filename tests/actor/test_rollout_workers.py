@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _toy_critic import ToyCritic
 from safetensors.torch import load_file
 
@@ -89,12 +90,23 @@ def _workers(n: int, address: str, extra: list[str], log_dir: Path) -> list[subp
     ]
 
 
-def _run(root: Path, steps: int, *, workers=0, k=0, worker_extra=(), resume=False, on_step=None, critic=None):
+def _run(
+    root: Path,
+    steps: int,
+    *,
+    workers=0,
+    k=0,
+    worker_extra=(),
+    resume=False,
+    on_step=None,
+    critic=None,
+    extra=(),
+):
     """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
     the toy critic to use (a resumed run's must be the one its first part saved to)."""
     address = f"127.0.0.1:{free_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
-    rollout = rollout if workers else []
+    rollout = [*rollout, *extra] if workers else list(extra)
     cfg = _compose(
         [
             *COMMON,
@@ -152,6 +164,7 @@ def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path):
     _same_weights(_weights(tmp_path / "in-process", 4), _weights(tmp_path / "worker", 4))
     assert [r["rollout/staleness"] for r in theirs] == [0.0] * 4
     assert all(r["push/mbytes"] > 0 and 0 <= r["rollout/trainer_wait_frac"] <= 1 for r in theirs)
+    assert all(0 < r["push/step_frac"] < 1 for r in theirs)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +220,18 @@ def test_a_worker_killed_mid_run_stops_the_run_naming_it(tmp_path: Path):
 
     with pytest.raises(RolloutWorkerError, match="rollout worker"):
         _run(tmp_path, 4, workers=1, k=0, on_step=kill_after_step_1)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_worker_generates_what_the_in_process_engine_does_and_k1_runs(tmp_path: Path):
+    """Both processes on the one GPU (so the push goes over gloo: NCCL takes one rank per GPU)."""
+    assert torch.cuda.is_available()
+    gloo = ["rollout.weights_backend=gloo"]
+    ours, _ = _run(tmp_path / "in-process", 4)
+    theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0, extra=gloo)
+    assert codes == [0]
+    for a, b in zip(ours, theirs):
+        for key in (x for x in a if not x.startswith(VARYING)):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    stale, codes = _run(tmp_path / "k1", 4, workers=1, k=1, extra=gloo)
+    assert codes == [0] and [r["rollout/staleness"] for r in stale] == [0.0, 1.0, 1.0, 1.0]

@@ -137,10 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers = _procs(rollout_gpus, args.rollout_procs, "--rollout-procs")
         elif args.rollout_procs is not None:
             raise ValueError("--rollout-procs: name the workers' devices with --rollout-gpus (or cpu)")
-        if workers and actor_procs > 1:
-            raise ValueError(
-                f"--rollout-gpus: rollout workers serve an actor of one process ({actor_procs} named)"
-            )
     except ValueError as e:
         parser.error(str(e))
     bad = [o for o in actor_overrides if o.startswith(("critic.url=", "+critic.url="))]

@@ -72,10 +72,6 @@ def test_devices_and_commands():
             "name the workers' devices",
         ),
         (
-            ["--critic-gpus", "cpu", "--actor-gpus", "0,1", "--rollout-gpus", "2"],
-            "rollout workers serve an actor of one process",
-        ),
-        (
             [
                 "--critic-gpus",
                 "cpu",

@@ -3,8 +3,10 @@
 batch ahead of time within the staleness bound, and takes the batches back in step order.
 
 The schedule is fixed by ``k = rollout.max_staleness``: step ``s`` is generated from policy
-version ``max(0, s - 1 - k)`` (the policy after that many updates) by worker ``(s - 1) % n + 1``,
-and asked for as soon as that version is pushed. So step ``t`` trains on rollouts of version
+version ``max(0, s - 1 - k)`` (the policy after that many updates), and asked for as soon as that
+version is pushed. A trainer of ``d`` data-parallel ranks asks for each step's ``d`` shares (each
+rank's own prompts, sampled from that rank's random streams) of workers ``((s - 1) d + r) % n +
+1``; its rank 0 alone talks to the workers, and hands each rank its share. So step ``t`` trains on rollouts of version
 ``t - 1 - k`` in the same order in every run: the run is deterministic, and k = 0 is the
 synchronous algorithm generated elsewhere. The prompts and sampling seeds of each step are the
 ones the in-process run draws for it (the sampler simply runs k steps ahead).
@@ -18,6 +20,8 @@ drops whatever the abandoned continuation still had in flight, so that nothing i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -27,9 +31,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from aligner.distributed import ParallelState, all_gather_json, comm_device, on_rank0, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
-from aligner.generation.remote import RolloutLinks, decode_output, encode_output, encode_prompts, sampling_to
+from aligner.generation.remote import (
+    OUTPUT_FIELDS,
+    RolloutLinks,
+    decode_output,
+    encode_output,
+    encode_prompts,
+    sampling_to,
+)
 from aligner.generation.weight_push import PushReport, WeightPusher
 from aligner.models.layout import iter_megatron_tensors
 from aligner.peer_group import recv_message, send_message
@@ -62,22 +75,46 @@ class Arrived:
 
 
 class RolloutWorkers:
-    """The trainer's end: the channels, the push, and the steps asked for and arrived."""
+    """The trainer's end, on every rank: rank 0 holds the channels, the push and the shares asked
+    for and arrived; every rank its own prompts of the steps asked for. Every method is called on
+    every rank (the outcome of rank 0's part reaches all of them)."""
 
-    def __init__(self, cfg: Any, identity: dict[str, Any], policy_cfg: Any, device: torch.device) -> None:
+    def __init__(self, cfg: Any, identity: dict[str, Any], policy_cfg: Any, state: ParallelState) -> None:
         r = cfg.rollout
-        self.n, self.k, self.timeout_s, self.device = r.workers, r.max_staleness, r.timeout_s, device
-        self.policy_cfg = policy_cfg
+        self.n, self.k, self.timeout_s = r.workers, r.max_staleness, r.timeout_s
+        self.policy_cfg, self.device = policy_cfg, state.device
+        self.dp, self.rank, self.lead = state.dp_size, state.dp_rank, state.rank == 0
+        self.asked: dict[tuple[int, int], tuple[int, int]] = {}
+        """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
+        self.arrived: dict[tuple[int, int], tuple[GenerationOutput, dict[str, Any]]] = {}
+        """On rank 0: (step, rank) -> the share and its worker's record, not yet handed out."""
+        self.drawn: dict[int, tuple[list[str], list[str] | None]] = {}
+        """Step -> this rank's prompts and extras, asked for and not yet taken."""
+        self.submitted = 0
+        """The last step asked for."""
+        self.pushed: int | None = None
+        """The last version pushed."""
+        self._closing, self._threads = False, []
+        self._inbox: queue.Queue = queue.Queue()
+        self.links = None
+        if self.lead:
+            print(
+                f"rollout: waiting for {self.n} worker(s) at {r.address} (rollout.timeout_s={r.timeout_s:g})",
+                flush=True,
+            )
+        on_rank0(lambda: self._join(r, identity), carried=(RolloutWorkerError,))
+        if self.lead:
+            print(f"rollout: {self.n} worker(s) joined; max_staleness {self.k}", flush=True)
+
+    def _join(self, r: Any, identity: dict[str, Any]) -> None:
         backend = r.weights_backend
         if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        print(
-            f"rollout: waiting for {self.n} worker(s) at {r.address} (rollout.timeout_s={r.timeout_s:g})",
-            flush=True,
-        )
-        self.links = RolloutLinks(r, 0, backend)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        try:
+            self.links = RolloutLinks(r, 0, backend)
+        except RuntimeError as e:
+            raise RolloutWorkerError(str(e)) from e
         self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=r.bucket_mb << 20)
-        self._closing = False
         for w in range(1, self.n + 1):
             meta, _ = recv_message(self.links.rollouts, w)
             differ = {k: (v, meta.get(k)) for k, v in identity.items() if meta.get(k) != v}
@@ -87,24 +124,15 @@ class RolloutWorkers:
                     f"rollout worker {w} serves something else than this trainer's policy "
                     f"(trainer, worker): {differ}; give it the trainer's model, tokenizer and precision overrides"
                 )
-        self._inbox: queue.Queue = queue.Queue()
         self._threads = [
             threading.Thread(target=self._listen, args=(w,), name=f"rollout-{w}", daemon=True)
             for w in range(1, self.n + 1)
         ]
         for t in self._threads:
             t.start()
-        self.asked: dict[int, tuple[int, int, list[str], list[str] | None]] = {}
-        """Step -> (version, worker, prompts, extras), asked for and not yet arrived."""
-        self.arrived: dict[int, Arrived] = {}
-        self.submitted = 0
-        """The last step asked for."""
-        self.pushed: int | None = None
-        """The last version pushed."""
-        print(f"rollout: {self.n} worker(s) joined; max_staleness {self.k}", flush=True)
 
-    def worker_of(self, step: int) -> int:
-        return (step - 1) % self.n + 1
+    def worker_of(self, step: int, rank: int = 0) -> int:
+        return ((step - 1) * self.dp + rank) % self.n + 1
 
     def version_of(self, step: int) -> int:
         """The policy version step ``step`` is generated from."""
@@ -113,9 +141,17 @@ class RolloutWorkers:
     # -- the step -------------------------------------------------------------------------------
 
     def push(self, version: int, policy: torch.nn.Module) -> PushReport | None:
-        """Push ``version`` (the policy after that many updates) to every worker, once."""
+        """Push ``version`` (the policy after that many updates) to every worker, once (from rank
+        0: the data-parallel replicas hold the same weights)."""
         if self.pushed == version:
             return None
+        report = on_rank0(
+            lambda: dataclasses.asdict(self._push(version, policy)), carried=(RolloutWorkerError,)
+        )
+        self.pushed = version
+        return PushReport(**report)
+
+    def _push(self, version: int, policy: torch.nn.Module) -> PushReport:
         with self._reaching(f"the push of version {version}"):
             for w in range(1, self.n + 1):
                 send_message(self.links.commands, w, {"op": "weights", "version": version})
@@ -124,20 +160,93 @@ class RolloutWorkers:
             raise RolloutWorkerError(
                 f"{report.refused} rollout worker(s) refused version {version} (their logs say why); nothing was swapped"
             )
-        self.pushed = version
         return report
 
     def ask_through(self, last_step: int, draw: Draw) -> None:
-        """Ask for every step up to ``last_step`` whose version has been pushed."""
+        """Ask for every step up to ``last_step`` whose version has been pushed: each rank draws
+        its share's prompts, rank 0 asks the workers for all of them."""
         while self.submitted < last_step and self.version_of(self.submitted + 1) == self.pushed:
             s = self.submitted + 1
             prompts, extras, tokens, sampling = draw(s)
-            w, v = self.worker_of(s), self.version_of(s)
-            meta = {"op": "generate", "step": s, "version": v, "sampling": sampling_to(sampling)}
+            self.drawn[s] = (prompts, extras)
+            shares = all_gather_json(tokens, self._group())
+            on_rank0(functools.partial(self._ask, s, shares, sampling), carried=(RolloutWorkerError,))
+            self.submitted = s
+
+    def _group(self) -> Any:
+        return None if self.dp == 1 else dist.group.WORLD
+
+    def _ask(self, s: int, shares: list[list[list[int]]], sampling: SamplingParams) -> None:
+        v = self.version_of(s)
+        for r, tokens in enumerate(shares):
+            w = self.worker_of(s, r)
+            meta = {"op": "generate", "step": s, "rank": r, "version": v, "sampling": sampling_to(sampling)}
             with self._reaching(f"asking worker {w} for step {s}"):
                 send_message(self.links.commands, w, meta, encode_prompts(tokens))
-            self.asked[s] = (v, w, prompts, extras)
-            self.submitted = s
+            self.asked[(s, r)] = (v, w)
+
+    def take(self, step: int) -> Arrived:
+        """This rank's share of step ``step`` (rank 0 waits for all of them at most
+        ``rollout.timeout_s``, then hands each rank its own)."""
+        if step not in self.drawn:
+            raise RolloutWorkerError(f"step {step} was never asked for (asked through step {self.submitted})")
+        on_rank0(lambda: self._collect(step), carried=(RolloutWorkerError,))
+        prompts, extras = self.drawn.pop(step)
+        if self.lead:
+            for r in range(1, self.dp):
+                gen, record = self.arrived.pop((step, r))
+                send_json(record, r)
+                for f in OUTPUT_FIELDS:  # (bool as uint8: what every backend sends)
+                    t = getattr(gen, f)
+                    send_json([str(t.dtype).removeprefix("torch."), list(t.shape)], r)
+                    dist.send(
+                        t.to(comm_device(), torch.uint8 if t.dtype == torch.bool else t.dtype).contiguous(), r
+                    )
+            gen, record = self.arrived.pop((step, 0))
+        else:
+            record, parts = recv_json(0), {}
+            for f in OUTPUT_FIELDS:
+                dtype, shape = recv_json(0)
+                wire = torch.uint8 if dtype == "bool" else getattr(torch, dtype)
+                parts[f] = torch.empty(shape, dtype=wire, device=comm_device())
+                dist.recv(parts[f], 0)
+                parts[f] = parts[f].to(self.device, getattr(torch, dtype))
+            gen = GenerationOutput(**parts)
+        return Arrived(
+            step,
+            record["version"],
+            record["worker"],
+            prompts,
+            extras,
+            gen,
+            record["generate_s"],
+            record["idle_s"],
+        )
+
+    def _collect(self, step: int) -> None:
+        """Every share of ``step`` (and of the shares that come before it), on rank 0."""
+        deadline = time.monotonic() + self.timeout_s
+        while any((step, r) not in self.arrived for r in range(self.dp)):
+            left = deadline - time.monotonic()
+            try:
+                w, meta, tensors = self._inbox.get(timeout=max(left, 0.0))
+            except queue.Empty:
+                missing = [r for r in range(self.dp) if (step, r) not in self.arrived]
+                raise RolloutWorkerError(
+                    f"no rollout of step {step} (ranks {missing}) from worker(s) "
+                    f"{sorted({self.worker_of(step, r) for r in missing})} within rollout.timeout_s={self.timeout_s:g} s"
+                ) from None
+            if meta.get("op") != "rollout":
+                raise RolloutWorkerError(f"rollout worker {w}: {meta.get('message', meta)}")
+            key = (int(meta["step"]), int(meta.get("rank", 0)))
+            v, want_w = self.asked.pop(key)
+            if (int(meta["version"]), w) != (v, want_w):
+                raise RolloutWorkerError(
+                    f"step {key[0]} (rank {key[1]}) came from worker {w} at version {meta['version']}; it was "
+                    f"asked of worker {want_w} at version {v}"
+                )
+            record = {"version": v, "worker": w, "generate_s": meta["generate_s"], "idle_s": meta["idle_s"]}
+            self.arrived[key] = (decode_output(tensors, device=self.device), record)
 
     @contextlib.contextmanager
     def _reaching(self, what: str) -> Iterator[None]:
@@ -161,38 +270,6 @@ class RolloutWorkers:
                 return "".join(f"; worker {w}: {m}" for w, m in notes)
             if meta.get("op") != "rollout":
                 notes.append((w, meta.get("message", meta)))
-
-    def take(self, step: int) -> Arrived:
-        """Step ``step``'s batch (waiting for it at most ``rollout.timeout_s``)."""
-        if step not in self.asked and step not in self.arrived:
-            raise RolloutWorkerError(f"step {step} was never asked for (asked through step {self.submitted})")
-        self._collect(step)
-        return self.arrived.pop(step)
-
-    def _collect(self, step: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while step not in self.arrived:
-            left = deadline - time.monotonic()
-            try:
-                w, meta, tensors = self._inbox.get(timeout=max(left, 0.0))
-            except queue.Empty:
-                raise RolloutWorkerError(
-                    f"no rollout of step {step} from worker {self.worker_of(step)} within "
-                    f"rollout.timeout_s={self.timeout_s:g} s"
-                ) from None
-            op = meta.get("op")
-            if op != "rollout":
-                why = meta.get("message", meta)
-                raise RolloutWorkerError(f"rollout worker {w}: {why}")
-            s = int(meta["step"])
-            v, want_w, prompts, extras = self.asked.pop(s)
-            if (int(meta["version"]), w) != (v, want_w):
-                raise RolloutWorkerError(
-                    f"step {s} came from worker {w} at version {meta['version']}; it was asked of worker "
-                    f"{want_w} at version {v}"
-                )
-            gen = decode_output(tensors, device=self.device)
-            self.arrived[s] = Arrived(s, v, w, prompts, extras, gen, meta["generate_s"], meta["idle_s"])
 
     def _listen(self, w: int) -> None:
         """Worker ``w``'s messages into the inbox, until it goes away."""
@@ -224,24 +301,20 @@ class RolloutWorkers:
 
     def pending(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Every step asked for and not yet trained on, once all of it has arrived: JSON and
-        tensors for a checkpoint."""
-        for s in sorted(self.asked):
-            self._collect(s)
-        steps, tensors = [], {}
-        for s, a in sorted(self.arrived.items()):
-            steps.append(
-                {
-                    "step": s,
-                    "version": a.version,
-                    "worker": a.worker,
-                    "prompts": a.prompts,
-                    "extras": a.extras,
-                    "generate_s": a.generate_s,
-                    "idle_s": a.idle_s,
-                }
-            )
-            tensors.update(encode_output(a.gen, prefix=f"step{s}."))
-        return {"submitted": self.submitted, "steps": steps}, tensors
+        tensors for a checkpoint (whole on rank 0, which writes them)."""
+        steps = sorted(self.drawn)
+        for s in steps:
+            on_rank0(functools.partial(self._collect, s), carried=(RolloutWorkerError,))
+        drawn = all_gather_json({str(s): list(self.drawn[s]) for s in steps}, self._group())
+        entries, tensors = [], {}
+        if self.lead:
+            for s in steps:
+                for r in range(self.dp):
+                    gen, record = self.arrived[(s, r)]
+                    prompts, extras = drawn[r][str(s)]
+                    entries.append({"step": s, "rank": r, **record, "prompts": prompts, "extras": extras})
+                    tensors.update(encode_output(gen, prefix=f"step{s}.rank{r}."))
+        return {"submitted": self.submitted, "data_parallel_size": self.dp, "steps": entries}, tensors
 
     def restore(
         self, state: dict[str, Any] | None, tensors: dict[str, torch.Tensor] | None, step: int
@@ -249,26 +322,40 @@ class RolloutWorkers:
         """Back to a checkpoint of ``step`` and its :meth:`pending` (None: a checkpoint made
         without workers, nothing pending): what is still in flight is received and dropped, and
         every worker forgets its versions (the next push may repeat a number)."""
-        dropped = sorted(self.asked)
+        state = state or {"submitted": step, "data_parallel_size": self.dp, "steps": []}
+        if state["steps"] and state.get("data_parallel_size", 1) != self.dp:
+            raise RolloutWorkerError(
+                f"the checkpoint of step {step} holds batches asked for at data-parallel size "
+                f"{state.get('data_parallel_size', 1)}; this run has {self.dp}: resume at that size"
+            )
+        on_rank0(lambda: self._drop_and_reset(state, tensors), carried=(RolloutWorkerError,))
+        self.drawn = {
+            int(e["step"]): (e["prompts"], e["extras"])
+            for e in state["steps"]
+            if int(e.get("rank", 0)) == self.rank
+        }
+        self.submitted, self.pushed = int(state["submitted"]), None
+
+    def _drop_and_reset(self, state: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
+        dropped = sorted({s for s, _ in self.asked})
         for s in dropped:
             self._collect(s)
         if dropped:
             log.warning("rollout: dropped steps %s of the abandoned continuation", dropped)
         self.arrived.clear()
-        state = state or {"submitted": step, "steps": []}
         for e in state["steps"]:
-            s = int(e["step"])
-            gen = decode_output(tensors or {}, prefix=f"step{s}.", device=self.device)
-            self.arrived[s] = Arrived(
-                s, e["version"], e["worker"], e["prompts"], e["extras"], gen, e["generate_s"], e["idle_s"]
-            )
-        self.submitted, self.pushed = int(state["submitted"]), None
+            s, r = int(e["step"]), int(e.get("rank", 0))
+            gen = decode_output(tensors or {}, prefix=f"step{s}.rank{r}.", device=self.device)
+            record = {k: e[k] for k in ("version", "worker", "generate_s", "idle_s")}
+            self.arrived[(s, r)] = (gen, record)
         for w in range(1, self.n + 1):
             send_message(self.links.commands, w, {"op": "reset"})
 
     def close(self) -> None:
-        """Tell every worker to stop (they exit 0)."""
+        """Tell every worker to stop (they exit 0); on rank 0."""
         self._closing = True
+        if self.links is None:
+            return
         for w in range(1, self.n + 1):
             try:
                 send_message(self.links.commands, w, {"op": "stop"})

@@ -432,7 +432,7 @@ def build_actor(
             identity = worker_identity(
                 cfg.model, inputs.tokenizer, resolve_precision(cfg.precision, state.device)
             )
-            workers = RolloutWorkers(cfg, identity, cfg.model, state.device)
+            workers = RolloutWorkers(cfg, identity, cfg.model, state)
         sampler = build_sampler(cfg, inputs, state)  # 7
         # 8. W&B (logging.wandb): the same metrics, with the whole config as the run's config.
         resume_step, checkpointer.run_id = -1, fingerprint.new_run_id()

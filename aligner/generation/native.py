@@ -273,6 +273,10 @@ class NativeEngine:
         self._lean: LeanDecoder | None = None
         self._owned: OwnedWeights | None = None
         self.last_refit: RefitCost | None = None
+        self.seed_rank: int | None = None
+        """The data-parallel rank whose random streams a seeded :meth:`generate` draws from (None:
+        this engine's own): a rollout worker generates each trainer rank's rows as that rank's own
+        engine would."""
         self.model: nn.Module
         self.refit(model)
         if max_seq_len is None:
@@ -384,7 +388,7 @@ class NativeEngine:
                 t = torch.tensor([seed], dtype=torch.int64, device=self._device)
                 dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
                 seed = int(t.item())
-        return rank_generator(seed, lay.dp_rank, self._device)
+        return rank_generator(seed, lay.dp_rank if self.seed_rank is None else self.seed_rank, self._device)
 
     def _stepper(self, b: int, T: int, lean: bool):
         if lean:

@@ -127,21 +127,22 @@ def decode_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
     return out
 
 
-_FIELDS = ("tokens", "lengths", "prompt_lengths", "logprobs", "ended")
+OUTPUT_FIELDS = ("tokens", "lengths", "prompt_lengths", "logprobs", "ended")
+"""The tensors of a :class:`~aligner.generation.engine.GenerationOutput`, as they travel."""
 
 
 def encode_output(gen: GenerationOutput, prefix: str = "") -> dict[str, torch.Tensor]:
-    return {prefix + f: getattr(gen, f).detach().cpu() for f in _FIELDS}
+    return {prefix + f: getattr(gen, f).detach().cpu() for f in OUTPUT_FIELDS}
 
 
 def decode_output(
     t: dict[str, torch.Tensor], prefix: str = "", device: torch.device | None = None
 ) -> GenerationOutput:
-    missing = [prefix + f for f in _FIELDS if prefix + f not in t]
+    missing = [prefix + f for f in OUTPUT_FIELDS if prefix + f not in t]
     if missing:
         raise ValueError(f"a rollout without {missing}")
     return GenerationOutput(
-        **{f: t[prefix + f].to(device) if device is not None else t[prefix + f] for f in _FIELDS}
+        **{f: t[prefix + f].to(device) if device is not None else t[prefix + f] for f in OUTPUT_FIELDS}
     )
 
 

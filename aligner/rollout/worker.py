@@ -122,6 +122,7 @@ class RolloutWorker:
                     )
                     return 1
                 t0 = time.perf_counter()
+                self.engine.seed_rank = int(meta.get("rank", 0))  # the trainer rank whose rows these are
                 gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
                 seconds = time.perf_counter() - t0
                 generated += 1
@@ -129,6 +130,7 @@ class RolloutWorker:
                     {
                         "op": "rollout",
                         "step": meta["step"],
+                        "rank": meta.get("rank", 0),
                         "version": self.version,
                         "generate_s": seconds,
                         "idle_s": idle,

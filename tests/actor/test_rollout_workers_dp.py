@@ -1,0 +1,96 @@
+"""Rollout workers for a data-parallel trainer: a DP=2 actor (torchrun) whose rank 0 asks one
+worker for both ranks' shares and hands rank 1 its own ends equal, every metric and weight, to the
+DP=2 actor generating in process (critic-free GRPO against a reward-only server, which both runs
+share: it holds no state)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _actor_runs import FAST, digit_server, torchrun_actor
+from safetensors.torch import load_file
+
+from aligner.checkpoint import step_dir_name
+from aligner.distributed import free_port
+from aligner.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.subprocess, pytest.mark.multiprocess]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+COMMON = [
+    *FAST,
+    "data.task=copy",
+    "ppo.global_batch_size=32",
+    "ppo.mini_batch_size=32",
+    "ppo.micro_batch_size=16",
+    "ppo.advantage=grpo",
+    "ppo.samples_per_prompt=4",
+    "ppo.tis_cap=2.0",
+    f"ppo.num_steps={STEPS}",
+    "precision=fp32",
+    "validation.interval=0",
+    "validation.before_train=false",
+    "checkpoint.save_interval=0",
+    "checkpoint.resume=none",
+]
+
+
+@pytest.fixture(scope="module")
+def reward_server(tmp_path_factory):
+    server = digit_server(tmp_path_factory.mktemp("server"), "copy", "mode=reward_only")
+    yield server
+    server.stop()
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(str(run_dir / "metrics.jsonl")) if "objective/scores" in r]
+
+
+def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_path: Path):
+    url = reward_server.url
+    ckpt = lambda d: f"checkpoint.dir={d / 'ckpt'}"  # noqa: E731
+    torchrun_actor(2, url, tmp_path / "in-process", [*COMMON, ckpt(tmp_path / "in-process")])
+
+    address = f"127.0.0.1:{free_port()}"
+    rollout = ["rollout.workers=1", f"rollout.address={address}"]
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "aligner.rollout.worker", "+recipe=digits", *COMMON, *rollout],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=str(tmp_path),
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    try:
+        torchrun_actor(2, url, tmp_path / "worker", [*COMMON, *rollout, ckpt(tmp_path / "worker")])
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        log.close()
+    assert f"stopped by the trainer after {2 * STEPS} batch(es)" in (tmp_path / "worker.log").read_text()
+
+    ours, theirs = _rows(tmp_path / "in-process"), _rows(tmp_path / "worker")
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, STEPS + 1))
+    varying = (
+        "timers/",
+        "perf/",
+        "time",
+        "throughput/",
+        "refit/",
+        "rollout/worker",
+        "rollout/trainer",
+        "push/",
+    )
+    for a, b in zip(ours, theirs):
+        diff = {k: (a[k], b.get(k)) for k in a if not k.startswith(varying) and a[k] != b.get(k)}
+        assert not diff, f"step {a['step']}: {diff}"
+    folder = lambda d: d / "ckpt" / step_dir_name(STEPS) / "actor" / "policy" / "model.safetensors"  # noqa: E731
+    want, got = load_file(str(folder(tmp_path / "in-process"))), load_file(str(folder(tmp_path / "worker")))
+    assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)

@@ -395,9 +395,9 @@ class ActorConfig:
         return e
 
     def rollout_problems(self, world_size: int) -> Problems:
-        """``rollout.*`` and what rollout workers need of the rest: in this version, a
-        data-parallel trainer (TP = PP = 1), the native engine in the training dtype and layout, one generation round per
-        step; a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""
+        """``rollout.*`` and what rollout workers need of the rest: in this version, the native
+        engine in the training dtype and a layout of one process, one generation round per step;
+        a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""
         e = self.rollout.problems("rollout")
         if self.rollout.workers < 1:
             e.expect(
@@ -408,16 +408,6 @@ class ActorConfig:
             )
             return e
         need = {
-            "parallel.tensor_model_parallel_size": (
-                self.parallel.tensor_model_parallel_size,
-                1,
-                "1 with rollout workers",
-            ),
-            "parallel.pipeline_model_parallel_size": (
-                self.parallel.pipeline_model_parallel_size,
-                1,
-                "1 with rollout workers",
-            ),
             "generation.engine": (self.generation.engine, "native", "'native' on rollout workers"),
             "generation.tensor_parallel_size": (self.generation.tensor_parallel_size, None, "null"),
             "generation.dtype": (self.generation.dtype, None, "null (the policy's dtype)"),

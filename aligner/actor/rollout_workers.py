@@ -84,6 +84,11 @@ class RolloutWorkers:
         self.n, self.k, self.timeout_s = r.workers, r.max_staleness, r.timeout_s
         self.policy_cfg, self.device = policy_cfg, state.device
         self.dp, self.rank, self.lead = state.dp_size, state.dp_rank, state.rank == 0
+        self.world = state.world_size
+        self.dp_of = all_gather_json(state.dp_rank) if self.world > 1 else [0]
+        """Each global rank's data-parallel rank (the ranks of one replica share its batch)."""
+        self.streams = state.tp_size * state.pp_size > 1 and state.dp_rank == 0
+        """This rank takes part in rank 0's weight stream (gathered over its TP and PP groups)."""
         self.asked: dict[tuple[int, int], tuple[int, int]] = {}
         """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
         self.arrived: dict[tuple[int, int], tuple[GenerationOutput, dict[str, Any]]] = {}
@@ -141,21 +146,32 @@ class RolloutWorkers:
     # -- the step -------------------------------------------------------------------------------
 
     def push(self, version: int, policy: torch.nn.Module) -> PushReport | None:
-        """Push ``version`` (the policy after that many updates) to every worker, once (from rank
-        0: the data-parallel replicas hold the same weights)."""
+        """Push ``version`` (the policy after that many updates) to every worker, once: from rank
+        0 (the data-parallel replicas hold the same weights), the ranks of its replica streaming
+        their shards with it."""
         if self.pushed == version:
             return None
-        report = on_rank0(
-            lambda: dataclasses.asdict(self._push(version, policy)), carried=(RolloutWorkerError,)
-        )
+        stream = iter_megatron_tensors(policy, self.policy_cfg) if self.lead or self.streams else None
+
+        def push() -> dict[str, Any]:
+            try:
+                return dataclasses.asdict(self._push(version, stream))
+            finally:
+                for _ in stream:  # a push that failed midway: the replica's collectives end together
+                    pass
+
+        if not self.lead and self.streams:
+            for _ in stream:
+                pass
+        report = on_rank0(push, carried=(RolloutWorkerError,))
         self.pushed = version
         return PushReport(**report)
 
-    def _push(self, version: int, policy: torch.nn.Module) -> PushReport:
+    def _push(self, version: int, stream: Iterator[tuple[str, torch.Tensor]]) -> PushReport:
         with self._reaching(f"the push of version {version}"):
             for w in range(1, self.n + 1):
                 send_message(self.links.commands, w, {"op": "weights", "version": version})
-            report = self.pusher.push(version, iter_megatron_tensors(policy, self.policy_cfg))
+            report = self.pusher.push(version, stream)
         if report.refused:
             raise RolloutWorkerError(
                 f"{report.refused} rollout worker(s) refused version {version} (their logs say why); nothing was swapped"
@@ -169,12 +185,16 @@ class RolloutWorkers:
             s = self.submitted + 1
             prompts, extras, tokens, sampling = draw(s)
             self.drawn[s] = (prompts, extras)
-            shares = all_gather_json(tokens, self._group())
+            shares = self._by_replica(all_gather_json(tokens) if self.world > 1 else [tokens])
             on_rank0(functools.partial(self._ask, s, shares, sampling), carried=(RolloutWorkerError,))
             self.submitted = s
 
-    def _group(self) -> Any:
-        return None if self.dp == 1 else dist.group.WORLD
+    def _by_replica(self, per_rank: list[Any]) -> list[Any]:
+        """One entry per data-parallel rank (its first global rank's) of a list over global ranks."""
+        out: dict[int, Any] = {}
+        for g, x in enumerate(per_rank):
+            out.setdefault(self.dp_of[g], x)
+        return [out[r] for r in range(self.dp)]
 
     def _ask(self, s: int, shares: list[list[list[int]]], sampling: SamplingParams) -> None:
         v = self.version_of(s)
@@ -193,16 +213,18 @@ class RolloutWorkers:
         on_rank0(lambda: self._collect(step), carried=(RolloutWorkerError,))
         prompts, extras = self.drawn.pop(step)
         if self.lead:
-            for r in range(1, self.dp):
-                gen, record = self.arrived.pop((step, r))
-                send_json(record, r)
+            for g in range(1, self.world):  # every rank its replica's share
+                gen, record = self.arrived[(step, self.dp_of[g])]
+                send_json(record, g)
                 for f in OUTPUT_FIELDS:  # (bool as uint8: what every backend sends)
                     t = getattr(gen, f)
-                    send_json([str(t.dtype).removeprefix("torch."), list(t.shape)], r)
+                    send_json([str(t.dtype).removeprefix("torch."), list(t.shape)], g)
                     dist.send(
-                        t.to(comm_device(), torch.uint8 if t.dtype == torch.bool else t.dtype).contiguous(), r
+                        t.to(comm_device(), torch.uint8 if t.dtype == torch.bool else t.dtype).contiguous(), g
                     )
-            gen, record = self.arrived.pop((step, 0))
+            gen, record = self.arrived[(step, 0)]
+            for r in range(self.dp):
+                del self.arrived[(step, r)]
         else:
             record, parts = recv_json(0), {}
             for f in OUTPUT_FIELDS:
@@ -305,7 +327,8 @@ class RolloutWorkers:
         steps = sorted(self.drawn)
         for s in steps:
             on_rank0(functools.partial(self._collect, s), carried=(RolloutWorkerError,))
-        drawn = all_gather_json({str(s): list(self.drawn[s]) for s in steps}, self._group())
+        mine = {str(s): list(self.drawn[s]) for s in steps}
+        drawn = self._by_replica(all_gather_json(mine) if self.world > 1 else [mine])
         entries, tensors = [], {}
         if self.lead:
             for s in steps:

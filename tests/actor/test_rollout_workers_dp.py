@@ -1,7 +1,10 @@
-"""Rollout workers for a data-parallel trainer: a DP=2 actor (torchrun) whose rank 0 asks one
-worker for both ranks' shares and hands rank 1 its own ends equal, every metric and weight, to the
-DP=2 actor generating in process (critic-free GRPO against a reward-only server, which both runs
-share: it holds no state)."""
+"""Rollout workers for multi-process trainers (critic-free GRPO against a reward-only server,
+which every run shares: it holds no state):
+
+- a DP=2 actor (torchrun) whose rank 0 asks one worker for both ranks' shares and hands rank 1 its
+  own ends equal, every metric and weight, to the DP=2 actor generating in process;
+- a TP=2 actor pushes its shards whole: its first batch is a TP=1 actor's, bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _actor_runs import FAST, digit_server, torchrun_actor
+from _actor_runs import FAST, digit_server, run_actor, torchrun_actor
 from safetensors.torch import load_file
 
 from aligner.checkpoint import step_dir_name
@@ -94,3 +97,55 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
     folder = lambda d: d / "ckpt" / step_dir_name(STEPS) / "actor" / "policy" / "model.safetensors"  # noqa: E731
     want, got = load_file(str(folder(tmp_path / "in-process"))), load_file(str(folder(tmp_path / "worker")))
     assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
+
+
+def _with_worker(tmp_path: Path, name: str, run) -> Path:
+    """``run(rollout_overrides)`` against one worker started for it; the worker's log."""
+    address = f"127.0.0.1:{free_port()}"
+    rollout = ["rollout.workers=1", f"rollout.address={address}", "rollout.max_staleness=1"]
+    log_path = tmp_path / f"{name}-worker.log"
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "aligner.rollout.worker", "+recipe=digits", *COMMON, *rollout],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp_path),
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        try:
+            run(rollout)
+            assert worker.wait(timeout=60) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    return log_path
+
+
+def test_a_tp2_trainer_pushes_what_a_tp1_trainer_pushes(reward_server, tmp_path: Path):
+    """A TP=2 trainer streams its shards whole to the worker: its first step (version 0) is the
+    TP=1 trainer's exactly, and the later ones (versions its own updates made) agree closely."""
+    url = reward_server.url
+    _with_worker(
+        tmp_path,
+        "tp1",
+        lambda rollout: run_actor(
+            url, tmp_path / "tp1", [*COMMON, *rollout, f"checkpoint.dir={tmp_path / 'c1'}"]
+        ),
+    )
+    log = _with_worker(
+        tmp_path,
+        "tp2",
+        lambda rollout: torchrun_actor(
+            2,
+            url,
+            tmp_path / "tp2",
+            [*COMMON, *rollout, "parallel.tensor_model_parallel_size=2", f"checkpoint.dir={tmp_path / 'c2'}"],
+        ),
+    )
+    assert f"stopped by the trainer after {STEPS + 1} batch(es)" in log.read_text()
+    one, two = _rows(tmp_path / "tp1"), _rows(tmp_path / "tp2")
+    assert [r["rollout/staleness"] for r in two] == [0.0] + [1.0] * (STEPS - 1)
+    for key in ("objective/scores", "response_length/mean"):
+        assert one[0][key] == two[0][key], key
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=0.05), key

@@ -74,6 +74,18 @@ class Arrived:
     idle_s: float
 
 
+def _differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: trainer <ours>, worker <theirs>`` for every (nested) key whose values differ."""
+    out = []
+    for k, v in ours.items():
+        w = theirs.get(k) if isinstance(theirs, dict) else None
+        if isinstance(v, dict) and isinstance(w, dict):
+            out += _differences(v, w, f"{prefix}{k}.")
+        elif v != w:
+            out.append(f"{prefix}{k}: trainer {v!r}, worker {w!r}")
+    return out
+
+
 class RolloutWorkers:
     """The trainer's end, on every rank: rank 0 holds the channels, the push and the shares asked
     for and arrived; every rank its own prompts of the steps asked for. Every method is called on
@@ -122,12 +134,12 @@ class RolloutWorkers:
         self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=r.bucket_mb << 20)
         for w in range(1, self.n + 1):
             meta, _ = recv_message(self.links.rollouts, w)
-            differ = {k: (v, meta.get(k)) for k, v in identity.items() if meta.get(k) != v}
+            differ = _differences(identity, meta)
             if meta.get("op") != "hello" or differ:
                 self.close()
                 raise RolloutWorkerError(
-                    f"rollout worker {w} serves something else than this trainer's policy "
-                    f"(trainer, worker): {differ}; give it the trainer's model, tokenizer and precision overrides"
+                    f"rollout worker {w} serves something else than this trainer's policy: "
+                    f"{'; '.join(differ)}; give it the trainer's model, tokenizer and precision overrides"
                 )
         self._threads = [
             threading.Thread(target=self._listen, args=(w,), name=f"rollout-{w}", daemon=True)

@@ -53,7 +53,8 @@ class RolloutConfig:
     worker_rank: int = 1
     """On a worker: which one it is, 1..workers (each rank once)."""
     timeout_s: float = 600.0
-    """Longest wait for the workers to join, for a rollout, and for a push."""
+    """Longest wait for the workers to join, for a rollout, and for a push (a push waits for a
+    worker to finish the batch it is generating: longer than the longest generation)."""
     bucket_mb: int = 256
     """Size of the weight push's buckets."""
     weights_backend: str = "auto"

@@ -205,7 +205,10 @@ def test_a_restarted_server_rolls_the_asynchronous_run_back_and_it_ends_as_the_u
 
 
 def test_a_worker_serving_another_model_is_refused(tmp_path: Path):
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker 1 serves something else.*hidden_size"):
+    with pytest.raises(
+        RolloutWorkerError,
+        match=r"rollout worker 1 serves something else.*model.hidden_size: trainer 64, worker 32",
+    ):
         _run(tmp_path, 2, workers=1, worker_extra=["model.hidden_size=32"])
 
 

@@ -55,6 +55,9 @@ class RolloutWorker:
         cfg.model, _ = resolve_model_config(cfg.model, cfg.init_from, model_keys or ())
         cfg.tokenizer = resolve_tokenizer_spec(cfg.tokenizer, cfg.init_from)
         self.tokenizer = build_tokenizer(cfg.tokenizer, cfg.init_from)
+        # The trainer's layout is not the worker's: a worker is one process, whatever it serves.
+        p = cfg.parallel
+        p.tensor_model_parallel_size = p.pipeline_model_parallel_size = 1
         validate_actor_config(cfg, world_size=1, vocab_size=self.tokenizer.vocab_size)
         self.cfg, self.rank = cfg, r.worker_rank
         # A world of its own (one process); the trainer's groups are joined through the store.
@@ -99,14 +102,12 @@ class RolloutWorker:
             if op == "reset":  # the trainer rolled back: its next version may repeat an older number
                 self.receiver.last_version, self.version = None, None
             elif op == "weights":
-                t0 = time.perf_counter()
                 try:
                     self.version = receive_into(self.receiver, self.policy)
                 except WeightPushError as e:
                     self.say(f"{e}")  # the trainer's push reports the refusal too, and stops
                     return 1
                 self.engine.refit(self.policy)
-                self.push_s = time.perf_counter() - t0
             elif op == "generate":
                 idle = time.perf_counter() - idle_since
                 if self.version is None or self.version != meta.get("version"):
@@ -123,7 +124,13 @@ class RolloutWorker:
                     return 1
                 t0 = time.perf_counter()
                 self.engine.seed_rank = int(meta.get("rank", 0))  # the trainer rank whose rows these are
-                gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+                try:
+                    gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+                except Exception as e:  # the trainer stops naming this worker and what it met
+                    self._send(
+                        {"op": "error", "step": meta.get("step"), "message": f"{type(e).__name__}: {e}"}
+                    )
+                    raise
                 seconds = time.perf_counter() - t0
                 generated += 1
                 self._send(

@@ -99,14 +99,15 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
     assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
 
 
-def _with_worker(tmp_path: Path, name: str, run) -> Path:
-    """``run(rollout_overrides)`` against one worker started for it; the worker's log."""
+def _with_worker(tmp_path: Path, name: str, run, *extra: str) -> Path:
+    """``run(rollout_overrides)`` against one worker started for it (with the trainer's ``extra``
+    overrides, as ``aligner-launch`` gives them); the worker's log."""
     address = f"127.0.0.1:{free_port()}"
     rollout = ["rollout.workers=1", f"rollout.address={address}", "rollout.max_staleness=1"]
     log_path = tmp_path / f"{name}-worker.log"
     with open(log_path, "w") as log:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "aligner.rollout.worker", "+recipe=digits", *COMMON, *rollout],
+            [sys.executable, "-m", "aligner.rollout.worker", "+recipe=digits", *COMMON, *rollout, *extra],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=str(tmp_path),
@@ -142,6 +143,7 @@ def test_a_tp2_trainer_pushes_what_a_tp1_trainer_pushes(reward_server, tmp_path:
             tmp_path / "tp2",
             [*COMMON, *rollout, "parallel.tensor_model_parallel_size=2", f"checkpoint.dir={tmp_path / 'c2'}"],
         ),
+        "parallel.tensor_model_parallel_size=2",  # the worker itself is one process whatever the trainer's layout
     )
     assert f"stopped by the trainer after {STEPS + 1} batch(es)" in log.read_text()
     one, two = _rows(tmp_path / "tp1"), _rows(tmp_path / "tp2")

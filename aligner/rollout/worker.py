@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import aligner.actor.run  # noqa: F401 - registers the config's schema (actor_schema)
 from aligner import distributed
-from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.actor.config import ActorConfig
 from aligner.actor.model_source import model_keys_named, resolve_model_config
+from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.native import NativeEngine
 from aligner.generation.remote import (
@@ -40,7 +41,24 @@ from aligner.peer_group import recv_message, send_message
 from aligner.precision import precision_dtype, resolve_precision
 from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
 
-__all__ = ["RolloutWorker", "main", "serve"]
+__all__ = ["RolloutWorker", "main", "serve", "worker_problems"]
+
+
+def worker_problems(cfg: ActorConfig, vocab_size: int) -> Problems:
+    """What a worker uses of the actor's config, checked: the model, generation, precision and
+    ``rollout`` sections (not the data, the critic's address or its files, nor the trainer's
+    layout: a worker is one process, on a machine that may not hold the trainer's files)."""
+    e = cfg.generation.problems("generation", vocab_size)
+    e += cfg.rollout_problems(world_size=1)
+    e += [f"model: {m}" for m in cfg.model.problems(1, 1)]
+    e.expect(
+        cfg.precision in ("auto", "bf16", "fp32"), "precision", cfg.precision, "'auto', 'bf16' or 'fp32'"
+    )
+    if vocab_size > cfg.model.vocab_size:
+        e.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})"
+        )
+    return e
 
 
 class RolloutWorker:
@@ -55,10 +73,7 @@ class RolloutWorker:
         cfg.model, _ = resolve_model_config(cfg.model, cfg.init_from, model_keys or ())
         cfg.tokenizer = resolve_tokenizer_spec(cfg.tokenizer, cfg.init_from)
         self.tokenizer = build_tokenizer(cfg.tokenizer, cfg.init_from)
-        # The trainer's layout is not the worker's: a worker is one process, whatever it serves.
-        p = cfg.parallel
-        p.tensor_model_parallel_size = p.pipeline_model_parallel_size = 1
-        validate_actor_config(cfg, world_size=1, vocab_size=self.tokenizer.vocab_size)
+        worker_problems(cfg, self.tokenizer.vocab_size).raise_if_any("rollout worker config", ConfigError)
         self.cfg, self.rank = cfg, r.worker_rank
         # A world of its own (one process); the trainer's groups are joined through the store.
         self.state = distributed.initialize(ParallelConfig(backend=cfg.parallel.backend), seed=cfg.seed)

@@ -109,3 +109,19 @@ def test_what_rollout_workers_need_of_the_rest_of_the_config():
     assert any(m.startswith("ppo.dynamic_sampling=True") for m in problems)
     cfg.generation.engine, cfg.ppo.dynamic_sampling = "native", False
     assert not [m for m in cfg.problems(world_size=2) if "rollout" in m or "tis_cap" in m or "parallel" in m]
+
+
+def test_a_worker_checks_only_what_it_uses_of_the_actors_config():
+    """The trainer's files (prompts, run token) may not be on a worker's machine, and its layout
+    is not the worker's: neither is checked there; what the worker serves is."""
+    from aligner.rollout.worker import worker_problems
+
+    cfg = ActorConfig()
+    cfg.rollout.workers, cfg.rollout.worker_rank = 2, 2
+    cfg.data.prompt_file, cfg.critic.run_token_file = "/nonexistent/prompts.jsonl", "/nonexistent/token"
+    cfg.parallel.tensor_model_parallel_size = 2
+    assert worker_problems(cfg, 14) == []
+    cfg.generation.temperature, cfg.precision, cfg.rollout.max_staleness = -1.0, "fp8", 1
+    problems = worker_problems(cfg, 20)
+    for key in ("generation.temperature", "precision", "ppo.tis_cap", "model.vocab_size"):
+        assert any(m.startswith(key) for m in problems), (key, problems)

@@ -230,11 +230,11 @@ def test_on_a_gpu_a_worker_generates_what_the_in_process_engine_does_and_k1_runs
     """Both processes on the one GPU (so the push goes over gloo: NCCL takes one rank per GPU)."""
     assert torch.cuda.is_available()
     gloo = ["rollout.weights_backend=gloo"]
-    ours, _ = _run(tmp_path / "in-process", 4)
-    theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0, extra=gloo)
+    ours, _ = _run(tmp_path / "in-process", 2)
+    theirs, codes = _run(tmp_path / "worker", 2, workers=1, k=0, extra=gloo)
     assert codes == [0]
     for a, b in zip(ours, theirs):
         for key in (x for x in a if not x.startswith(VARYING)):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
-    stale, codes = _run(tmp_path / "k1", 4, workers=1, k=1, extra=gloo)
-    assert codes == [0] and [r["rollout/staleness"] for r in stale] == [0.0, 1.0, 1.0, 1.0]
+    stale, codes = _run(tmp_path / "k1", 2, workers=1, k=1, extra=gloo)
+    assert codes == [0] and [r["rollout/staleness"] for r in stale] == [0.0, 1.0]

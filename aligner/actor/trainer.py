@@ -13,6 +13,10 @@ Each step reads as the steps of docs/design.md, "Roles and data flow":
    not during the critic warm-up);
 8. every N steps: validation on fixed prompts, and checkpoints of both roles at the same step.
 
+With rollout workers of their own (``rollout.workers``, :mod:`aligner.actor.rollout_workers`),
+step 1 pushes the policy's version to them and asks for every step it may generate (up to
+``rollout.max_staleness`` ahead), and step 2 takes this step's batch from them.
+
 Algorithms (``ppo.*``, :class:`~aligner.actor.config.PPOConfig`):
 
 - ``samples_per_prompt = n``: each step draws ``global_batch_size / n`` prompts, each a group of

@@ -335,13 +335,8 @@ class ActorConfig:
         ``vocab_size`` ids: each section's own, then what the sections demand of each other."""
         e = self.ppo.problems("ppo", max_new_tokens=self.generation.max_new_tokens)
         e += self.parallel_problems(world_size)
-        e += self.generation.problems("generation", vocab_size or self.model.vocab_size)
-        e.expect(
-            self.precision in ("auto", "bf16", "fp32"),
-            "precision",
-            self.precision,
-            "'auto', 'bf16' or 'fp32'",
-        )
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        e += self.served_problems(vocab_size, tp, pp)
         e.expect(
             self.model_forward in FORWARD_MODES,
             "model_forward",
@@ -355,21 +350,12 @@ class ActorConfig:
                 f"model_forward={self.model_forward!r}: the fused forward has no LoRA dropout "
                 f"(lora.dropout={self.lora.dropout}); use model_forward=auto or megatron, or lora.dropout=0"
             )
-        if vocab_size is not None and self.model.vocab_size < vocab_size:
-            # A larger embedding than the tokenizer (Qwen2's padded vocabularies) is fine: the ids
-            # beyond the tokenizer are never sampled nor scored.
-            e.append(
-                f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({vocab_size}); set model.vocab_size >= {vocab_size}"
-            )
         e += self.data.problems(self.generation.max_new_tokens, self.model.max_seq_len, "data")
         e += self.checkpoint.problems("checkpoint", validation_interval=self.validation.interval)
         e += self.critic.problems("critic")
         e += self.validation.problems("validation")
         e += self.logging.problems("logging")
-        e += self.rollout_problems(world_size)
-        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
-        e += [f"model: {m}" for m in self.model.problems(tp, pp)]
+        e += self.rollout_problems()
         e += self.generation.layout_problems(self.parallel, self.model)
         if self.generation.engine == "trtllm":
             g = self.generation
@@ -394,7 +380,28 @@ class ActorConfig:
             )
         return e
 
-    def rollout_problems(self, world_size: int) -> Problems:
+    def served_problems(self, vocab_size: int | None, tp: int = 1, pp: int = 1) -> Problems:
+        """What generating from this policy needs (the actor's and a rollout worker's): the model
+        at TP ``tp`` x PP ``pp``, the generation settings and the precision against a tokenizer of
+        ``vocab_size`` ids."""
+        e = self.generation.problems("generation", vocab_size or self.model.vocab_size)
+        e.expect(
+            self.precision in ("auto", "bf16", "fp32"),
+            "precision",
+            self.precision,
+            "'auto', 'bf16' or 'fp32'",
+        )
+        if vocab_size is not None and self.model.vocab_size < vocab_size:
+            # A larger embedding than the tokenizer (Qwen2's padded vocabularies) is fine: the ids
+            # beyond the tokenizer are never sampled nor scored.
+            e.append(
+                f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({vocab_size}); set model.vocab_size >= {vocab_size}"
+            )
+        e += [f"model: {m}" for m in self.model.problems(tp, pp)]
+        return e
+
+    def rollout_problems(self) -> Problems:
         """``rollout.*`` and what rollout workers need of the rest: in this version, the native
         engine in the training dtype and a layout of one process, one generation round per step;
         a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""

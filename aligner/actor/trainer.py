@@ -271,7 +271,7 @@ class PPOTrainer:
             # Critic warm-up: the critic trains on this step's rollout, the policy stays as it is.
             warmup = self.step_count < p.critic_warmup_steps
             with timed("generate"):
-                sampling = cfg.generation.sampling(seed=cfg.seed * 100_003 + step_id)
+                sampling = self._sampling(step_id)
                 scored, sampled = None, {}
                 if p.dynamic_sampling:  # rounds of generation and scoring until the groups fill the batch
                     gen, scored, sampled = self._dynamic_rollout(step_id, sampling)
@@ -522,8 +522,11 @@ class PPOTrainer:
         """Step ``step_id``'s prompts, extras, prompt tokens and sampling, as :meth:`step` draws
         them in process (for a rollout worker, up to ``rollout.max_staleness`` steps ahead)."""
         prompts, extras = self.sampler.next_rows(self.cfg.ppo.samples_per_prompt)
-        sampling = self.cfg.generation.sampling(seed=self.cfg.seed * 100_003 + step_id)
-        return prompts, extras, [self.tokenizer.encode(x) for x in prompts], sampling
+        return prompts, extras, [self.tokenizer.encode(x) for x in prompts], self._sampling(step_id)
+
+    def _sampling(self, step_id: int) -> SamplingParams:
+        """Step ``step_id``'s sampling parameters: its own seed, the same wherever it generates."""
+        return self.cfg.generation.sampling(seed=self.cfg.seed * 100_003 + step_id)
 
     def _generate(self, prompts: list[str], sampling: SamplingParams) -> GenerationOutput:
         return self.engine.generate([self.tokenizer.encode(x) for x in prompts], sampling)

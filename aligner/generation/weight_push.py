@@ -160,6 +160,10 @@ def plan_buckets(
         yield bucket, True
 
 
+def _device(group: object) -> torch.device:
+    return group.device if isinstance(group, PeerGroup) else comm_device(group)
+
+
 def _broadcast(t: torch.Tensor, src: int, group: object) -> None:
     if isinstance(group, PeerGroup):
         group.broadcast(t, src)
@@ -214,7 +218,7 @@ class WeightPusher:
     ) -> None:
         self.group, self.src, self.bucket_bytes = group, src, bucket_bytes
         self.header_bytes, self.ack = header_bytes, ack
-        self.device = group.device if isinstance(group, PeerGroup) else comm_device(group)
+        self.device = _device(group)
         self._buf: torch.Tensor | None = None
 
     def push(
@@ -316,7 +320,7 @@ class WeightReceiver:
 
     def __init__(self, group: object, src: int, header_bytes: int = HEADER_BYTES, ack: bool = True) -> None:
         self.group, self.src, self.header_bytes, self.ack = group, src, header_bytes, ack
-        self.device = group.device if isinstance(group, PeerGroup) else comm_device(group)
+        self.device = _device(group)
         self.last_version: int | None = None
         """The last version accepted."""
         self._broken: str | None = None

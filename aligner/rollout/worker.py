@@ -48,16 +48,8 @@ def worker_problems(cfg: ActorConfig, vocab_size: int) -> Problems:
     """What a worker uses of the actor's config, checked: the model, generation, precision and
     ``rollout`` sections (not the data, the critic's address or its files, nor the trainer's
     layout: a worker is one process, on a machine that may not hold the trainer's files)."""
-    e = cfg.generation.problems("generation", vocab_size)
-    e += cfg.rollout_problems(world_size=1)
-    e += [f"model: {m}" for m in cfg.model.problems(1, 1)]
-    e.expect(
-        cfg.precision in ("auto", "bf16", "fp32"), "precision", cfg.precision, "'auto', 'bf16' or 'fp32'"
-    )
-    if vocab_size > cfg.model.vocab_size:
-        e.append(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})"
-        )
+    e = cfg.served_problems(vocab_size)
+    e += cfg.rollout_problems()  # += keeps it a Problems (a + makes a plain list)
     return e
 
 

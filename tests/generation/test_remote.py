@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from aligner.actor.config import ActorConfig
+from aligner.config_checks import Problems
 from aligner.distributed import free_port
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
@@ -120,7 +121,7 @@ def test_a_worker_checks_only_what_it_uses_of_the_actors_config():
     cfg.rollout.workers, cfg.rollout.worker_rank = 2, 2
     cfg.data.prompt_file, cfg.critic.run_token_file = "/nonexistent/prompts.jsonl", "/nonexistent/token"
     cfg.parallel.tensor_model_parallel_size = 2
-    assert worker_problems(cfg, 14) == []
+    assert worker_problems(cfg, 14) == [] and isinstance(worker_problems(cfg, 14), Problems)
     cfg.generation.temperature, cfg.precision, cfg.rollout.max_staleness = -1.0, "fp8", 1
     problems = worker_problems(cfg, 20)
     for key in ("generation.temperature", "precision", "ppo.tis_cap", "model.vocab_size"):

@@ -207,6 +207,11 @@ def test_sentiment_builders_load(sentiment):
         assert len(tok.encode(" " + word)) == 1, word
 
     clf_tok = AutoTokenizer.from_pretrained(built["classifier"])
+    # Its vocabulary is written, not trained: the same in every process (the WordPiece trainer's was
+    # not, and some of its draws left the classifier predicting a constant).
+    assert clf_tok.get_vocab() == make_tiny.classifier_tokenizer(make_tiny.corpus(0)).get_vocab()
+    for word in make_tiny.POSITIVE + make_tiny.NEGATIVE:
+        assert clf_tok.tokenize(word) == [word], word
     clf = AutoModelForSequenceClassification.from_pretrained(built["classifier"]).eval()
     assert clf.config.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
     enc = clf_tok(["a wonderful film", "a dull film"], padding=True, return_tensors="pt")

@@ -10,7 +10,7 @@ writes
                         byte-level BPE tokenizer of 768 tokens trained on the built-in corpus
                         (every sentiment word is one token; "<|endoftext|>" ends a sequence)
     <out>/classifier/   a DistilBertForSequenceClassification (labels NEGATIVE, POSITIVE) with a
-                        WordPiece tokenizer trained the same way, fine-tuned for a second or two on
+                        WordPiece tokenizer of the word lists' words, fine-tuned for a second or two on
                         sentences built from word lists: a sentiment word decides the label, text
                         without one (filler words, random letters) is taught to score 0.5
     <out>/prompts.jsonl 256 review openings ({"prompt": "This movie was"}), from word lists
@@ -99,6 +99,12 @@ def review_openings(n: int, seed: int = 0) -> list[str]:
     return pool[:n]
 
 
+def _letters(rng: random.Random, low: int, high: int) -> str:
+    """``low`` to ``high`` random letters and spaces."""
+    letters = "abcdefghijklmnopqrstuvwxyz  "
+    return "".join(rng.choice(letters) for _ in range(rng.randint(low, high))).strip() or "x"
+
+
 def labelled_sentences(n: int, seed: int) -> list[tuple[str, float]]:
     """``n`` (text, P(positive)) pairs: a review opening (or, a quarter of the time, none: a
     response alone), then filler words with sentiment words mixed in (label 1.0 or 0.0 by which
@@ -110,11 +116,14 @@ def labelled_sentences(n: int, seed: int) -> list[tuple[str, float]]:
         opening = rng.choice(openings) if rng.random() < 0.75 else ""  # or a response alone
         kind = rng.random()
         if kind < 0.12:  # word pieces and letters, as a random policy writes them
-            letters = "abcdefghijklmnopqrstuvwxyz  "
-            tail = "".join(rng.choice(letters) for _ in range(rng.randint(3, 24))).strip()
-            out.append((f"{opening} {tail}".strip(), 0.5))
+            out.append((f"{opening} {_letters(rng, 3, 24)}".strip(), 0.5))
             continue
-        words = [rng.choice(NEUTRAL) for _ in range(rng.randint(0, 5))]
+        # filler: words, and now and then letters as a random policy writes them (so that letters
+        # alone never tell the classifier a text is neutral: only the absence of sentiment words does)
+        words = [
+            rng.choice(NEUTRAL) if rng.random() < 0.7 else _letters(rng, 2, 6)
+            for _ in range(rng.randint(0, 5))
+        ]
         pos = rng.randint(0, 2) if kind < 0.56 else 0
         neg = rng.randint(0, 2) if kind >= 0.44 else 0
         for w in [rng.choice(POSITIVE) for _ in range(pos)] + [rng.choice(NEGATIVE) for _ in range(neg)]:
@@ -154,24 +163,34 @@ def policy_tokenizer(texts: list[str], vocab_size: int = 768):
     )
 
 
-def classifier_tokenizer(texts: list[str], vocab_size: int = 400):
-    """A lower-casing WordPiece tokenizer (BERT's kind) trained on ``texts``: ``[CLS] text [SEP]``."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+def classifier_tokenizer(texts: list[str]):
+    """A lower-casing WordPiece tokenizer (BERT's kind), ``[CLS] text [SEP]``, whose vocabulary is
+    every word of the word lists whole, and every character of ``texts`` alone and as a word piece
+    (random letters are spelt out). Written, not trained: the ``tokenizers`` WordPiece trainer breaks
+    ties by hash order, a vocabulary of its own in every process, and 2 of 66 of those left the
+    classifier predicting a constant."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre = pre_tokenizers.BertPreTokenizer()
+
+    def words(text: str) -> list[str]:
+        return [w for w, _ in pre.pre_tokenize_str(normalizer.normalize_str(text))]
+
+    listed = _openings() + list(NEUTRAL + POSITIVE + NEGATIVE)
+    whole = sorted({w for t in listed for w in words(t) if len(w) > 1})
+    chars = sorted({c for t in texts for w in words(t) for c in w})
+    vocab = {t: i for i, t in enumerate(specials + chars + ["##" + c for c in chars] + whole)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(
-        texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
-    )
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -265,6 +284,11 @@ def build(out: str, seed: int = 0, num_prompts: int = 256) -> dict:
     policy = build_policy(os.path.join(out, "policy"), policy_tokenizer(texts), seed)
     classifier = os.path.join(out, "classifier")
     stats = build_classifier(classifier, classifier_tokenizer(texts), seed)
+    if stats["accuracy"] < 0.9:  # 0.94 to 1.0 over seeds 0-29 and CPU kernels; a constant scores 0.51
+        raise RuntimeError(
+            f"the classifier did not learn to tell the two apart (held-out accuracy {stats['accuracy']:.3f}, "
+            f"expected at least 0.9): try another --seed"
+        )
     prompts = os.path.join(out, "prompts.jsonl")
     with open(prompts, "w") as f:
         for p in review_openings(num_prompts, seed):

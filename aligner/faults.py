@@ -11,7 +11,9 @@ variable and points:
   start (:meth:`Faults.parse`), so a malformed one is an error there, never silently ignored;
 - the actor, :data:`ACTOR` (``ALIGNER_FAULT_AT``): ``mid_step`` after the generation of step N,
   before its critic_train is sent; the others at the named moment of the save of step N. The step
-  may be left out (``before_commit``): the point then fires at its first step.
+  may be left out (``before_commit``): the point then fires at its first step;
+- a rollout worker, :data:`WORKER` (``ALIGNER_ROLLOUT_FAULT_AT``): ``generate@N`` once it has
+  the prompts of step N, before it generates them.
 
 How the tests show that a role that dies anywhere resumes exactly, and that a server never comes
 back with a critic the actor would take for its own (docs/design.md, "Wire protocol" and
@@ -25,7 +27,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Faults", "SERVER", "ACTOR"]
+__all__ = ["Faults", "SERVER", "ACTOR", "WORKER"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class Faults:
 
 
 SERVER = Faults("ALIGNER_SERVER_FAULT_AT", ("infer", "train", "save"))
+WORKER = Faults("ALIGNER_ROLLOUT_FAULT_AT", ("generate",))
 ACTOR = Faults(
     "ALIGNER_FAULT_AT",
     (

@@ -94,6 +94,9 @@ class RolloutWorkers:
     def __init__(self, cfg: Any, identity: dict[str, Any], policy_cfg: Any, state: ParallelState) -> None:
         r = cfg.rollout
         self.n, self.k, self.timeout_s = r.workers, r.max_staleness, r.timeout_s
+        self.rcfg, self.on_loss = r, r.on_worker_loss
+        self.alive = list(range(1, self.n + 1))
+        """On rank 0: the workers still in the run, in the order of their ranks in the channels."""
         self.policy_cfg, self.device = policy_cfg, state.device
         self.dp, self.rank, self.lead = state.dp_size, state.dp_rank, state.rank == 0
         self.world = state.world_size
@@ -103,6 +106,8 @@ class RolloutWorkers:
         """This rank takes part in rank 0's weight stream (gathered over its TP and PP groups)."""
         self.asked: dict[tuple[int, int], tuple[int, int]] = {}
         """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
+        self.requests: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        """On rank 0: (step, rank) -> what was asked (to ask another worker if its own is lost)."""
         self.arrived: dict[tuple[int, int], tuple[GenerationOutput, dict[str, Any]]] = {}
         """On rank 0: (step, rank) -> the share and its worker's record, not yet handed out."""
         self.drawn: dict[int, tuple[list[str], list[str] | None]] = {}
@@ -113,7 +118,7 @@ class RolloutWorkers:
         """The last version pushed."""
         self._closing, self._threads = False, []
         self._inbox: queue.Queue = queue.Queue()
-        self.links = None
+        self.links, self.retired = None, []
         if self.lead:
             print(
                 f"rollout: waiting for {self.n} worker(s) at {r.address} (rollout.timeout_s={r.timeout_s:g})",
@@ -127,12 +132,13 @@ class RolloutWorkers:
         backend = r.weights_backend
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = backend
         try:
             self.links = RolloutLinks(r, 0, backend)
         except RuntimeError as e:
             raise RolloutWorkerError(str(e)) from e
         self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=r.bucket_mb << 20)
-        for w in range(1, self.n + 1):
+        for w in self.alive:
             meta, _ = recv_message(self.links.rollouts, w)
             differ = _differences(identity, meta)
             if meta.get("op") != "hello" or differ:
@@ -141,15 +147,27 @@ class RolloutWorkers:
                     f"rollout worker {w} serves something else than this trainer's policy: "
                     f"{'; '.join(differ)}; give it the trainer's model, tokenizer and precision overrides"
                 )
-        self._threads = [
-            threading.Thread(target=self._listen, args=(w,), name=f"rollout-{w}", daemon=True)
-            for w in range(1, self.n + 1)
-        ]
-        for t in self._threads:
+        self._listen_all()
+
+    def _listen_all(self) -> None:
+        """A listener thread for every worker on the current channels."""
+        for g, w in enumerate(self.alive, start=1):
+            t = threading.Thread(
+                target=self._listen,
+                args=(w, self.links, g),
+                name=f"rollout-{w}.{self.links.epoch}",
+                daemon=True,
+            )
             t.start()
+            self._threads.append(t)
 
     def worker_of(self, step: int, rank: int = 0) -> int:
-        return ((step - 1) * self.dp + rank) % self.n + 1
+        """The worker asked for ``rank``'s share of ``step`` (of those still in the run)."""
+        return self.alive[((step - 1) * self.dp + rank) % len(self.alive)]
+
+    def _rank(self, w: int) -> int:
+        """Worker ``w``'s rank in the current channels."""
+        return self.alive.index(w) + 1
 
     def version_of(self, step: int) -> int:
         """The policy version step ``step`` is generated from."""
@@ -180,9 +198,10 @@ class RolloutWorkers:
         return PushReport(**report)
 
     def _push(self, version: int, stream: Iterator[tuple[str, torch.Tensor]]) -> PushReport:
+        self._poll()  # a worker already gone is left out of the push
         with self._reaching(f"the push of version {version}"):
-            for w in range(1, self.n + 1):
-                send_message(self.links.commands, w, {"op": "weights", "version": version})
+            for w in self.alive:
+                send_message(self.links.commands, self._rank(w), {"op": "weights", "version": version})
             report = self.pusher.push(version, stream)
         if report.refused:
             raise RolloutWorkerError(
@@ -209,13 +228,24 @@ class RolloutWorkers:
         return [out[r] for r in range(self.dp)]
 
     def _ask(self, s: int, shares: list[list[list[int]]], sampling: SamplingParams) -> None:
-        v = self.version_of(s)
         for r, tokens in enumerate(shares):
-            w = self.worker_of(s, r)
-            meta = {"op": "generate", "step": s, "rank": r, "version": v, "sampling": sampling_to(sampling)}
-            with self._reaching(f"asking worker {w} for step {s}"):
-                send_message(self.links.commands, w, meta, encode_prompts(tokens))
-            self.asked[(s, r)] = (v, w)
+            meta = {"op": "generate", "step": s, "rank": r, "sampling": sampling_to(sampling)}
+            self.requests[(s, r)] = (meta, encode_prompts(tokens))
+            self._send_ask((s, r), self.version_of(s))
+
+    def _send_ask(self, key: tuple[int, int], version: int) -> None:
+        """Ask the worker of ``key`` = (step, rank) for that share, from ``version``."""
+        w = self.worker_of(*key)
+        meta, tensors = self.requests[key]
+        self.asked[key] = (version, w)
+        if self.on_loss != "continue":
+            with self._reaching(f"asking worker {w} for step {key[0]}"):
+                send_message(self.links.commands, self._rank(w), {**meta, "version": version}, tensors)
+            return
+        try:
+            send_message(self.links.commands, self._rank(w), {**meta, "version": version}, tensors)
+        except RuntimeError:
+            self._await_gone(w)  # its loss asks another worker for what it owed, this share too
 
     def take(self, step: int) -> Arrived:
         """This rank's share of step ``step`` (rank 0 waits for all of them at most
@@ -270,17 +300,85 @@ class RolloutWorkers:
                     f"no rollout of step {step} (ranks {missing}) from worker(s) "
                     f"{sorted({self.worker_of(step, r) for r in missing})} within rollout.timeout_s={self.timeout_s:g} s"
                 ) from None
-            if meta.get("op") != "rollout":
-                raise RolloutWorkerError(f"rollout worker {w}: {meta.get('message', meta)}")
-            key = (int(meta["step"]), int(meta.get("rank", 0)))
-            v, want_w = self.asked.pop(key)
-            if (int(meta["version"]), w) != (v, want_w):
+            self._accept(w, meta, tensors)
+
+    def _accept(self, w: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """One message from worker ``w``: a share arrived, or the worker is gone or failed."""
+        op = meta.get("op")
+        if op == "gone":
+            self._lose(w, meta["message"])
+            return
+        if op != "rollout":
+            raise RolloutWorkerError(f"rollout worker {w}: {meta.get('message', meta)}")
+        key = (int(meta["step"]), int(meta.get("rank", 0)))
+        v, want_w = self.asked.pop(key)
+        if (int(meta["version"]), w) != (v, want_w):
+            raise RolloutWorkerError(
+                f"step {key[0]} (rank {key[1]}) came from worker {w} at version {meta['version']}; it was "
+                f"asked of worker {want_w} at version {v}"
+            )
+        self.requests.pop(key, None)
+        record = {"version": v, "worker": w, "generate_s": meta["generate_s"], "idle_s": meta["idle_s"]}
+        self.arrived[key] = (decode_output(tensors, device=self.device), record)
+
+    def _poll(self) -> None:
+        """What the workers sent so far, taken in without waiting."""
+        while True:
+            try:
+                w, meta, tensors = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._accept(w, meta, tensors)
+
+    def _await_gone(self, w: int) -> None:
+        """Worker ``w`` failed a send: wait for its listener to see it go (what it sent before
+        comes first), at most ``rollout.timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while w in self.alive:
+            try:
+                got = self._inbox.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
                 raise RolloutWorkerError(
-                    f"step {key[0]} (rank {key[1]}) came from worker {w} at version {meta['version']}; it was "
-                    f"asked of worker {want_w} at version {v}"
-                )
-            record = {"version": v, "worker": w, "generate_s": meta["generate_s"], "idle_s": meta["idle_s"]}
-            self.arrived[key] = (decode_output(tensors, device=self.device), record)
+                    f"rollout worker {w} cannot be reached and did not go away"
+                ) from None
+            self._accept(*got)
+
+    def _lose(self, w: int, why: str) -> None:
+        """Worker ``w`` went away: the run stops (``rollout.on_worker_loss=stop``, or when it was
+        the last), or the others meet again in channels of a new epoch and what ``w`` owed is
+        asked of them, from the newest version they hold (the version it was asked at for k = 0:
+        the same rollouts; for k >= 1 a batch it owed from an older one comes back less stale)."""
+        if self._closing or w not in self.alive:
+            return
+        if self.on_loss != "continue" or len(self.alive) == 1:
+            last = " and it was the last one" if self.on_loss == "continue" else ""
+            raise RolloutWorkerError(f"rollout worker {w} {why}{last}")
+        old_rank = {other: self._rank(other) for other in self.alive}
+        self.alive.remove(w)
+        owed = sorted(key for key, (_, owner) in self.asked.items() if owner == w)
+        print(
+            f"rollout: worker {w} {why}; going on with worker(s) {self.alive} "
+            f"(rollout.on_worker_loss=continue), asking them for {len(owed)} share(s) it owed",
+            flush=True,
+        )
+        epoch = self.links.epoch + 1
+        with self._reaching(f"regrouping after worker {w} was lost"):
+            for other in self.alive:
+                meta = {
+                    "op": "regroup",
+                    "epoch": epoch,
+                    "rank": self._rank(other),
+                    "workers": len(self.alive),
+                }
+                send_message(self.links.commands, old_rank[other], meta)
+            self.retired.append(self.links)  # kept: a group is not torn down under a peer that died
+            self.links = RolloutLinks(
+                self.rcfg, 0, self.backend, epoch=epoch, workers=len(self.alive), store=self.links.store
+            )
+        self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=self.rcfg.bucket_mb << 20)
+        self._listen_all()
+        for key in owed:
+            self._send_ask(key, self.pushed)
 
     @contextlib.contextmanager
     def _reaching(self, what: str) -> Iterator[None]:
@@ -292,7 +390,9 @@ class RolloutWorkers:
             if isinstance(e, RolloutWorkerError):
                 raise
             said = self._said()
-            raise RolloutWorkerError(f"{what} failed: a rollout worker went away ({e}){said}") from e
+            during = " (a worker lost during a push or a regroup stops the run whatever rollout.on_worker_loss says)"
+            during = during if self.on_loss == "continue" else ""
+            raise RolloutWorkerError(f"{what} failed: a rollout worker went away ({e}){said}{during}") from e
 
     def _said(self) -> str:
         """What the workers sent that was not a rollout, as a suffix for an error."""
@@ -305,21 +405,25 @@ class RolloutWorkers:
             if meta.get("op") != "rollout":
                 notes.append((w, meta.get("message", meta)))
 
-    def _listen(self, w: int) -> None:
-        """Worker ``w``'s messages into the inbox, until it goes away."""
+    def _listen(self, w: int, links: RolloutLinks, rank: int) -> None:
+        """Worker ``w``'s messages on ``links`` (where it is ``rank``) into the inbox, until it
+        goes away or moves to the channels of a new epoch."""
         while True:
             try:
-                meta, tensors = recv_message(self.links.rollouts, w)
+                meta, tensors = recv_message(links.rollouts, rank)
             except RuntimeError as e:
                 if not self._closing:
                     self._inbox.put((w, {"op": "gone", "message": f"went away ({e})"}, {}))
                 return
+            if meta.get("op") == "regrouped":
+                return
             self._inbox.put((w, meta, tensors))
 
-    @staticmethod
-    def metrics(a: Arrived, step: int, push: PushReport | None, step_s: float) -> dict[str, float]:
-        """Staleness, the worker's time, and this step's push (its share of the step too)."""
+    def metrics(self, a: Arrived, step: int, push: PushReport | None, step_s: float) -> dict[str, float]:
+        """Staleness, the worker's time, how many workers are left, and this step's push (its
+        share of the step too)."""
         out = {
+            "rollout/workers": float(len(self.alive)),
             "rollout/staleness": float(step - 1 - a.version),
             "rollout/worker_generate_s": float(a.generate_s),
             "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s, 1e-9)),
@@ -383,16 +487,16 @@ class RolloutWorkers:
             gen = decode_output(tensors or {}, prefix=f"step{s}.rank{r}.", device=self.device)
             record = {k: e[k] for k in ("version", "worker", "generate_s", "idle_s")}
             self.arrived[(s, r)] = (gen, record)
-        for w in range(1, self.n + 1):
-            send_message(self.links.commands, w, {"op": "reset"})
+        for w in self.alive:
+            send_message(self.links.commands, self._rank(w), {"op": "reset"})
 
     def close(self) -> None:
         """Tell every worker to stop (they exit 0); on rank 0."""
         self._closing = True
         if self.links is None:
             return
-        for w in range(1, self.n + 1):
+        for w in self.alive:
             try:
-                send_message(self.links.commands, w, {"op": "stop"})
+                send_message(self.links.commands, self._rank(w), {"op": "stop"})
             except RuntimeError as e:  # already gone
                 log.warning("rollout worker %d: could not send stop: %s", w, e)

@@ -7,11 +7,11 @@ at ``rollout.address`` (rank 0: the trainer; rank ``w``: worker ``w``, 1..``roll
 - ``commands``, trainer -> worker, one message at a time: ``generate`` (a step's prompt tokens
   and sampling parameters, and the policy version it must be generated from), ``weights`` (a
   version follows on ``weights``), ``reset`` (the trainer rolled back: versions start again),
-  ``stop``;
+  ``regroup`` (a worker was lost: the others meet again in channels of a new epoch), ``stop``;
 - ``rollouts``, worker -> trainer: ``hello`` first (what the worker serves, checked against the
   trainer's policy), then one ``rollout`` per ``generate`` (the tokens, lengths, the engine's
   log-probs, the version that generated them, the worker's generate and idle seconds) or an
-  ``error``;
+  ``error``; ``regrouped`` last, before a worker moves to the channels of a new epoch;
 - ``weights``: the versioned push of :mod:`aligner.generation.weight_push` (all workers at once).
 """
 
@@ -59,6 +59,9 @@ class RolloutConfig:
     """Size of the weight push's buckets."""
     weights_backend: str = "auto"
     """The weight push's group: 'gloo', 'nccl', or 'auto' (nccl where the trainer is on a GPU)."""
+    on_worker_loss: str = "stop"
+    """A worker that goes away: 'stop' the run with an error naming it, or 'continue' with the
+    others (what it owed is asked of them; the run stops when none is left)."""
 
     def problems(self, prefix: str = "rollout") -> Problems:
         p = Problems()
@@ -72,6 +75,12 @@ class RolloutConfig:
             self.weights_backend,
             "'auto', 'gloo' or 'nccl'",
         )
+        p.expect(
+            self.on_worker_loss in ("stop", "continue"),
+            f"{prefix}.on_worker_loss",
+            self.on_worker_loss,
+            "'stop' or 'continue'",
+        )
         try:
             split_address(self.address)
         except ValueError:
@@ -81,20 +90,38 @@ class RolloutConfig:
 
 class RolloutLinks:
     """One process's end of the three channels: the trainer (``rank`` 0, hosting the store) or
-    worker ``rank``. Returns once every process of the run has joined each channel."""
+    worker ``rank``. Returns once every process of the run has joined each channel.
 
-    def __init__(self, cfg: RolloutConfig, rank: int, weights_backend: str = "gloo") -> None:
-        self.rank, self.size = rank, cfg.workers + 1
-        self.store = open_store(cfg.address, self.size, rank == 0, cfg.timeout_s)
+    After a worker is lost (``rollout.on_worker_loss=continue``) the others meet again in channels
+    of a new ``epoch``, on the same store (``store``), ``workers`` of them."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        rank: int,
+        weights_backend: str = "gloo",
+        *,
+        epoch: int = 0,
+        workers: int | None = None,
+        store: Any = None,
+    ) -> None:
+        workers = cfg.workers if workers is None else workers
+        self.rank, self.size, self.epoch = rank, workers + 1, epoch
+        self.store = (
+            store if store is not None else open_store(cfg.address, self.size, rank == 0, cfg.timeout_s)
+        )
+        at = "" if epoch == 0 else f".{epoch}"
         try:
-            self.commands = PeerGroup(self.store, "commands", rank, self.size, cfg.timeout_s)
-            self.rollouts = PeerGroup(self.store, "rollouts", rank, self.size, cfg.timeout_s)
-            self.weights = PeerGroup(self.store, "weights", rank, self.size, cfg.timeout_s, weights_backend)
+            self.commands = PeerGroup(self.store, f"commands{at}", rank, self.size, cfg.timeout_s)
+            self.rollouts = PeerGroup(self.store, f"rollouts{at}", rank, self.size, cfg.timeout_s)
+            self.weights = PeerGroup(
+                self.store, f"weights{at}", rank, self.size, cfg.timeout_s, weights_backend
+            )
         except RuntimeError as e:
             who = "every rollout worker to join" if rank == 0 else "the trainer and every other worker"
             raise RuntimeError(
                 f"rollout.address={cfg.address}: waited {cfg.timeout_s:g} s for {who} "
-                f"({cfg.workers} worker(s) configured): {e}"
+                f"({workers} worker(s){' left' if epoch else ' configured'}): {e}"
             ) from e
 
 

@@ -22,7 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import aligner.actor.run  # noqa: F401 - registers the config's schema (actor_schema)
-from aligner import distributed
+from aligner import distributed, faults
 from aligner.actor.config import ActorConfig
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.config_checks import ConfigError, Problems
@@ -85,7 +85,10 @@ class RolloutWorker:
         backend = r.weights_backend
         if backend == "auto":
             backend = "nccl" if self.state.device.type == "cuda" else "gloo"
+        self.backend = backend
         self.links = RolloutLinks(r, self.rank, backend)
+        self.retired: list[RolloutLinks] = []
+        """Channels of earlier epochs (kept: a group is not torn down under a peer that died)."""
         self.receiver = WeightReceiver(self.links.weights, src=0)
         self.version: int | None = None
         self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
@@ -108,6 +111,21 @@ class RolloutWorker:
                 return 0
             if op == "reset":  # the trainer rolled back: its next version may repeat an older number
                 self.receiver.last_version, self.version = None, None
+            elif op == "regroup":  # a worker was lost: the others meet again, this one as ``rank``
+                self._send({"op": "regrouped"})  # the last word on these channels
+                self.retired.append(self.links)
+                self.links = RolloutLinks(
+                    self.cfg.rollout,
+                    int(meta["rank"]),
+                    self.backend,
+                    epoch=int(meta["epoch"]),
+                    workers=int(meta["workers"]),
+                    store=self.links.store,
+                )
+                last = self.receiver.last_version
+                self.receiver = WeightReceiver(self.links.weights, src=0)
+                self.receiver.last_version = last
+                self.say(f"regrouped: {meta['workers']} worker(s) left, this one now rank {meta['rank']}")
             elif op == "weights":
                 try:
                     self.version = receive_into(self.receiver, self.policy)
@@ -129,6 +147,7 @@ class RolloutWorker:
                         }
                     )
                     return 1
+                faults.WORKER.hit("generate", int(meta["step"]))  # tests only: a worker lost mid-step
                 t0 = time.perf_counter()
                 self.engine.seed_rank = int(meta.get("rank", 0))  # the trainer rank whose rows these are
                 try:

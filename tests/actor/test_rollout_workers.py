@@ -67,7 +67,10 @@ def _compose(overrides: list[str]):
         return OmegaConf.to_object(compose("actor", overrides=overrides))
 
 
-def _workers(n: int, address: str, extra: list[str], log_dir: Path) -> list[subprocess.Popen]:
+def _workers(
+    n: int, address: str, extra: list[str], log_dir: Path, env: dict[int, dict[str, str]] | None = None
+) -> list[subprocess.Popen]:
+    """``n`` worker processes (``env``: worker -> variables of its own, e.g. a fault point)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     return [
         subprocess.Popen(
@@ -84,7 +87,7 @@ def _workers(n: int, address: str, extra: list[str], log_dir: Path) -> list[subp
             stdout=open(log_dir / f"worker{w}.log", "w"),  # noqa: SIM115 - closed with the process
             stderr=subprocess.STDOUT,
             cwd=str(log_dir),
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {}).get(w, {})),
         )
         for w in range(1, n + 1)
     ]
@@ -101,6 +104,7 @@ def _run(
     on_step=None,
     critic=None,
     extra=(),
+    worker_env=None,
 ):
     """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
     the toy critic to use (a resumed run's must be the one its first part saved to)."""
@@ -121,7 +125,9 @@ def _run(
         ]
     )
     cfg.rollout.timeout_s = 60.0
-    procs = _workers(workers, address, [*rollout, *worker_extra], root / "workers") if workers else []
+    procs = (
+        _workers(workers, address, [*rollout, *worker_extra], root / "workers", worker_env) if workers else []
+    )
     try:
         actor = build_actor(cfg, critic=critic or ToyCritic())
         if on_step is not None:
@@ -156,12 +162,20 @@ def _same_weights(a: dict, b: dict) -> None:
     assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()]
 
 
-def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path):
-    ours, _ = _run(tmp_path / "in-process", 4)
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    """Four steps generated in process: their rows and final weights."""
+    root = tmp_path_factory.mktemp("in-process")
+    rows, _ = _run(root, 4)
+    return rows, _weights(root, 4)
+
+
+def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path, in_process):
+    ours, weights = in_process
     theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0)
     assert codes == [0]  # told to stop at the end
     _same(ours, theirs)
-    _same_weights(_weights(tmp_path / "in-process", 4), _weights(tmp_path / "worker", 4))
+    _same_weights(weights, _weights(tmp_path / "worker", 4))
     assert [r["rollout/staleness"] for r in theirs] == [0.0] * 4
     assert all(r["push/mbytes"] > 0 and 0 <= r["rollout/trainer_wait_frac"] <= 1 for r in theirs)
     assert all(0 < r["push/step_frac"] < 1 for r in theirs)
@@ -223,6 +237,32 @@ def test_a_worker_killed_mid_run_stops_the_run_naming_it(tmp_path: Path):
 
     with pytest.raises(RolloutWorkerError, match="rollout worker"):
         _run(tmp_path, 4, workers=1, k=0, on_step=kill_after_step_1)
+
+
+def test_a_worker_lost_mid_step_hands_its_batches_to_the_others_and_the_run_is_unchanged(
+    tmp_path: Path, in_process, whole_k1, capsys
+):
+    """``rollout.on_worker_loss=continue``: a worker dies holding a step's prompts (its fault point,
+    SIGKILL); the other meets the trainer again in channels of their own, is asked for that step
+    and for every later one, and the run ends as the uninterrupted one, at k = 0 and at k = 1 (the
+    share it owed is asked again at the version it was asked at)."""
+    go_on = ["rollout.on_worker_loss=continue"]
+    cases = [  # k, the worker lost, at which step's prompts, the uninterrupted run
+        (0, 2, 2, in_process),  # step 2 is worker 2's, asked and lost in the same step
+        (1, 1, 3, whole_k1),  # step 3 is worker 1's, asked during step 2 from version 1
+    ]
+    for k, lost, at, (whole, weights) in cases:
+        root = tmp_path / f"k{k}"
+        fault = {lost: {"ALIGNER_ROLLOUT_FAULT_AT": f"generate@{at}"}}
+        rows, codes = _run(root, 4, workers=2, k=k, extra=go_on, worker_env=fault)
+        assert codes[lost - 1] == -signal.SIGKILL and codes[2 - lost] == 0, codes
+        out = capsys.readouterr().out
+        assert f"rollout: worker {lost} went away" in out and f"going on with worker(s) [{3 - lost}]" in out
+        assert "asking them for 1 share(s) it owed" in out  # the step it died holding
+        assert "regrouped: 1 worker(s) left" in (root / "workers" / f"worker{3 - lost}.log").read_text()
+        _same(whole, rows)
+        _same_weights(weights, _weights(root, 4))
+        assert [r["rollout/workers"] for r in rows][-1] == 1.0
 
 
 @pytest.mark.gpu

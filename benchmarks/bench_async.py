@@ -11,7 +11,11 @@ share of the step spent waiting for rollouts and pushing weights, the worker's i
 the last steps' score.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1,k2]
-        [--advantage grpo|gae]
+        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]
+
+With several ``--seeds`` every mode runs once per seed, and a last table gives each mode's mean
+episodes to the target and its ratio to k = 0's (a run that never reaches it counts as its
+steps + 1).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int], settin
     workers, k = MODES[mode]
     address = f"127.0.0.1:{free_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
-    run_dir = tmp / mode
+    run_dir = tmp / f"{mode}-{len(list(tmp.glob(f'{mode}-*')))}"
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
             "actor",
@@ -141,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", type=float, default=0.25, help="mean score over three steps")
     ap.add_argument("--modes", default="in-process,k0,k1", help=f"comma list of {list(MODES)}")
     ap.add_argument("--advantage", choices=list(ESTIMATORS), default="grpo")
+    ap.add_argument("--seeds", default=None, help="comma list of seeds (default: the config's)")
     args = ap.parse_args(argv)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: expected some of {list(MODES)}")
@@ -173,9 +179,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results = {}
     try:
-        for mode in modes:
-            rows = one_run(mode, args.steps, server.url, tmp, cores, [*SETTINGS, *ESTIMATORS[args.advantage]])
-            results[mode] = summarize(rows, args.target, BATCH)
+        for seed in seeds:
+            for mode in modes:
+                settings = [
+                    *SETTINGS,
+                    *ESTIMATORS[args.advantage],
+                    *([f"seed={seed}"] if seed is not None else []),
+                ]
+                rows = one_run(mode, args.steps, server.url, tmp, cores, settings)
+                results[mode if seed is None else f"{mode}/{seed}"] = summarize(rows, args.target, BATCH)
     finally:
         server.stop()
     print(
@@ -191,6 +203,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v):>20}" for v in r.values()
         )
         print(f"{mode:<12}{cells}")
+    if len(seeds) > 1:
+        print(f"\n{'mode':<12}{'mean episodes to target':>26}{'ratio to k0':>14}  per seed")
+        miss = (args.steps + 1) * BATCH
+        eps = {m: [results[f"{m}/{s}"]["episodes_to_target"] or miss for s in seeds] for m in modes}
+        for m, e in eps.items():
+            ratio = statistics.fmean(e) / statistics.fmean(eps["k0"]) if "k0" in eps else float("nan")
+            print(f"{m:<12}{statistics.fmean(e):>26.0f}{ratio:>14.2f}  {e}")
     return results
 
 

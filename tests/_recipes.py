@@ -284,6 +284,8 @@ if name == "scontrol":
     print("\\n".join(args[2].split(",")))
     sys.exit(0)
 role = "critic" if "{critic}" in args else "actor" if "{actor}" in args else "other"
+if any("aligner.rollout.worker" in a for a in args):
+    role = "rollout"
 def on_term(*_):
     record(event="TERM", role=role)
     sys.exit(0)
@@ -295,7 +297,8 @@ if args[:2] == ["-m", "aligner.critic.wait"]:
     deadline = time.time() + 30
     while time.time() < deadline and '"role": "critic"' not in open(log).read():
         time.sleep(0.01)
-if role == "critic" or (role == "actor" and os.environ.get("STUB_ACTOR_BLOCK")):
+blocks = role == "critic" or (role == "rollout" and name == "srun")  # until stopped, as they run
+if blocks or (role == "actor" and os.environ.get("STUB_ACTOR_BLOCK")):
     deadline = time.time() + 30
     while time.time() < deadline:
         time.sleep(0.05)

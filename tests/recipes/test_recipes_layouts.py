@@ -227,8 +227,26 @@ def test_layout_keys_the_recipes_pass_are_config_keys(schemas):
         ({"ACTOR_PP": "3"}, "ACTOR_TP=1 x ACTOR_PP=3 = 3"),
         ({"ACTOR_TP": "2"}, "ACTOR_TP=2 does not divide ACTOR_GPUS_PER_NODE=1"),
         ({"ACTOR_PP": "2", "ACTOR_GEN_TP": "3"}, "ACTOR_GEN_TP=3 does not divide ACTOR_TP x ACTOR_PP = 2"),
+        (
+            {"ROLLOUT_WORKERS_PER_NODE": "4"},
+            "ROLLOUT_WORKERS_PER_NODE=4 x ROLLOUT_CPUS=4 leave the actor no CPUs",
+        ),
+        (
+            {"ROLLOUT_WORKERS_PER_NODE": "1", "SLURM_GPUS_PER_NODE_HET_GROUP_1": "1"},
+            "component 1 has 1 GPU(s) per node, but ACTOR_GPUS_PER_NODE=1 + ROLLOUT_WORKERS_PER_NODE=1 need 2",
+        ),
+        ({"ROLLOUT_WORKERS_PER_NODE": "-1"}, "ROLLOUT_WORKERS_PER_NODE='-1': expected an integer >= 0"),
     ],
-    ids=["critic-gpus", "not-a-number", "actor-world", "tp-across-nodes", "generation-tp"],
+    ids=[
+        "critic-gpus",
+        "not-a-number",
+        "actor-world",
+        "tp-across-nodes",
+        "generation-tp",
+        "rollout-cpus",
+        "rollout-gpus",
+        "rollout-workers",
+    ],
 )
 def test_sbatch_refuses_a_layout_that_does_not_fit_before_starting_anything(tmp_path, knobs, message):
     run = subprocess.run(

@@ -133,3 +133,50 @@ def test_sbatch_sigterm_stops_the_actor_then_the_critic(tmp_path):
             proc.kill()
     terms = [e["role"] for e in _log(tmp_path) if e["event"] == "TERM"]
     assert terms == ["actor", "critic"]
+
+
+def test_sbatch_starts_rollout_workers_beside_the_actor_on_its_nodes(tmp_path, schemas):
+    """ROLLOUT_WORKERS_PER_NODE=2 on the actor's two nodes: a step of 4 worker tasks (one GPU and
+    ROLLOUT_CPUS each) before the actor, each worker given the actor's overrides, the worker count,
+    the store on the actor's first node and its own rank (SLURM_PROCID + 1); the actor keeps the
+    CPUs the workers leave and hosts that store."""
+    env = _slurm_env(tmp_path, ROLLOUT_WORKERS_PER_NODE="2", SLURM_CPUS_PER_TASK_HET_GROUP_1="24")
+    overrides = ["+recipe=digits", "rollout.max_staleness=1", "ppo.tis_cap=2.0", "ppo.micro_batch_size=32"]
+    run = subprocess.run(
+        ["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "4 rollout worker(s)" in run.stdout
+    log = _log(tmp_path)
+    starts = [e for e in log if e["event"] == "start"]
+    assert sorted(e["role"] for e in starts) == ["actor", "critic", "other", "rollout"]
+    rollout, actor = (next(e for e in starts if e["role"] == r) for r in ("rollout", "actor"))
+    assert {"event": "TERM", "role": "rollout"} in log  # stopped at the end, before the critic
+    assert log.index({"event": "TERM", "role": "rollout"}) < log.index({"event": "TERM", "role": "critic"})
+    assert {
+        "--het-group=1",
+        "--nodes=2",
+        "--ntasks-per-node=2",
+        "--gpus-per-task=1",
+        "--cpus-per-task=4",
+    } <= set(rollout["args"])
+    assert "--cpus-per-task=16" in actor["args"]  # 24 less the workers' 2 x 4
+
+    tr = torchrun(_after(actor["args"], "-m"))
+    acfg = actor_config(tr.training_script_args, world_size=2 * int(tr.nproc_per_node))
+    assert (acfg.rollout.workers, acfg.rollout.address, acfg.rollout.max_staleness) == (4, "gpu-a01:29650", 1)
+
+    # What each task of the step runs: the command line srun was given, run as its task would.
+    bash_at = rollout["args"].index("bash")
+    command = rollout["args"][bash_at:]
+    for procid in (0, 3):
+        done = subprocess.run(command, env={**env, "SLURM_PROCID": str(procid)}, timeout=60)
+        assert done.returncode == 0
+    workers = [e for e in _log(tmp_path)[len(log) :] if e["event"] == "start"]
+    assert [e["role"] for e in workers] == ["rollout", "rollout"]
+    for procid, w in zip((0, 3), workers):
+        assert w["args"][:2] == ["-m", "aligner.rollout.worker"]
+        wcfg = actor_config(w["args"][2:], world_size=1)
+        assert wcfg.rollout.worker_rank == procid + 1
+        assert (wcfg.rollout.workers, wcfg.rollout.address) == (acfg.rollout.workers, acfg.rollout.address)
+        assert wcfg.rollout.max_staleness == 1 and wcfg.model == acfg.model  # the actor's overrides

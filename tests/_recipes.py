@@ -44,8 +44,14 @@ def rendered(*sets: str, files: tuple = ()) -> list[dict]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
+def one(docs: list[dict], kind: str, component: str | None = None) -> dict:
+    """The one object of ``kind`` (of that ``app.kubernetes.io/component``, where given)."""
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
     assert len(found) == 1, f"expected one {kind}, got {[d['kind'] for d in docs]}"
     return found[0]
 
@@ -183,7 +189,7 @@ def assert_dev_shm_in_memory(pod_spec: dict, c: dict) -> None:
 
 
 def critic_parts(docs: list[dict]):
-    dep, svc = one(docs, "Deployment"), one(docs, "Service")
+    dep, svc = one(docs, "Deployment"), one(docs, "Service", "critic")
     pod = dep["spec"]["template"]["spec"]
     c = container(pod, "critic")
     assert c["args"][0] == "torchrun", (
@@ -201,7 +207,7 @@ def critic_parts(docs: list[dict]):
 
 def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[str, str] | None = None):
     """Checks shared by the Job and the PyTorchJob; returns (torchrun args, actor config)."""
-    svc = one(docs, "Service")
+    svc = one(docs, "Service", "critic")
     critic_cfg = critic_parts(docs)[-1]
 
     # Waiting for the server: the readiness CLI, with the URL the actor will use.

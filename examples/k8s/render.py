@@ -37,7 +37,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VALUES = HERE / "values.yaml"
-PARTS = ("secret", "storage", "critic", "actor")
+PARTS = ("secret", "storage", "critic", "actor", "rollout")
+ROLLOUT_PORT = 29650  # the port of the store the actor hosts for its rollout workers
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SPLICE = re.compile(r"^(\s*)- \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _NULLABLE_FIELD = re.compile(r"^\s*[A-Za-z0-9_.\-/]+: \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
@@ -46,6 +47,7 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DERIVED = {
     "actor_workers": "actor_nodes - 1",
     "critic_gpus": "critic_tensor_parallel x critic_data_parallel",
+    "rollout_overrides": "rollout_workers and the actor's store address",
 }
 # Keys whose null default stands for "the default of the role": an integer or null.
 OPTIONAL_INTS = ("actor_generation_tensor_parallel",)
@@ -133,7 +135,7 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
             f"run_token: expected at least {MIN_TOKEN_CHARS} printable characters without spaces "
             "(e.g. from `openssl rand -hex 32`), or null for a random one"
         )
-    for k in ("save_interval", "wait_timeout_s"):
+    for k in ("save_interval", "wait_timeout_s", "rollout_workers"):
         if values[k] < 0:
             e.append(f"{k}={values[k]}: expected >= 0")
     for k in ("critic_overrides", "actor_overrides"):
@@ -167,6 +169,11 @@ def _layout_problems(values: dict[str, Any]) -> list[str]:
         e.append(
             f"actor_nodes={nodes} x actor_gpus_per_node={per_node} = {nodes * per_node} actor processes "
             f"are not divisible by actor_tensor_parallel={tp} x actor_pipeline_parallel={pp} = {tp * pp}"
+        )
+    if values["rollout_workers"] > 0 and gen_tp is not None:
+        e.append(
+            f"actor_generation_tensor_parallel={gen_tp} with rollout_workers={values['rollout_workers']}: "
+            "the workers generate, each on one GPU; leave it null"
         )
     if gen_tp is not None and (tp * pp) % gen_tp:
         e.append(
@@ -217,14 +224,35 @@ def render_text(template: str, values: dict[str, Any], name: str = "template") -
 def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
     """The template files for these values, in the order to apply them."""
     actor = "actor-job.yaml" if values["actor_nodes"] == 1 else "actor-pytorchjob.yaml"
+    rollout = []
+    if (
+        values["rollout_workers"] > 0
+    ):  # a one-node actor's store needs a Service; the operator names a Master's
+        rollout = ["rollout-workers.yaml"] + (["rollout-store.yaml"] if values["actor_nodes"] == 1 else [])
     chosen = {
         "secret": ["run-token.yaml"],
         "storage": ["storage.yaml"],
         "critic": ["critic.yaml"],
         "actor": [actor, "actor-network.yaml"],
+        "rollout": rollout,
     }
     parts = [only] if only else list(PARTS)
     return [HERE / f for p in parts for f in chosen[p]]
+
+
+def rollout_overrides(values: dict[str, Any]) -> list[str]:
+    """What the actor and its workers are both given beyond the actor's overrides: the number of
+    workers and the store's address (the one-node actor's Service, or the Service the training
+    operator makes for a PyTorchJob's Master); none without workers."""
+    n = values["rollout_workers"]
+    if n == 0:
+        return []
+    host = (
+        f"{values['run_name']}-rollout-store"
+        if values["actor_nodes"] == 1
+        else f"{values['run_name']}-actor-master-0"
+    )
+    return [f"rollout.workers={n}", f"rollout.address={host}:{ROLLOUT_PORT}"]
 
 
 def render(values: dict[str, Any], only: str | None = None) -> str:
@@ -233,6 +261,7 @@ def render(values: dict[str, Any], only: str | None = None) -> str:
     full["actor_workers"] = values["actor_nodes"] - 1
     # The server runs one process per GPU, on one pod.
     full["critic_gpus"] = values["critic_tensor_parallel"] * values["critic_data_parallel"]
+    full["rollout_overrides"] = rollout_overrides(values)
     # A fresh token per render unless one is given (URL-safe: no quoting needed in YAML).
     full["run_token"] = values["run_token"] or secrets.token_urlsafe(32)
     docs = []
@@ -258,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         choices=PARTS,
-        help="render one part: the run token's Secret, the shared volume, the critic or the actor",
+        help="render one part: the run token's Secret, the shared volume, the critic, the actor or its rollout workers",
     )
     args = p.parse_args(argv)
     try:

@@ -383,8 +383,9 @@ def test_actor_network_policy_lets_the_actor_reach_its_peers_the_critic_and_dns_
         assert spec["podSelector"]["matchLabels"].items() <= tpl["metadata"]["labels"].items()
     assert spec["policyTypes"] == ["Ingress", "Egress"]
     (ingress,) = spec["ingress"]
-    (peers, critic, dns) = spec["egress"]
-    assert ingress["from"] == peers["to"] and "ports" not in ingress and "ports" not in peers
+    (peers, workers, critic, dns) = spec["egress"]
+    assert ingress["from"] == peers["to"] + workers["to"] and "ports" not in ingress and "ports" not in peers
+    assert workers["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
     assert critic["to"][0]["podSelector"]["matchLabels"].items() <= critic_labels.items()
     cfg = critic_parts(docs)[-1]
     assert [p["port"] for p in critic["ports"]] == [cfg.server.grpc_port]
@@ -396,7 +397,76 @@ def test_actor_network_policy_lets_the_actor_reach_its_peers_the_critic_and_dns_
     )
     extra = policy_named(more, f"{run}-actor")
     validate(extra)
-    assert extra["spec"]["egress"] == [peers, critic, dns, https]
+    assert extra["spec"]["egress"] == [peers, workers, critic, dns, https]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, schemas, nodes):
+    """rollout_workers=3: an Indexed Job of three one-GPU worker pods, each running the worker with
+    the actor's overrides, the worker count, the store's address and its own rank (the completion
+    index + 1, run here through the container's own shell command); the address names the one-node
+    actor's headless Service (or the operator's Service of a PyTorchJob's Master), and the network
+    policies let actor and workers reach each other."""
+    from _recipes import _log, _slurm_env, actor_config, env_of
+
+    docs = rendered(
+        f"actor_nodes={nodes}",
+        "rollout_workers=3",
+        "actor_overrides=[+recipe=digits, rollout.max_staleness=1, ppo.tis_cap=2.0, ppo.micro_batch_size=32]",
+    )
+    for d in docs:
+        validate(d)
+    run = one(docs, "Secret")["metadata"]["labels"]["app.kubernetes.io/instance"]
+    named = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Job", "PyTorchJob")}
+    job = named[f"{run}-rollout"]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
+    pod = spec["template"]["spec"]
+    c = container(pod, "rollout")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not env_of(c) and "run-token" not in {v["name"] for v in pod["volumes"]}  # no credentials
+    host = f"{run}-rollout-store" if nodes == 1 else OPERATOR_ENV["MASTER_ADDR"].replace("run-", f"{run}-")
+    address = f"{host}:{render.ROLLOUT_PORT}"
+    if nodes == 1:
+        (store,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == host]
+        actor_labels = named[f"{run}-actor"]["spec"]["template"]["metadata"]["labels"]
+        assert store["spec"]["clusterIP"] == "None"  # resolves to the actor's pod: pod-to-pod groups
+        assert store["spec"]["selector"].items() <= actor_labels.items()
+        assert [p["port"] for p in store["spec"]["ports"]] == [render.ROLLOUT_PORT]
+        actor_pod = named[f"{run}-actor"]["spec"]["template"]["spec"]
+    else:
+        assert not [d for d in docs if d["metadata"]["name"] == f"{run}-rollout-store"]
+        actor_pod = one(docs, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    name, operator = ("actor", None) if nodes == 1 else ("pytorch", OPERATOR_ENV)
+    _, acfg = check_actor_pod(docs, actor_pod, name, operator_env=operator)
+    assert (acfg.rollout.workers, acfg.rollout.address, acfg.rollout.max_staleness) == (3, address, 1)
+
+    # The container's command, as its shell runs it in the pod of index 2.
+    env = _slurm_env(tmp_path)
+    done = subprocess.run(c["args"], env={**env, "JOB_COMPLETION_INDEX": "2"}, timeout=60)
+    assert done.returncode == 0
+    (start,) = [e for e in _log(tmp_path) if e["event"] == "start"]
+    assert start["args"][:2] == ["-m", "aligner.rollout.worker"]
+    wcfg = actor_config(start["args"][2:], world_size=1)
+    assert wcfg.rollout.worker_rank == 3 and wcfg.rollout.address == address and wcfg.rollout.workers == 3
+    assert wcfg.model == acfg.model and wcfg.rollout.max_staleness == 1
+
+    # Actor and workers reach each other, and the workers nothing but DNS besides.
+    policy = policy_named(docs, f"{run}-rollout")["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    (ingress,) = policy["ingress"]
+    (to_actor, dns) = policy["egress"]
+    assert ingress["from"] == to_actor["to"] and dns == DNS_ONLY
+    assert to_actor["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "actor"
+    actor_policy = policy_named(docs, f"{run}-actor")["spec"]
+    assert any(
+        sel["podSelector"]["matchLabels"].items() <= labels.items()
+        for sel in actor_policy["ingress"][0]["from"]
+    )
+    # Generation belongs to the workers: the actor's own generation TP is refused with them.
+    with pytest.raises(render.RenderError, match="actor_generation_tensor_parallel=1 with rollout_workers=3"):
+        rendered("rollout_workers=3", "actor_generation_tensor_parallel=1")
 
 
 def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):

@@ -5,9 +5,11 @@
     python examples/k8s/render.py -f my-values.yaml --set run_name=exp2 --only actor
 
 The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, actor-job.yaml for
-one actor node or actor-pytorchjob.yaml for several, and actor-network.yaml) hold ``${name}`` placeholders for the keys
-of values.yaml, and for two keys computed from them: ``actor_workers`` (actor_nodes - 1) and
-``critic_gpus`` (critic_tensor_parallel x critic_data_parallel, the server's processes). ``run_token``
+one actor node or actor-pytorchjob.yaml for several, actor-network.yaml, and with rollout workers
+rollout-workers.yaml and, for one actor node, rollout-store.yaml) hold ``${name}`` placeholders
+for the keys of values.yaml, and for three keys computed from them: ``actor_workers``
+(actor_nodes - 1), ``critic_gpus`` (critic_tensor_parallel x critic_data_parallel, the server's
+processes) and ``rollout_overrides`` (what the actor and its workers are both given). ``run_token``
 left null is a new random token (the Secret both roles read), made on each render: what one render
 prints is one run's set of manifests.
 Rendering is text substitution, so YAML reads a value as it would read it typed in place: a

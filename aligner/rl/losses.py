@@ -270,7 +270,9 @@ def value_loss(
         if not clip_eps > 0:
             raise ValueError(f"value clip_eps must be > 0 or None, got {clip_eps!r}")
         old = old_values.float()
-        v_clipped = old + (v - old).clamp(-clip_eps, clip_eps)
+        # V itself inside the range (old + (V - old) may round away from V, and a token would then
+        # count as clipped for a difference of one ulp), the bound outside it.
+        v_clipped = torch.clamp(v, min=old - clip_eps, max=old + clip_eps)
         vf_clipped = (v_clipped - ret) ** 2
         per_token = 0.5 * torch.maximum(vf_unclipped, vf_clipped)
         with torch.no_grad():

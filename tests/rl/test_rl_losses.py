@@ -326,6 +326,23 @@ def test_value_loss_hand_worked():
     assert stats_u["value_clipfrac"].item() == 0.0
 
 
+def test_value_clipfrac_counts_no_token_inside_the_range():
+    """V inside [old - eps, old + eps] is not clipped, whatever rounding ``old + (V - old)`` does:
+    V and old drawn apart (as a critic's two predictions are), that sum differs from V for 30% of
+    the tokens here, and it counted 2.7% of them as clipped, one ulp apart. The gradient is the
+    unclipped loss's."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 33, generator=g) * 0.1
+    v = (torch.randn(64, 33, generator=g) * 0.1).requires_grad_(True)
+    ret = torch.randn(64, 33, generator=g)
+    mask = ((v.detach() - old).abs() < 0.2).float()  # the tokens inside the range
+    assert 0.8 < mask.mean() < 0.9
+    loss, stats = value_loss(v, old, ret, mask, clip_eps=0.2)
+    assert stats["value_clipfrac"].item() == 0.0
+    loss.backward()
+    close(v.grad, (v.detach() - ret) * mask / mask.sum())
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_explained_variance(seed):
     b, s = 4, 8

@@ -507,6 +507,7 @@ needs_compile = pytest.mark.skipif(
 
 
 @needs_compile
+@pytest.mark.slow  # torch.compile builds C++ kernels: tens of seconds on a fresh machine
 def test_compiled_decode_step_equals_eager(ps):
     """The compiled step (fixed shapes, attention as fused sums) computes what the eager step
     does: the same greedy tokens as the full recompute, the same samples, log-probs to fp32
@@ -527,6 +528,7 @@ def test_compiled_decode_step_equals_eager(ps):
 
 
 @needs_compile
+@pytest.mark.slow  # torch.compile builds C++ kernels: tens of seconds on a fresh machine
 def test_compiled_step_grows_its_capacity_with_the_sequence(ps):
     """The compiled step attends over a capacity that doubles from ``bucket`` as positions
     fill (8, 16, 32, then max_len 48), each its own compile; at every position its logits are
@@ -623,7 +625,9 @@ def test_num_threads_applies_to_generation_only(model, ps):
 
 # Megatron's local-spec norms may keep fp32 weights in a bf16 model; torch warns on every such call.
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
-@pytest.mark.parametrize("decode_step", ["eager", "static", pytest.param("compiled", marks=needs_compile)])
+@pytest.mark.parametrize(
+    "decode_step", ["eager", "static", pytest.param("compiled", marks=[needs_compile, pytest.mark.slow])]
+)
 def test_bf16_greedy_follows_the_bf16_recompute(ps, decode_step):
     """bf16 greedy decoding with the cache picks the argmax of the bf16 full forward at every
     step, up to near ties (cache and full forward add in different orders)."""

@@ -224,7 +224,9 @@ needs_compile = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("decode_step", ["static", pytest.param("compiled", marks=needs_compile)])
+@pytest.mark.parametrize(
+    "decode_step", ["static", pytest.param("compiled", marks=[needs_compile, pytest.mark.slow])]
+)
 def test_fixed_shape_steps_equal_eager_on_mixed_lengths(model, ps, eos, decode_step):
     sp = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=6)
     eager = _engine(model, ps, eos_id=eos, decode_step="eager").generate(MIXED[:16], sp)

@@ -294,6 +294,7 @@ def test_auto_falls_back_with_the_reason():
 
 
 @pytest.mark.skipif(fused.compile_available() is not None, reason=str(fused.compile_available()))
+@pytest.mark.slow  # torch.compile builds C++ kernels: tens of seconds on a fresh machine
 def test_compiled_equals_megatron():
     """torch.compile fuses the element-wise work differently: outputs agree with Megatron's
     to the tolerances of the eager fused forward. bf16 only (the default precision): a compile

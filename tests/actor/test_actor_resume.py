@@ -135,7 +135,8 @@ def _same_run(a: Path, b: Path, steps: int = STEPS) -> None:
         # Costs, not training quantities: a resumed run refits its engine once more than the
         # uninterrupted one (after loading), so the refit's bytes differ at the step after it;
         # memory and speed (perf/*) are measured, not computed.
-        costs = ("timers/", "refit/", "perf/")
+        # A run on rollout workers logs their side (rollout/*, push/*) besides.
+        costs = ("timers/", "refit/", "perf/", "rollout/", "push/")
         return {k for k in row if not k.startswith(costs) and k not in ("time", "throughput/tokens_per_s")}
 
     for x, y in zip(ra, rb):
@@ -196,6 +197,48 @@ def test_killed_at_a_fault_point_resumes_exactly(server, continuous, tmp_path, f
     assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == expect
     out = _run(server, run_dir)
     assert f"resuming from step {expect}" in out.stdout, out.stdout[-2000:]
+    _same_run(continuous, run_dir)
+
+
+@pytest.mark.faults
+def test_a_killed_trainer_stops_its_rollout_worker_and_resumes_exactly_with_a_new_one(
+    server, continuous, tmp_path
+):
+    """The trainer generates on a worker of its own (k = 0: the continuous run's algorithm) and is
+    killed mid-step 3; the worker sees it go and exits 1 (nothing left waiting); a new trainer and
+    a new worker resume from step 2 and end as the continuous run."""
+    from aligner.distributed import free_port
+
+    run_dir = tmp_path / "run"
+
+    def with_worker(env: dict) -> tuple[subprocess.CompletedProcess, int, str]:
+        address = f"127.0.0.1:{free_port()}"
+        rollout = ["rollout.workers=1", f"rollout.address={address}", "rollout.timeout_s=120"]
+        log = tmp_path / f"worker-{address.rsplit(':', 1)[1]}.log"
+        with open(log, "w") as f:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "aligner.rollout.worker", "+recipe=digits", *RUN, *rollout],
+                env=_env(),
+                cwd=str(tmp_path),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                out = _run(server, run_dir, *rollout, env=env, ok=False)
+                code = worker.wait(timeout=60)
+            finally:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+        return out, code, log.read_text()
+
+    out, code, worker_log = with_worker(_env(ALIGNER_FAULT_AT="mid_step@3"))
+    assert out.returncode == -signal.SIGKILL, out.stdout[-2000:] + out.stderr[-2000:]
+    assert code == 1 and "stopping:" in worker_log, worker_log[-2000:]
+    assert complete_steps(run_dir / "checkpoints", role="actor")[-1] == 2
+    out, code, worker_log = with_worker(_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert code == 0 and "resuming from step 2" in out.stdout
     _same_run(continuous, run_dir)
 
 

@@ -32,7 +32,12 @@ from _torchrun import run_worker
 
 GRAD_TOL = 1e-5
 """Largest gradient difference, relative to the largest gradient element."""
-WEIGHT_TOL = 1e-5
+WEIGHT_TOL = 1e-4
+"""Largest weight difference after the two AdamW steps of 2e-3 (absolute). Adam divides each
+gradient element by its own running magnitude, so an element whose two gradients nearly cancel
+carries their rounding into its step almost whole: TP=2 measured 1.03e-5 on one machine (AVX-512
+kernels; gradients 1.7e-6 apart, as above) and under 1e-5 on another. A wrong loss moves the
+gradients by 0.08 of their largest element, which the gradient check catches."""
 STAT_TOL = 1e-5
 """Largest statistic difference, relative to the larger of 1 and the statistic."""
 

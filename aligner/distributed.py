@@ -38,6 +38,7 @@ __all__ = [
     "recv_json",
     "seed_everything",
     "send_json",
+    "spare_port",
 ]
 
 
@@ -146,6 +147,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def spare_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port for another process to bind later, picked at random below the range the OS
+    hands out to ``bind(0)`` and outgoing connections (Linux: ``net.ipv4.ip_local_port_range``,
+    usually from 32768): no other process's ephemeral port can take it in between, as one took a
+    :func:`free_port` once between its choice and the trainer's bind. Random from the system's
+    source (seeded streams would make parallel processes pick alike); checked free."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low <= 11000:  # no room below the ephemeral range: take one of them
+        return free_port(host)
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def seed_everything(seed: int) -> None:

@@ -165,9 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"aligner-launch: server ready at {server.url}; actor on {args.actor_gpus}", flush=True)
     started: list[subprocess.Popen] = []
     if workers:
-        from aligner.distributed import free_port
+        from aligner.distributed import spare_port
 
-        address, same = f"127.0.0.1:{free_port()}", list(actor_overrides)
+        address, same = f"127.0.0.1:{spare_port()}", list(actor_overrides)
         actor_overrides = [*same, f"rollout.workers={workers}", f"rollout.address={address}"]
         log_dir.mkdir(parents=True, exist_ok=True)
         for w in range(1, workers + 1):

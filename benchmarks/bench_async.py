@@ -78,11 +78,11 @@ def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int], settin
     from omegaconf import OmegaConf
 
     from aligner.actor.run import run
-    from aligner.distributed import free_port
+    from aligner.distributed import spare_port
     from aligner.metrics import read_metrics
 
     workers, k = MODES[mode]
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
     run_dir = tmp / f"{mode}-{len(list(tmp.glob(f'{mode}-*')))}"
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):

@@ -64,3 +64,23 @@ def test_data_parallel_ranks_save_and_export_without_racing_the_writer(tmp_path)
     result = run_worker("dp_save.py", str(tmp_path), timeout=180)
     assert result["errors"] == [[], []]
     assert result["files"] == ["hf/model.safetensors", "policy/model.safetensors"]
+
+
+def test_spare_port_is_free_and_below_the_ephemeral_range():
+    """A port for another process to bind later lies outside the range bind(0) draws from, so that
+    no ephemeral port can take it first, and is free when returned."""
+    import socket
+
+    from aligner.distributed import spare_port
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range")
+    ports = {spare_port() for _ in range(20)}
+    assert len(ports) > 10  # drawn at random, not from a seeded stream
+    for port in ports:
+        assert (10000 <= port < low) if low > 11000 else port >= low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

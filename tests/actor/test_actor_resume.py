@@ -207,12 +207,12 @@ def test_a_killed_trainer_stops_its_rollout_worker_and_resumes_exactly_with_a_ne
     """The trainer generates on a worker of its own (k = 0: the continuous run's algorithm) and is
     killed mid-step 3; the worker sees it go and exits 1 (nothing left waiting); a new trainer and
     a new worker resume from step 2 and end as the continuous run."""
-    from aligner.distributed import free_port
+    from aligner.distributed import spare_port
 
     run_dir = tmp_path / "run"
 
     def with_worker(env: dict) -> tuple[subprocess.CompletedProcess, int, str]:
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{spare_port()}"
         rollout = ["rollout.workers=1", f"rollout.address={address}", "rollout.timeout_s=120"]
         log = tmp_path / f"worker-{address.rsplit(':', 1)[1]}.log"
         with open(log, "w") as f:

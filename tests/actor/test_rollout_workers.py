@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from aligner.actor.rollout_workers import RolloutWorkerError
 from aligner.actor.run import build_actor
 from aligner.checkpoint import step_dir_name
-from aligner.distributed import destroy, free_port
+from aligner.distributed import destroy, spare_port
 from aligner.metrics import read_metrics
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
@@ -108,7 +108,7 @@ def _run(
 ):
     """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
     the toy critic to use (a resumed run's must be the one its first part saved to)."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
     rollout = [*rollout, *extra] if workers else list(extra)
     cfg = _compose(

@@ -18,7 +18,7 @@ from _actor_runs import FAST, digit_server, run_actor, torchrun_actor
 from safetensors.torch import load_file
 
 from aligner.checkpoint import step_dir_name
-from aligner.distributed import free_port
+from aligner.distributed import spare_port
 from aligner.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.subprocess, pytest.mark.multiprocess]
@@ -59,7 +59,7 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
     ckpt = lambda d: f"checkpoint.dir={d / 'ckpt'}"  # noqa: E731
     torchrun_actor(2, url, tmp_path / "in-process", [*COMMON, ckpt(tmp_path / "in-process")])
 
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{spare_port()}"
     rollout = ["rollout.workers=1", f"rollout.address={address}"]
     log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - closed below
     worker = subprocess.Popen(
@@ -102,7 +102,7 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
 def _with_worker(tmp_path: Path, name: str, run, *extra: str) -> Path:
     """``run(rollout_overrides)`` against one worker started for it (with the trainer's ``extra``
     overrides, as ``aligner-launch`` gives them); the worker's log."""
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{spare_port()}"
     rollout = ["rollout.workers=1", f"rollout.address={address}", "rollout.max_staleness=1"]
     log_path = tmp_path / f"{name}-worker.log"
     with open(log_path, "w") as log:

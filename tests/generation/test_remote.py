@@ -11,7 +11,7 @@ import torch
 
 from aligner.actor.config import ActorConfig
 from aligner.config_checks import Problems
-from aligner.distributed import free_port
+from aligner.distributed import spare_port
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
     RolloutConfig,
@@ -51,7 +51,7 @@ def test_prompts_outputs_and_sampling_travel_unchanged():
 
 
 def test_a_group_of_its_own_carries_messages_broadcasts_and_sums_between_two_processes_ends():
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{spare_port()}"
     got: dict = {}
 
     def peer():

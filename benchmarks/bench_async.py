@@ -72,8 +72,11 @@ ESTIMATORS = {
 """``--advantage``: critic-free GRPO against a reward-only server, or GAE against a critic."""
 
 
-def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int], settings: list[str]) -> list[dict]:
-    """One mode's run (the worker on ``cores[1]`` when there are two); its metrics rows."""
+def one_run(
+    mode: str, steps: int, url: str, tmp: Path, cores: list[int], settings: list[str], name: str
+) -> list[dict]:
+    """One mode's run in ``tmp / name`` (the worker on ``cores[1]`` when there are two); its
+    metrics rows."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -84,7 +87,7 @@ def one_run(mode: str, steps: int, url: str, tmp: Path, cores: list[int], settin
     workers, k = MODES[mode]
     address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
-    run_dir = tmp / f"{mode}-{len(list(tmp.glob(f'{mode}-*')))}"
+    run_dir = tmp / name
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
             "actor",
@@ -186,8 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
                     *ESTIMATORS[args.advantage],
                     *([f"seed={seed}"] if seed is not None else []),
                 ]
-                rows = one_run(mode, args.steps, server.url, tmp, cores, settings)
-                results[mode if seed is None else f"{mode}/{seed}"] = summarize(rows, args.target, BATCH)
+                name = mode if seed is None else f"{mode}/{seed}"
+                rows = one_run(mode, args.steps, server.url, tmp, cores, settings, name.replace("/", "-"))
+                results[name] = summarize(rows, args.target, BATCH)
     finally:
         server.stop()
     print(

@@ -134,10 +134,9 @@ class RolloutWorkers:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.backend = backend
         try:
-            self.links = RolloutLinks(r, 0, backend)
+            self._use(RolloutLinks(r, 0, backend))
         except RuntimeError as e:
             raise RolloutWorkerError(str(e)) from e
-        self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=r.bucket_mb << 20)
         for w in self.alive:
             meta, _ = recv_message(self.links.rollouts, w)
             differ = _differences(identity, meta)
@@ -148,6 +147,11 @@ class RolloutWorkers:
                     f"{'; '.join(differ)}; give it the trainer's model, tokenizer and precision overrides"
                 )
         self._listen_all()
+
+    def _use(self, links: RolloutLinks) -> None:
+        """Talk to the workers over ``links`` from now on (the push too)."""
+        self.links = links
+        self.pusher = WeightPusher(links.weights, src=0, bucket_bytes=self.rcfg.bucket_mb << 20)
 
     def _listen_all(self) -> None:
         """A listener thread for every worker on the current channels."""
@@ -372,10 +376,11 @@ class RolloutWorkers:
                 }
                 send_message(self.links.commands, old_rank[other], meta)
             self.retired.append(self.links)  # kept: a group is not torn down under a peer that died
-            self.links = RolloutLinks(
-                self.rcfg, 0, self.backend, epoch=epoch, workers=len(self.alive), store=self.links.store
+            self._use(
+                RolloutLinks(
+                    self.rcfg, 0, self.backend, epoch=epoch, workers=len(self.alive), store=self.links.store
+                )
             )
-        self.pusher = WeightPusher(self.links.weights, src=0, bucket_bytes=self.rcfg.bucket_mb << 20)
         self._listen_all()
         for key in owed:
             self._send_ask(key, self.pushed)

@@ -23,10 +23,14 @@ from _recipes import (
     K8S,
     OPERATOR_ENV,
     ROOT,
+    _log,
+    _slurm_env,
+    actor_config,
     assert_dev_shm_in_memory,
     check_actor_pod,
     container,
     critic_parts,
+    env_of,
     one,
     render,
     rendered,
@@ -407,8 +411,6 @@ def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, sche
     index + 1, run here through the container's own shell command); the address names the one-node
     actor's headless Service (or the operator's Service of a PyTorchJob's Master), and the network
     policies let actor and workers reach each other."""
-    from _recipes import _log, _slurm_env, actor_config, env_of
-
     docs = rendered(
         f"actor_nodes={nodes}",
         "rollout_workers=3",

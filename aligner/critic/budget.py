@@ -235,6 +235,15 @@ class MemoryBudget:
     def describe(self) -> str:
         return "off" if self.budget is None else f"{self.budget / GIB:.2f} GiB"
 
+    def stats(self) -> dict[str, int | None]:
+        """The budget (None: off), the memory the server's processes use now, and the executions
+        refused for memory since start-up (``server_info``'s ``extra.capacity``)."""
+        return {
+            "memory_budget_bytes": self.budget,
+            "memory_used_bytes": self.measure(),
+            "refused_for_memory": self.refused,
+        }
+
     def estimate(self, model: str, nbytes: int) -> int:
         """The memory an execution's work is estimated to add: its inputs' ``nbytes``
         (:func:`request_bytes`) x the model's factor."""

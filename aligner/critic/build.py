@@ -190,7 +190,7 @@ def build_parts(cfg: CriticServerConfig, state: ParallelState, lock: threading.L
         )
     layout = Layout.gather(state)  # collective: before the heartbeat can broadcast
     # On rank 0 of a world of several ranks this starts the heartbeat.
-    peers = PeerLink(state, lock)
+    peers = PeerLink(state, lock, cfg.parallel.peer_timeout_s)
     replicas = Replicas(state, layout, peers, update)
     checkpoints = None
     if critic is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from aligner.config_checks import ConfigError, Problems
 from aligner.critic.budget import ServerCapacity
 from aligner.critic.config_limits import LimitsConfig
+from aligner.critic.config_parallel import ParallelSection
 from aligner.critic.reward_conventions import reward_options_problems
 from aligner.critic.reward_fn import reward_fn_problem
 from aligner.critic.reward_model import checkpoint_folder_problem, tokenizer_folder
@@ -92,41 +93,6 @@ class ServerConfig(ServerCapacity):
     anyone who reaches the server may then train, save and load; warned at start-up)."""
     tls: ServerTLSConfig = field(default_factory=ServerTLSConfig)
     """TLS on the gRPC endpoint (off by default; :mod:`aligner.critic.tls`)."""
-
-
-@dataclass
-class ParallelSection:
-    """How the critic is split across processes (launch with torchrun for TP x DP > 1)."""
-
-    tensor_model_parallel_size: int = 1
-    """Megatron tensor parallel size: the ranks of one replica of the critic."""
-    data_parallel_size: int = 1
-    """Replicas of the critic behind the one PyTriton front end (on global rank 0): each merged
-    critic_infer batch and each critic_train step is split across them by rows. The world size
-    must equal TP x DP."""
-    pipeline_model_parallel_size: int = 1
-    """Megatron pipeline parallel size (only 1 is supported by the critic server)."""
-    backend: str = "auto"
-    """'auto' (nccl with CUDA, else gloo), 'gloo' or 'nccl'."""
-
-    @property
-    def world_size(self) -> int:
-        """The processes this layout needs: TP x PP x DP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
-
-    def world_size_problem(self, world: int) -> str | None:
-        """Why a launch of ``world`` processes does not fit this layout, or None when it does."""
-        if world == self.world_size:
-            return None
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        fix = f"launch with torchrun --nproc_per_node {self.world_size}"
-        if world % (tp * pp) == 0:
-            fix = f"set parallel.data_parallel_size={world // (tp * pp)}, or {fix}"
-        return (
-            f"WORLD_SIZE={world}: expected parallel.tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp} x data_parallel_size={self.data_parallel_size} = "
-            f"{self.world_size}; {fix}"
-        )
 
 
 @dataclass
@@ -382,17 +348,7 @@ class CriticServerConfig:
         e += s.tls.problems(s.http_port)
 
         p = self.parallel
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
-            v = getattr(p, key)
-            if v < 1:
-                e.append(f"parallel.{key}={v}: expected >= 1")
-        if p.pipeline_model_parallel_size != 1:
-            e.append(
-                f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size}: the critic "
-                "server supports tensor parallelism only; set it to 1"
-            )
-        if p.backend not in ("auto", "gloo", "nccl"):
-            e.append(f"parallel.backend={p.backend!r}: expected one of 'auto', 'gloo', 'nccl'")
+        e += p.problems()
         if p.tensor_model_parallel_size >= 1 and p.pipeline_model_parallel_size >= 1:
             e += [
                 f"model.{m}"

@@ -20,6 +20,7 @@ __all__ = [
     "check_ports_free",
     "parallel_model_cleanup",
     "connectable_host",
+    "descendants",
     "pid_alive",
     "prepare_environment",
     "remove_stale_workspaces",
@@ -54,6 +55,32 @@ def prepare_environment(cache_root: str | os.PathLike | None = None) -> Path:
     os.environ.setdefault("PYTRITON_HOME", str(root))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def descendants(root: int) -> dict[int, int]:
+    """``root``'s live descendants: pid -> process group (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        pid, ppid, pgid = int(name), int(fields[1]), int(fields[2])
+        children.setdefault(ppid, []).append(pid)
+        groups[pid] = pgid
+    found: dict[int, int] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = groups[pid]
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from aligner.critic.host import descendants
 from aligner.wire.readiness import ServerStartError, wait_ready
 from aligner.wire.tls import ClientTLS
 
@@ -193,27 +194,7 @@ class ServerProcess:
 
 def _descendant_groups(root: int) -> set[int]:
     """The process groups of ``root``'s live descendants (Linux ``/proc``; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    groups: dict[int, int] = {}
-    try:
-        names = [n for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
-        return set()
-    for name in names:
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        pid, ppid, pgid = int(name), int(fields[1]), int(fields[2])
-        children.setdefault(ppid, []).append(pid)
-        groups[pid] = pgid
-    found, todo = set(), list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.add(groups[pid])
-        todo.extend(children.get(pid, []))
-    return found
+    return set(descendants(root).values())
 
 
 def start_server(

@@ -13,10 +13,16 @@ Idle peers would hit the collective timeout, so rank 0 broadcasts a ping every
 :data:`HEARTBEAT_S` seconds when nothing else happens. Checkpoint shards and the values of the
 other replicas travel point to point (:meth:`PeerLink.send`, :meth:`PeerLink.recv`). In a world
 of one nothing is sent.
+
+A hung rank, or a collective that fails, ends the server (:mod:`aligner.critic.liveness`): every
+rank beats and watches the others' beats (:class:`~aligner.critic.liveness.PeerWatch`); a peer
+that finds a hung rank, or whose collective fails, exits at once; rank 0 records it
+(:attr:`PeerLink.lost`), and the server's main loop stops Triton and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -27,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from aligner.critic.liveness import PeerWatch, exit_now, fatal_collective
 from aligner.distributed import ParallelState, comm_device
 
 __all__ = ["Op", "PeerLink", "Received", "HEARTBEAT_S"]
@@ -80,20 +87,43 @@ class PeerLink:
     """Rank 0's broadcasts to every other rank, and their side of them.
 
     ``lock`` is the service's: the heartbeat takes it, so a ping never falls between an
-    operation's header and its arrays.
+    operation's header and its arrays. ``peer_timeout_s``: ``parallel.peer_timeout_s`` (None: no
+    watch, for tests that drive ranks by hand).
     """
 
-    def __init__(self, state: ParallelState, lock: threading.Lock) -> None:
+    def __init__(
+        self, state: ParallelState, lock: threading.Lock, peer_timeout_s: float | None = None
+    ) -> None:
         self.state = state
         self._lock = lock
         self._stopped = False
         self._last_op = time.monotonic()
         self._heartbeat: threading.Thread | None = None
+        self._lost = threading.Event()
+        self.lost_reason = ""
+        """Rank 0: why the server must end (a hung rank, a failed collective); empty while all is well."""
+        self._watch: PeerWatch | None = None
+        if state.world_size > 1 and peer_timeout_s is not None:
+            self._watch = PeerWatch(state.rank, state.world_size, peer_timeout_s, self.fail)
         if state.rank == 0 and state.world_size > 1:
             self._heartbeat = threading.Thread(
                 target=self._heartbeat_loop, name="critic-peer-heartbeat", daemon=True
             )
             self._heartbeat.start()
+
+    @property
+    def lost(self) -> bool:
+        """Rank 0: whether a rank was found hung or a collective failed (the server must end)."""
+        return self._lost.is_set()
+
+    def fail(self, what: str) -> None:
+        """The ranks no longer agree, or one is hung: a peer exits at once (its main thread may
+        never return from a collective); rank 0 records ``what`` for the server's main loop."""
+        if self.state.rank != 0:
+            exit_now(what)
+        if not self._lost.is_set():
+            self.lost_reason = what
+            self._lost.set()
 
     # -- rank 0 ---------------------------------------------------------------------------------
 
@@ -116,7 +146,10 @@ class PeerLink:
     def stop(self) -> None:
         """Release the peers (rank 0, holding the lock): they return from :meth:`operations`."""
         self._stopped = True
-        self.broadcast(Op.STOP)
+        if self._watch is not None:
+            self._watch.stop()
+        if not self.lost:
+            self.broadcast(Op.STOP)
 
     def _heartbeat_loop(self) -> None:
         while not self._stopped:
@@ -124,9 +157,12 @@ class PeerLink:
             if time.monotonic() - self._last_op < HEARTBEAT_S:
                 continue
             with self._lock:
-                if self._stopped:
+                if self._stopped or self.lost:
                     return
-                self.broadcast(Op.PING)
+                try:
+                    self.broadcast(Op.PING)
+                except Exception:  # recorded by _failing: the server's main loop ends it
+                    return
                 self.touch()
 
     # -- peers ----------------------------------------------------------------------------------
@@ -140,6 +176,8 @@ class PeerLink:
             if op == Op.PING:
                 continue
             if op == Op.STOP:
+                if self._watch is not None:
+                    self._watch.stop()
                 return
             arrays = tuple(
                 self._bcast(torch.empty(shape, dtype=dt)).numpy() for shape, dt in _array_specs(op, b, s)
@@ -150,16 +188,29 @@ class PeerLink:
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         """Send ``t`` to global rank ``dst``."""
-        dist.send(t.detach().contiguous().to(comm_device()), dst=dst)
+        with self._failing(f"a send to rank {dst}"):
+            dist.send(t.detach().contiguous().to(comm_device()), dst=dst)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a ``shape``/``dtype`` tensor from global rank ``src``; on the CPU."""
         t = torch.empty(shape, dtype=dtype, device=comm_device())
-        dist.recv(t, src=src)
+        with self._failing(f"a receive from rank {src}"):
+            dist.recv(t, src=src)
         return t.cpu()
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast ``t`` from rank 0 (every rank passes a tensor of the same shape); CPU result."""
         t = t.contiguous().to(comm_device())
-        dist.broadcast(t, src=0)
+        with self._failing("a broadcast from rank 0"):
+            dist.broadcast(t, src=0)
         return t.cpu()
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """A failed collective (a peer gone, or a wait past ``parallel.timeout_s``) ends the server."""
+        try:
+            yield
+        except Exception as e:
+            if fatal_collective(e) and not self._stopped:
+                self.fail(f"critic server rank {self.state.rank}: {what} failed: {type(e).__name__}: {e}")
+            raise

@@ -13,6 +13,9 @@ and how refused requests are logged.
 - ``server_info`` answers every caller (the probe and readiness checks send no token), but when
   the server has a token, a caller that does not send it gets only what a client needs to check
   compatibility (:data:`PUBLIC_INFO_FIELDS`): no paths, pid, optimizer or checkpoint steps.
+- PyTriton hands Triton its admin token (loading and unloading models) on ``tritonserver``'s
+  command line, the only way the bundled Triton takes it; once Triton runs, the server overwrites
+  it there (:func:`hide_admin_token`), so the process list shows ``x``s from then on.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "drop_token_env",
     "info_for",
     "RefusalLog",
+    "hide_admin_token",
 ]
 
 log = logging.getLogger("aligner.critic")
@@ -217,3 +221,58 @@ class RefusalLog:
             self._last[(model, kind)] = [now, 0]
         more = f" (and {left_out} more {kind} since the last such line)" if left_out else ""
         self.logger.warning("%s refused: %s%s", model, neutralize(str(error), 300), more)
+
+
+_RESTRICTED = (b"--grpc-restricted-protocol", b"--http-restricted-api")
+
+
+def hide_admin_token(root: int) -> int:
+    """Overwrite, in place, the admin token on the command line of every ``tritonserver`` under
+    process ``root`` (its ``--grpc-restricted-protocol`` and ``--http-restricted-api`` values,
+    ``<apis>:<header>=<token>``), so that ``/proc/<pid>/cmdline`` no longer shows it. Triton read
+    its arguments when it started and keeps its own copy; the bytes are overwritten through
+    ``/proc/<pid>/mem``, which a parent may write to (a ptrace-mode access: same user, and a Yama
+    ``ptrace_scope`` of at most 1). Returns how many processes were changed; one that could not be
+    is logged (the token stays visible to local users then, as README says), never raised.
+    """
+    from aligner.critic.host import descendants
+
+    changed = 0
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+            if not args or not args[0].endswith(b"tritonserver"):
+                continue
+            tokens = set()
+            for i, a in enumerate(args):  # --flag=<value> or --flag <value>
+                flag, eq, value = a.partition(b"=")
+                if flag in _RESTRICTED and not eq and i + 1 < len(args):
+                    value = args[i + 1]
+                elif flag not in _RESTRICTED:
+                    continue
+                token = value.partition(b":")[2].partition(b"=")[2]  # <apis>:<header>=<token>
+                if token:
+                    tokens.add(token)
+            if not tokens:
+                continue
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields_ = f.read().rsplit(b")", 1)[1].split()
+            start, end = int(fields_[45]), int(fields_[46])  # arg_start, arg_end (stat fields 48, 49)
+            with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+                mem.seek(start)
+                area = mem.read(end - start)
+                hidden = area
+                for t in tokens:
+                    hidden = hidden.replace(t, b"x" * len(t))
+                mem.seek(start)
+                mem.write(hidden)
+            changed += 1
+        except OSError as e:
+            log.warning(
+                "could not hide Triton's admin token on its command line (pid %d: %s); local users "
+                "who can list processes can read it (README, 'What the server trusts')",
+                pid,
+                e.strerror or e,
+            )
+    return changed

@@ -60,7 +60,8 @@ requests it answered: ``server_info``'s ``batching`` (a histogram since start-up
 
 Replicas. With ``parallel.data_parallel_size`` > 1 this one front end serves TP x DP ranks: the
 rows of each execution are split across the replicas, and each training step's gradients are
-summed over them (:mod:`aligner.critic.replicas`). The world size must be TP x DP.
+summed over them (:mod:`aligner.critic.replicas`). A rank that hangs, or a collective that fails,
+ends the server (exit 1, nothing saved) for its supervisor to restart (:mod:`aligner.critic.liveness`).
 
 Modes. ``mode: critic`` (the default) serves the critic and the reward source; ``mode:
 reward_only`` serves the reward source alone, for critic-free actors: the same five models, with
@@ -73,9 +74,9 @@ a run token when it serves beyond loopback or with HTTP on (making ``<log.dir>/r
 was set) and drops ``$ALIGNER_RUN_TOKEN`` from its environment (:mod:`aligner.critic.security`),
 prepares the environment PyTriton needs (``LD_LIBRARY_PATH`` to the interpreter's libdir, a
 project-local cache), starts Triton on the configured (or free) ports (HTTP only when
-``server.http_port`` is set; ``http=0`` in the PORTS line when off), prints ``PORTS ...`` and
-then ``READY grpc://host:port`` on stdout once every model is loaded and ``/v2/health/ready`` answers, and serves until SIGTERM/SIGINT.
-Shutdown finishes the in-flight operation, saves the last applied step if
+``server.http_port`` is set; ``http=0`` in the PORTS line when off), prints ``PORTS ...`` and then
+``READY grpc://host:port`` once every model is loaded and ``/v2/health/ready`` answers, and serves
+until SIGTERM/SIGINT. Shutdown finishes the in-flight operation, saves the last applied step if
 ``checkpoint.save_on_sigterm``, stops Triton and returns 0.
 """
 
@@ -119,9 +120,17 @@ from aligner.critic.host import (
     remove_stale_workspaces,
     setup_logging,
 )
+from aligner.critic.liveness import end_server, fatal_collective
 from aligner.critic.metrics import MetricsWriter
-from aligner.critic.security import RefusalLog, TokenFileError, drop_token_env, info_for, server_run_token
-from aligner.critic.service import CriticService
+from aligner.critic.security import (
+    RefusalLog,
+    TokenFileError,
+    drop_token_env,
+    hide_admin_token,
+    info_for,
+    server_run_token,
+)
+from aligner.critic.service import CriticService, start_state
 from aligner.critic.tls import http_options, own_ready_url, pytriton_http_port
 from aligner.distributed import ParallelConfig, destroy, free_port, initialize
 from aligner.wire.protocol import (
@@ -193,6 +202,11 @@ class CriticTritonServer:
         self.budget = MemoryBudget(
             s.memory_budget_gb, work_factors(None if service.reward_only else service.model_cfg)
         )
+        service.capacity = lambda: {
+            "max_queue_size": s.max_queue_size if s.dynamic_batching else None,
+            "max_batch_size": s.max_batch_size,
+            **self.budget.stats(),
+        }
 
     @property
     def grpc_url(self) -> str:
@@ -222,6 +236,8 @@ class CriticTritonServer:
             rows = sum(int(next(iter(o.values())).shape[0]) for o in out) if model == INFER else len(out)
             return out
         except Exception as e:
+            if fatal_collective(e):  # the ranks no longer agree: the main loop ends the server
+                self.service.peers.fail(f"{model}: a collective between the server's ranks failed: {e}")
             if isinstance(e, (ProtocolError, CriticServiceError)):
                 self.refusals.refused(model, e)  # expected: throttled, no traceback
             else:
@@ -421,6 +437,7 @@ class CriticTritonServer:
                 strict=True,
             )
         self.triton.run()
+        hide_admin_token(os.getpid())  # Triton has read its arguments: off its command line
         wait_ready(own_ready_url(self.grpc_url, self.pytriton_http_port), timeout_s=120.0, models=MODEL_NAMES)
 
     def is_alive(self) -> bool:
@@ -432,29 +449,6 @@ class CriticTritonServer:
             parallel_model_cleanup(self.triton)
             self.triton.stop()
             self.triton = None
-
-
-def _start_state(service: CriticService, cfg: CriticServerConfig) -> None:
-    """Where the critic starts (rank 0; peers follow the load): with ``checkpoint.resume=auto``
-    the newest complete critic checkpoint, so a restarted server comes back with its last saved
-    critic; then, with nothing applied yet, the initial critic is saved as step 0
-    (``checkpoint.save_initial``). A reward-only server holds no critic: nothing to load or save."""
-    if service.reward_only:
-        log.info("mode=reward_only: no critic to resume or to save as step 0")
-        return
-    if cfg.checkpoint.resume == "auto":
-        latest = service.latest_checkpoint()
-        if latest is not None:
-            service.load(latest)
-        else:
-            log.info(
-                "checkpoint.resume=auto: no complete critic checkpoint under %s; starting fresh",
-                cfg.checkpoint.dir,
-            )
-    if service.critic_step < 0:  # a fresh start: an earlier run's rows in log.dir are not this run's
-        service.rewind_metrics(-1)
-    if cfg.checkpoint.save_initial and service.critic_step < 0:
-        service.save(0)
 
 
 def run_server(cfg: CriticServerConfig) -> int:
@@ -497,6 +491,7 @@ def run_server(cfg: CriticServerConfig) -> int:
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
             backend=p.backend,
+            timeout_s=p.timeout_s,
         ),
         seed=cfg.seed,
     )
@@ -509,7 +504,7 @@ def run_server(cfg: CriticServerConfig) -> int:
             metrics = MetricsWriter(cfg.log.dir, tensorboard=cfg.log.tensorboard)
         service = CriticService(cfg, state, metrics=metrics)
         if state.rank == 0:
-            _start_state(service, cfg)
+            start_state(service, cfg)
         drop_token_env()  # read: Triton and its backend stubs, started below, never hold it
         if state.rank != 0:
             service.serve_peers()
@@ -543,6 +538,8 @@ def run_server(cfg: CriticServerConfig) -> int:
         print(f"READY {server.grpc_url}", flush=True)
         next_stats = time.monotonic() + cfg.log.stats_interval_s
         while not stop.wait(0.25):
+            if service.peers.lost:  # a hung rank or a failed collective: restart from the checkpoint
+                end_server(service.peers.lost_reason)
             if not server.is_alive():
                 log.error("Triton stopped unexpectedly; exiting")
                 service.close(save=cfg.checkpoint.save_on_sigterm)

@@ -46,10 +46,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ from aligner.critic.errors import (
     reward_only_refusal,
 )
 from aligner.critic.exactly_once import AppliedSteps
+from aligner.critic.info import service_info
 from aligner.critic.metrics import MetricsWriter, RequestStats
 from aligner.critic.ordering import StepGate, other_instances
 from aligner.critic.peers import Op
@@ -97,7 +98,7 @@ from aligner.wire.protocol import (
     validate_train,
 )
 
-__all__ = ["CriticService"]
+__all__ = ["CriticService", "start_state"]
 
 log = logging.getLogger("aligner.critic")
 
@@ -128,6 +129,9 @@ class CriticService:
         self.order = StepGate(self._lock, cfg.server.infer_wait_s)
         """critic_infer's wait for the critic step it asks for (rank 0)."""
         self.started_at = time.time()
+        self.capacity: Callable[[], dict[str, Any]] | None = None
+        """Set by the server that binds this service to Triton: its queue bound and memory budget
+        (``server_info``'s ``extra.capacity``)."""
         self.instance_id = uuid.uuid4().hex
         """Made once per process start: a client that finds another one talks to another server."""
         # Checked at start-up by the config (a bad file is a config error naming the key).
@@ -200,73 +204,8 @@ class CriticService:
             raise ServiceClosedError()
 
     def info(self) -> ServerInfo:
-        """What clients check before they send anything."""
-        c = self.cfg
-        return ServerInfo(
-            protocol_version=PROTOCOL_VERSION,
-            vocab_size=self.limits.vocab_size,
-            max_seq_len=self.limits.max_seq_len,
-            tokenizer=c.tokenizer,
-            tokenizer_fingerprint=self.tokenizer.fingerprint(),
-            critic_step=self.critic_step,
-            max_batch_size=self.limits.max_batch,
-            max_train_batch=self.limits.max_train_batch,
-            reward={
-                "fn": c.reward.fn,
-                "fn_convention": self.reward_fn.convention if self.reward_fn is not None else None,
-                "fn_calls": self.reward_fn.stats() if self.reward_fn is not None else None,
-                "fn_kwargs": sorted(c.reward.fn_kwargs),
-                "model_path": c.reward.model_path,
-                "hf_path": c.reward.hf_path,
-                "fn_scale": c.reward.fn_scale,
-                "model_mean": c.reward.model_mean,
-                "model_std": c.reward.model_std,
-                "model": self.rm_cfg.to_dict() if self.rm_cfg is not None else None,
-                # A reward model that reads text: its tokenizer, and how many samples it read and
-                # cut from the left to its max_seq_len since start-up.
-                "text": None
-                if self.reward_tokens is None
-                else {
-                    "tokenizer": self.reward_tokens.spec,
-                    "chat_template": self.reward_tokens.chat_template,
-                    "max_len": self.reward_tokens.max_len,
-                    "rows": self.reward_tokens.rows,
-                    "truncated": self.reward_tokens.truncated,
-                },
-            },
-            infer_inputs=self.infer_inputs,
-            critic=not self.reward_only,
-            model={} if self.reward_only else self.model_cfg.to_dict(),
-            parallel={
-                "tensor_model_parallel_size": self.tp_size,
-                "pipeline_model_parallel_size": 1,
-                "data_parallel_size": self.dp_size,
-            },
-            last_saved_step=self.last_saved_step,
-            checkpoint_steps=[] if self.checkpoints is None else self.checkpoints.steps(),
-            instance_id=self.instance_id,
-            run_token_required=self.run_token is not None,
-            batching={
-                "dynamic_batching": c.server.dynamic_batching,
-                "max_queue_delay_us": c.server.max_queue_delay_us,
-                **self.request_stats.batching(INFER),
-            },
-            infer_wait_s=float(c.server.infer_wait_s),
-            extra={
-                "mode": self.cfg.mode,
-                "init_source": self.init_source,
-                "pid": os.getpid(),
-                "started_at": self.started_at,
-                "optim": dict(vars(c.optim)),
-                "precision": self.precision,
-                "model_forward": self.model_forward,
-                "reuse_infer_forward": self.reuse_infer_forward,
-                "reused_infer_forwards": self.reused_forwards,
-                "infer_after_step": self.order.stats(),
-                "requests": self.request_stats.lifetime(),
-                "metrics_dropped": self.metric_failures.count + getattr(self.metrics, "dropped", 0),
-            },
-        )
+        """What clients check before they send anything (:func:`~aligner.critic.info.service_info`)."""
+        return service_info(self)
 
     def infer(
         self,
@@ -597,3 +536,26 @@ class CriticService:
         if rm_scores is not None:
             total += (rm_scores.astype(np.float64) - r.model_mean) / r.model_std
         return total.astype(np.float32)
+
+
+def start_state(service: CriticService, cfg: CriticServerConfig) -> None:
+    """Where the critic starts (rank 0; peers follow the load): with ``checkpoint.resume=auto``
+    the newest complete critic checkpoint, so a restarted server comes back with its last saved
+    critic; then, with nothing applied yet, the initial critic is saved as step 0
+    (``checkpoint.save_initial``). A reward-only server holds no critic: nothing to load or save."""
+    if service.reward_only:
+        log.info("mode=reward_only: no critic to resume or to save as step 0")
+        return
+    if cfg.checkpoint.resume == "auto":
+        latest = service.latest_checkpoint()
+        if latest is not None:
+            service.load(latest)
+        else:
+            log.info(
+                "checkpoint.resume=auto: no complete critic checkpoint under %s; starting fresh",
+                cfg.checkpoint.dir,
+            )
+    if service.critic_step < 0:  # a fresh start: an earlier run's rows in log.dir are not this run's
+        service.rewind_metrics(-1)
+    if cfg.checkpoint.save_initial and service.critic_step < 0:
+        service.save(0)

@@ -13,9 +13,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from aligner.critic import probe, security
 from aligner.critic.config import build_config
+from aligner.critic.host import descendants
 from aligner.critic.launch import start_server
 from aligner.critic.testing import digit_batch, raw_error, raw_info, tiny_config, tiny_overrides, train_arrays
 from aligner.critic.tls import ServerTLSConfig
@@ -118,20 +121,7 @@ def env(tmp_path_factory):
 
 
 def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    return list(descendants(pid))
 
 
 def _tritonserver(pid: int) -> int:
@@ -173,6 +163,25 @@ def test_http_is_off_only_grpc_listens(env):
     server = env["server"]
     assert server.ports["http"] == 0 and server.http_url == ""
     assert _listening_ports(_tritonserver(server.pid)) == {server.ports["grpc"]}
+
+
+@pytest.mark.server
+def test_tritons_admin_token_is_off_its_command_line_and_still_guards_the_admin_calls(env):
+    args = Path(f"/proc/{_tritonserver(env['server'].pid)}/cmdline").read_bytes().split(b"\0")
+    values = [args[i + 1] for i, a in enumerate(args) if a in security._RESTRICTED]
+    assert len(values) == 2, args  # gRPC and HTTP (off here, but configured alike)
+    for v in values:
+        header, _, token = v.partition(b":")[2].partition(b"=")
+        assert header and token and set(token) == {ord("x")}, v
+    # Triton kept its own copy: the model-repository API still wants the real token.
+    client = grpcclient.InferenceServerClient(env["server"].url.split("://", 1)[1])
+    try:
+        with pytest.raises(InferenceServerException, match="(?i)restricted|unauthenticated|permission"):
+            client.get_model_repository_index()
+        with pytest.raises(InferenceServerException, match="(?i)restricted|unauthenticated|permission"):
+            client.get_model_repository_index(headers={header.decode(): token.decode()})
+    finally:
+        client.close()
 
 
 @pytest.mark.server

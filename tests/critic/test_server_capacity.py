@@ -87,6 +87,9 @@ def test_a_full_queue_refuses_as_overloaded_and_the_client_resends(server):
             np.testing.assert_allclose(values, want["values"], rtol=0, atol=1e-5)
     after = raw_info(server.url)
     assert server.returncode is None and after.critic_step == before.critic_step
+    capacity = after.extra["capacity"]  # the queue bound, no budget (no container limit here)
+    assert capacity["max_queue_size"] == 2 and capacity["refused_for_memory"] == 0
+    assert capacity["memory_used_bytes"] > 50 << 20
     assert after.instance_id == before.instance_id
 
 
@@ -132,8 +135,18 @@ def test_work_over_the_memory_budget_is_refused_naming_it_and_changes_nothing(ps
     assert svc.critic_step == -1 and server.budget.refused == 1  # nothing applied
     with pytest.raises(OverloadedError):  # critic_infer too, and the execution as a whole
         server.infer_fn([{**_infer_inputs(2, 2), "tokens": np.zeros((2, 2_000_000), np.int64)}])
-    info = server.info_fn([{}])[0]  # never refused: probes ask it
-    assert P.ServerInfo.from_json(info["info"].reshape(-1)[0]).critic_step == -1
+    info = P.ServerInfo.from_json(
+        server.info_fn([{}])[0]["info"].reshape(-1)[0]
+    )  # never refused: probes ask it
+    assert info.critic_step == -1
+    # server_info tells the budget, the memory in use and the refusals (the refused infer counted).
+    assert info.extra["capacity"] == {
+        "max_queue_size": 64,
+        "max_batch_size": cfg.server.max_batch_size,
+        "memory_budget_bytes": 1 << 30,
+        "memory_used_bytes": 900 << 20,
+        "refused_for_memory": 2,
+    }
     # The same train, once memory is free again, is applied once.
     measure.used = 100 << 20
     out = server.train_fn([small])[0]

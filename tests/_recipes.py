@@ -21,6 +21,7 @@ from _examples import load
 from aligner.critic import wait as wait_cli
 from aligner.wire import client as critic_client
 from aligner.wire import readiness
+from aligner.wire.tls import ClientTLS
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "examples" / "k8s"
@@ -78,8 +79,9 @@ def secret_env_of(c: dict) -> dict[str, tuple[str, str]]:
 
 
 def secret_files_of(docs: list[dict], pod_spec: dict, c: dict) -> dict[str, tuple[str, str]]:
-    """The files a container reads from Secrets: path -> (Secret, key), every key of each mounted
-    Secret volume (no ``items``) under its mount path."""
+    """The files a container reads from Secrets: path -> (Secret, key), under its mount path each
+    of a Secret volume's ``items`` (at the item's path), or without items every key of the Secret
+    (a rendered one; one not rendered here is taken to hold a ``token``)."""
     vols = {v["name"]: v for v in pod_spec.get("volumes", [])}
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
     out = {}
@@ -88,27 +90,44 @@ def secret_files_of(docs: list[dict], pod_spec: dict, c: dict) -> dict[str, tupl
         if src is None:
             continue
         assert m.get("readOnly") is True, f"{c['name']}: Secret volume {m['name']} mounted writable"
-        assert "items" not in src
         name = src["secretName"]
-        keys = secrets[name]["stringData"] if name in secrets else {"token": ""}
-        for key in keys:
-            out[f"{m['mountPath'].rstrip('/')}/{key}"] = (name, key)
+        if "items" in src:
+            files = {i["path"]: i["key"] for i in src["items"]}
+        else:
+            files = {key: key for key in (secrets[name]["stringData"] if name in secrets else {"token": ""})}
+        for path, key in files.items():
+            out[f"{m['mountPath'].rstrip('/')}/{path}"] = (name, key)
     return out
+
+
+def stand_in_secret_value(key: str) -> str:
+    """What a test puts in the file of a Secret it did not render (a Secret of the user's own):
+    a PEM block for a certificate or a key (the roles' TLS checks read its '-----BEGIN' line),
+    else a token."""
+    if key.endswith((".crt", ".key")):
+        kind = "CERTIFICATE" if key.endswith(".crt") else "PRIVATE KEY"
+        return f"-----BEGIN {kind}-----\nc3RhbmQtaW4=\n-----END {kind}-----\n"
+    return "a-token-from-elsewhere-0123"
+
+
+def mounted_secret_copies(docs: list[dict], pod_spec: dict, c: dict, tmp: Path) -> dict[str, str]:
+    """Each path of a mounted Secret's file in the container -> a file under ``tmp`` holding what
+    the kubelet would put there (the Secret's value, or :func:`stand_in_secret_value`)."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    mapping = {}
+    for path, (name, key) in secret_files_of(docs, pod_spec, c).items():
+        local = tmp / name / key
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(secrets[name]["stringData"][key] if name in secrets else stand_in_secret_value(key))
+        mapping[path] = str(local)
+    return mapping
 
 
 def with_mounted_secrets(args: list[str], docs: list[dict], pod_spec: dict, c: dict, tmp: Path) -> list[str]:
     """``args`` with each path of a mounted Secret's file replaced by a file under ``tmp`` holding
     what the kubelet would put there (the Secret's value), so that the entry points' config checks,
     which read those files, run as in the pod."""
-    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    mapping = {}
-    for path, (name, key) in secret_files_of(docs, pod_spec, c).items():
-        local = tmp / name / key
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.write_text(
-            secrets[name]["stringData"][key] if name in secrets else "a-token-from-elsewhere-0123"
-        )
-        mapping[path] = str(local)
+    mapping = mounted_secret_copies(docs, pod_spec, c, tmp)
     out = []
     for a in args:
         key, eq, value = a.partition("=")
@@ -205,8 +224,31 @@ def critic_parts(docs: list[dict]):
 # --- the actor ------------------------------------------------------------------------------------
 
 
+def split_secret_files(docs: list[dict], pod_spec: dict, c: dict) -> tuple[dict, dict]:
+    """A container's Secret files (:func:`secret_files_of`): (those of rendered Secrets, the run
+    token's; those of Secrets of the user's own, as the TLS one)."""
+    rendered_names = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    files = secret_files_of(docs, pod_spec, c)
+    own = {p: ref for p, ref in files.items() if ref[0] in rendered_names}
+    return own, {p: ref for p, ref in files.items() if p not in own}
+
+
+def client_tls_of(args) -> ClientTLS:
+    """The TLS settings of ``aligner.critic.wait`` or ``aligner.critic.probe`` parsed args."""
+    return ClientTLS(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
+
+
+def tls_paths(tls) -> set[str]:
+    """The files a ClientTLS or ServerTLSConfig names."""
+    keys = ("ca_file", "cert_file", "key_file", "client_ca_file")
+    return {getattr(tls, k) for k in keys if getattr(tls, k, None)}
+
+
 def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[str, str] | None = None):
-    """Checks shared by the Job and the PyTorchJob; returns (torchrun args, actor config)."""
+    """Checks shared by the Job and the PyTorchJob; returns (torchrun args, actor config). With
+    the critic's TLS on (tls_secret), the URL is grpcs and each container mounts exactly the TLS
+    files its settings name (the wait's --tls-* flags, the actor's critic.tls), which pass the
+    entry points' own TLS checks."""
     svc = one(docs, "Service", "critic")
     critic_cfg = critic_parts(docs)[-1]
 
@@ -219,7 +261,7 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
 
     c = container(pod, name)
     critic_pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    critic_token = secret_files_of(docs, critic_pod, container(critic_pod, "critic"))
+    critic_token = split_secret_files(docs, critic_pod, container(critic_pod, "critic"))[0]
     for cont in (wait, c):
         env = env_of(cont)
         assert set(env) == {critic_client.ENV_URL}, f"{cont['name']}: env {sorted(env)}"
@@ -227,13 +269,28 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
         # path; waiting needs none. No token in any environment.
         assert secret_env_of(cont) == {}
         want = critic_token if cont is c else {}
-        assert secret_files_of(docs, pod, cont) == want and len(want) == (1 if cont is c else 0)
+        token, tls_files = split_secret_files(docs, pod, cont)
+        assert token == want and len(want) == (1 if cont is c else 0)
+        if not critic_cfg.server.tls.on:
+            assert tls_files == {}, f"{cont['name']}: TLS files without TLS on"
+        elif cont is wait:  # the actor's files are checked against its config below
+            assert set(tls_files) == tls_paths(client_tls_of(wait_args)), "mounted = named by --tls-*"
         url = env[critic_client.ENV_URL]
         scheme, hostport = readiness.parse_url(url)
         host, port = hostport.rsplit(":", 1)
         svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
-        assert (scheme, host, int(port)) == ("grpc", svc["metadata"]["name"], svc_ports["grpc"])
+        assert (scheme, host, int(port)) == (
+            critic_cfg.server.tls.scheme,
+            svc["metadata"]["name"],
+            svc_ports["grpc"],
+        )
         assert int(port) == critic_cfg.server.grpc_port
+    with tempfile.TemporaryDirectory() as tmp:  # the wait's own check of its URL and TLS files
+        local = mounted_secret_copies(docs, pod, wait, Path(tmp))
+        named = client_tls_of(wait_args)
+        ClientTLS(*(local[p] if p else None for p in (named.ca_file, named.cert_file, named.key_file))).check(
+            env_of(wait)[critic_client.ENV_URL], scheme, prefix="--tls"
+        )
 
     args = [expand_k8s(a, {**env_of(c), **(operator_env or {})}) for a in c["args"]]
     assert args[0] == "torchrun"
@@ -245,6 +302,14 @@ def check_actor_pod(docs: list[dict], pod: dict, name: str, operator_env: dict[s
         cfg = actor_config(
             with_mounted_secrets(tr.training_script_args, docs, pod, c, Path(tmp)), world_size=nnodes * nproc
         )
+        # The client's check of critic.tls against the URL (grpcs:// with it, none without),
+        # while the mounted files are there to read.
+        cfg.critic.tls.check(env_of(c)[critic_client.ENV_URL], scheme)
+        in_pod = {local: path for path, local in mounted_secret_copies(docs, pod, c, Path(tmp)).items()}
+    if critic_cfg.server.tls.on:
+        assert set(split_secret_files(docs, pod, c)[1]) == {
+            in_pod.get(p, p) for p in tls_paths(cfg.critic.tls)
+        }
     assert c["resources"]["limits"]["nvidia.com/gpu"] == nproc
 
     # No critic.url on the command line: the actor reads the Service's address from the environment.

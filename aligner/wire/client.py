@@ -558,9 +558,12 @@ class RemoteCriticClient:
         out = self._call(LOAD, load_inputs(step, self._run_token), ["ok"], step=step)
         if int(out["ok"].reshape(-1)[0]) != 1:
             raise CriticServerError(f"critic_load of step {step} at {self.url} did not report ok")
+        info = self._read_info(self.timeout_s) if self.watch_restarts else None
         with self._state_lock:
             self._expected_step = critic_step_after_load(step)
             self._restarted = None
+            if info is not None:  # the process that loaded it: its id is the one infers name
+                self.instance_id = info.instance_id
 
     def follow(self, instance_id: str) -> None:
         """The server process ``instance_id`` (after a restart the run rolled back from, on every

@@ -196,7 +196,7 @@ def tls_problem(url: str, scheme: str, hostport: str, error: str, tls: ClientTLS
                 f"critic server at {url} presented a certificate that {tls.describe_roots()} does not "
                 "trust: set critic.tls.ca_file to the CA that signed the server's certificate"
             )
-        if "peer name" in text:
+        if "peer name" in text or "hostname verification" in text:  # gRPC says it either way
             return (
                 f"critic server at {url} presented a certificate that does not name "
                 f"{hostport.rpartition(':')[0]}: connect by a name its certificate holds (its subjectAltName)"

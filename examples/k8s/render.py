@@ -7,18 +7,24 @@
 The manifests beside this file (run-token.yaml, storage.yaml, critic.yaml, actor-job.yaml for
 one actor node or actor-pytorchjob.yaml for several, actor-network.yaml, and with rollout workers
 rollout-workers.yaml and, for one actor node, rollout-store.yaml) hold ``${name}`` placeholders
-for the keys of values.yaml, and for three keys computed from them: ``actor_workers``
+for the keys of values.yaml, and for keys computed from them (``DERIVED``): ``actor_workers``
 (actor_nodes - 1), ``critic_gpus`` (critic_tensor_parallel x critic_data_parallel, the server's
-processes) and ``rollout_overrides`` (what the actor and its workers are both given). ``run_token``
-left null is a new random token (the Secret both roles read), made on each render: what one render
-prints is one run's set of manifests.
+processes), ``rollout_overrides`` (what the actor and its workers are both given), and from
+``tls_secret`` the critic's URL scheme, the host its probes dial and the ``--tls-*`` flags of its
+probes and of the actor's wait. ``run_token`` left null is a new random token (the Secret both
+roles read), made on each render: what one render prints is one run's set of manifests.
 Rendering is text substitution, so YAML reads a value as it would read it typed in place: a
 placeholder in quotes stays a string, a bare one takes the value's type (``replicas: ${n}`` is a
-number), a mapping or list becomes a flow collection. Two rules beyond that:
+number), a mapping or list becomes a flow collection. Four rules beyond that:
 
 - a list item that is only a placeholder (``- ${actor_overrides}``) takes the value's items, one
   per line (none for an empty list);
-- a line ``key: ${name}`` whose value is null is left out, so the field stays unset.
+- an item of a flow list that is only a quoted placeholder (``[wait, "${flags}", --timeout, "9"]``)
+  whose value is a list takes its items in its place (none for an empty list);
+- a line ``key: ${name}`` whose value is null is left out, so the field stays unset;
+- the lines between a comment line ``#if ${name}`` and its ``#end`` (blocks nest) are kept only
+  when the value is set (not null, false or empty); the two marker lines are always left out, so
+  a block that is not kept leaves no trace.
 
 Your values file needs only the keys it changes; an unknown key, a value of the wrong type or a
 placeholder without a value is an error that names it. Needs Python 3.10+ and PyYAML (installed
@@ -44,16 +50,27 @@ ROLLOUT_PORT = 29650  # the port of the store the actor hosts for its rollout wo
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SPLICE = re.compile(r"^(\s*)- \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
 _NULLABLE_FIELD = re.compile(r"^\s*[A-Za-z0-9_.\-/]+: \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
+_FLOW_SPLICE = re.compile(r', "\$\{([A-Za-z_][A-Za-z0-9_]*)\}"(?=\s*[,\]])')
+_IF = re.compile(r"^\s*#if \$\{([A-Za-z_][A-Za-z0-9_]*)\}\s*$")
+_END = re.compile(r"^\s*#end\s*$")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 # Keys whose value is computed from others; a values file may not set them.
 DERIVED = {
     "actor_workers": "actor_nodes - 1",
     "critic_gpus": "critic_tensor_parallel x critic_data_parallel",
     "rollout_overrides": "rollout_workers and the actor's store address",
+    "critic_scheme": "tls_secret: grpcs with it, grpc without",
+    "critic_probe_host": "tls_secret: localhost (a name the certificate holds) with it, 127.0.0.1 without",
+    "critic_tls_flags": "tls_secret and tls_client_auth",
 }
 # Keys whose null default stands for "the default of the role": an integer or null.
 OPTIONAL_INTS = ("actor_generation_tensor_parallel",)
 MIN_TOKEN_CHARS = 16
+# Where every pod that speaks to the critic mounts tls_secret's files (the manifests name the same
+# paths in the roles' overrides): tls.crt, tls.key and ca.crt, and with tls_client_auth the
+# actor's client.crt and client.key.
+TLS_DIR = "/var/run/secrets/aligner-tls"
 
 
 class RenderError(ValueError):
@@ -144,8 +161,41 @@ def check_values(values: dict[str, Any], defaults: dict[str, Any]) -> None:
         bad = [o for o in values[k] if not isinstance(o, str) or "=" not in o]
         if bad:
             e.append(f"{k}: {bad!r} are not Hydra overrides (key=value)")
+    e += _tls_problems(values)
     if e:
         raise RenderError("invalid values:\n  " + "\n  ".join(e))
+
+
+def _tls_problems(values: dict[str, Any]) -> list[str]:
+    """tls_secret names a Secret (a DNS-1123 subdomain), mutual TLS needs it, and the roles'
+    TLS settings come from these two keys alone: one set by hand in the overrides would leave the
+    probes, the actor's URL and the wait plain."""
+    e = []
+    name = values["tls_secret"]
+    if name is not None and (len(name) > 253 or not _DNS_SUBDOMAIN.match(name)):
+        e.append(
+            f"tls_secret={name!r}: expected the name of a Secret in namespace {values['namespace']!r}, a "
+            "DNS-1123 subdomain (at most 253 lowercase letters, digits, '-' and '.', starting and "
+            "ending with a letter or digit)"
+        )
+    if values["tls_client_auth"] is True and name is None:
+        e.append(
+            "tls_client_auth=true with tls_secret=null: mutual TLS needs a Secret holding tls.crt, "
+            "tls.key, ca.crt and the actor's client.crt and client.key; set tls_secret to its name, "
+            "or tls_client_auth: false"
+        )
+    for k, section in (("critic_overrides", "server.tls"), ("actor_overrides", "critic.tls")):
+        by_hand = [
+            o
+            for o in values[k]
+            if isinstance(o, str) and f"{o.split('=', 1)[0].lstrip('+~')}.".startswith(f"{section}.")
+        ]
+        if by_hand:
+            e.append(
+                f"{k}: {by_hand!r} set {section} by hand; set tls_secret (and tls_client_auth) instead, "
+                "which also gives the probes, the actor's URL and its wait for the critic the same TLS"
+            )
+    return e
 
 
 def _layout_problems(values: dict[str, Any]) -> list[str]:
@@ -211,7 +261,20 @@ def render_text(template: str, values: dict[str, Any], name: str = "template") -
     if missing:
         raise RenderError(f"{name}: no value for {', '.join('${' + m + '}' for m in missing)}")
     out: list[str] = []
-    for line in template.splitlines():
+    kept: list[bool] = []  # one per open #if block: whether its value is set
+    for n, line in enumerate(template.splitlines(), 1):
+        m = _IF.match(line)
+        if m:
+            kept.append(values[m.group(1)] not in (None, False, "", [], {}))
+            continue
+        if _END.match(line):
+            if not kept:
+                raise RenderError(f"{name}, line {n}: #end without its #if")
+            kept.pop()
+            continue
+        if not all(kept):
+            continue
+        line = _FLOW_SPLICE.sub(lambda mm: _flow_items(values[mm.group(1)], mm.group(0)), line)
         m = _SPLICE.match(line)
         if m and isinstance(values[m.group(2)], list):
             out += [f"{m.group(1)}- {json.dumps(item)}" for item in values[m.group(2)]]
@@ -220,7 +283,14 @@ def render_text(template: str, values: dict[str, Any], name: str = "template") -
         if m and values[m.group(1)] is None:
             continue
         out.append(PLACEHOLDER.sub(lambda mm: _scalar(values[mm.group(1)]), line))
+    if kept:
+        raise RenderError(f"{name}: {len(kept)} #if without its #end")
     return "\n".join(out) + "\n"
+
+
+def _flow_items(value: Any, text: str) -> str:
+    """A flow list's ``, "${name}"`` for a list value: its items, each after a comma."""
+    return "".join(f", {json.dumps(item)}" for item in value) if isinstance(value, list) else text
 
 
 def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
@@ -257,6 +327,18 @@ def rollout_overrides(values: dict[str, Any]) -> list[str]:
     return [f"rollout.workers={n}", f"rollout.address={host}:{ROLLOUT_PORT}"]
 
 
+def critic_tls_flags(values: dict[str, Any]) -> list[str]:
+    """The TLS flags of the critic's probes and of the actor's wait for it (``aligner.critic.probe``
+    and ``aligner.critic.wait`` take the same): the CA of the server's certificate and, with
+    tls_client_auth, the client certificate the server requires; none without tls_secret."""
+    if values["tls_secret"] is None:
+        return []
+    flags = ["--tls-ca-file", f"{TLS_DIR}/ca.crt"]
+    if values["tls_client_auth"]:
+        flags += ["--tls-cert-file", f"{TLS_DIR}/client.crt", "--tls-key-file", f"{TLS_DIR}/client.key"]
+    return flags
+
+
 def render(values: dict[str, Any], only: str | None = None) -> str:
     """The manifests to apply, as one multi-document YAML text (checked to parse)."""
     full = dict(values)
@@ -264,6 +346,12 @@ def render(values: dict[str, Any], only: str | None = None) -> str:
     # The server runs one process per GPU, on one pod.
     full["critic_gpus"] = values["critic_tensor_parallel"] * values["critic_data_parallel"]
     full["rollout_overrides"] = rollout_overrides(values)
+    # With TLS the probes dial localhost, a name the server's certificate must hold (127.0.0.1
+    # would need an IP entry); the actor dials the Service's name.
+    tls = values["tls_secret"] is not None
+    full["critic_scheme"] = "grpcs" if tls else "grpc"
+    full["critic_probe_host"] = "localhost" if tls else "127.0.0.1"
+    full["critic_tls_flags"] = critic_tls_flags(values)
     # A fresh token per render unless one is given (URL-safe: no quoting needed in YAML).
     full["run_token"] = values["run_token"] or secrets.token_urlsafe(32)
     docs = []

@@ -29,7 +29,7 @@ from aligner.critic.testing import digit_batch, tiny_config, tiny_overrides
 from aligner.tokenizers import build_tokenizer
 from aligner.wire.client import RemoteCriticClient
 from aligner.wire.readiness import parse_url, wait_ready
-from aligner.wire.tls import ClientTLS, CriticTLSError
+from aligner.wire.tls import ClientTLS, CriticTLSError, tls_problem
 
 FAST_S = 20.0
 """A refusal comes within this, far inside the client's ready_timeout_s (120 s)."""
@@ -142,6 +142,19 @@ def test_clients_the_server_or_they_do_not_trust_are_refused(server, pki):
     assert "does not trust" in _refused(server.url, None)  # the system's roots know no test CA
     assert "requires a client certificate" in _refused(server.url, _tls(pki, client=None))
     assert "refused this client's certificate" in _refused(server.url, _tls(pki, client="stranger"))
+
+
+def test_a_certificate_for_another_name_is_told_at_once_however_grpc_words_it():
+    url, hostport = "grpcs://critic-0:8001", "critic-0:8001"
+    for error in (
+        "[StatusCode.UNAVAILABLE] failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:10.0.0.7:8001: Peer name critic-0 is not in peer certificate",
+        "[StatusCode.UNAVAILABLE] failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:10.0.0.7:8001: Ssl handshake failed (TSI_INTERNAL_ERROR): Custom verification check "
+        "failed with error: UNAUTHENTICATED: Hostname Verification Check failed.",
+    ):
+        problem = tls_problem(url, "grpcs", hostport, error, ClientTLS(ca_file=None))
+        assert problem is not None and "does not name critic-0" in problem, error
 
 
 @pytest.mark.server

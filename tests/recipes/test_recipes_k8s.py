@@ -5,15 +5,22 @@ against the Kubernetes API schema (kubernetes-validate ships it; no cluster), an
 probe paths, environment names and command lines are checked against what the entry points read
 and serve: every Hydra override is composed with the entry point's own structured schema and
 checked as the entry point checks it, torchrun's arguments are parsed by torchrun's own parser.
+With TLS on (tls_secret), each container mounts exactly the TLS files its settings name, and the
+rendered probes, wait and actor settings are run against a real server on throwaway certificates.
 Also the renderer's own rules, errors and command line. The layouts the tests run are in
 test_recipes_layouts.py.
 """
 
 from __future__ import annotations
 
+import shutil
+import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -28,22 +35,30 @@ from _recipes import (
     actor_config,
     assert_dev_shm_in_memory,
     check_actor_pod,
+    client_tls_of,
     container,
     critic_parts,
     env_of,
+    mounted_secret_copies,
     one,
     render,
     rendered,
     resolve_port,
     secret_env_of,
     secret_files_of,
+    split_secret_files,
+    tls_paths,
 )
 from hydra.errors import ConfigCompositionException
 
 from aligner.config_checks import ConfigError
 from aligner.critic import probe as probe_cli
+from aligner.critic import wait as wait_cli
+from aligner.critic.launch import start_server
+from aligner.critic.testing import tiny_overrides
 from aligner.wire import client as critic_client
 from aligner.wire import readiness
+from aligner.wire.tls import ClientTLS
 
 # The Kubernetes versions the manifests must be valid for: an older one still in service and the
 # newest the package knows.
@@ -507,6 +522,238 @@ def test_environment_names_in_the_manifests_are_ones_the_code_reads():
         assert f'"{name}"' in source, f"no code reads ${name}"
 
 
+# --- TLS on the critic's gRPC endpoint ------------------------------------------------------------
+
+TLS_SECRET = "ppo-sort-critic-tls"  # a Secret of the user's own (cert-manager's keys, + client's)
+SERVER_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+CLIENT_KEYS = {"client.crt", "client.key"}
+
+
+def overrides_under(args: list[str], section: str) -> dict[str, str]:
+    """The ``section.key=value`` overrides among ``args``: key -> value (the paths as in the pod;
+    the checked configs hold the test's copies of the mounted files)."""
+    return {
+        k.removeprefix(f"{section}."): v
+        for k, _, v in (a.partition("=") for a in args)
+        if k.startswith(f"{section}.")
+    }
+
+
+def actor_pods(docs: list[dict]) -> list[tuple[dict, str, dict | None]]:
+    """(pod spec, main container's name, operator environment) of every actor pod template."""
+    for d in docs:
+        if d["kind"] == "Job" and d["metadata"]["labels"]["app.kubernetes.io/component"] == "actor":
+            return [(d["spec"]["template"]["spec"], "actor", None)]
+        if d["kind"] == "PyTorchJob":
+            specs = d["spec"]["pytorchReplicaSpecs"].values()
+            return [(r["template"]["spec"], "pytorch", OPERATOR_ENV) for r in specs]
+    raise AssertionError("no actor")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("mutual", [False, True])
+def test_tls_secret_turns_tls_on_for_the_critic_its_probes_the_actor_and_its_wait(
+    tmp_path, schemas, nodes, mutual
+):
+    """tls_secret (and tls_client_auth): the critic mounts the Secret's files read-only and names
+    them in server.tls, its probes dial grpcs://localhost with the CA (and the client certificate
+    of mutual TLS), and every actor pod dials grpcs://<run>-critic with critic.tls, its wait with
+    the same --tls-* flags, each mounting exactly the files it names (never the server's key);
+    both roles' configs pass their own checks (critic_parts, check_actor_pod)."""
+    sets = [
+        f"tls_secret={TLS_SECRET}",
+        f"tls_client_auth={str(mutual).lower()}",
+        f"actor_nodes={nodes}",
+        "actor_overrides=[+recipe=digits, ppo.micro_batch_size=32]",  # 32 per rank with 2 nodes
+    ]
+    docs = rendered(*sets)
+    for d in docs:
+        validate(d)
+    assert [d for d in docs if d["kind"] == "Secret"] == [one(docs, "Secret")], (
+        "the user's Secret is not rendered"
+    )
+
+    # The critic: server.tls names exactly the mounted files, besides those the probes name.
+    dep, svc, pod, c, tr, cfg = critic_parts(docs)
+    tls = cfg.server.tls
+    assert tls.on and tls.mutual is mutual and tls.scheme == "grpcs"
+    token, tls_files = split_secret_files(docs, pod, c)
+    assert len(token) == 1 and {ref[0] for ref in tls_files.values()} == {TLS_SECRET}
+    assert {ref[1] for ref in tls_files.values()} == SERVER_KEYS | (CLIENT_KEYS if mutual else set())
+    (vol,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == TLS_SECRET]
+    assert vol["secret"]["defaultMode"] == 0o440
+    by_key = {ref[1]: path for path, ref in tls_files.items()}
+    server_tls = overrides_under(tr.training_script_args, "server.tls")
+    assert server_tls == {
+        "cert_file": by_key["tls.crt"],
+        "key_file": by_key["tls.key"],
+        **({"client_ca_file": by_key["ca.crt"]} if mutual else {}),
+    }
+    probed = set()
+    with tempfile.TemporaryDirectory() as tmp:
+        local = mounted_secret_copies(docs, pod, c, Path(tmp))
+        for name in ("readinessProbe", "livenessProbe", "startupProbe"):
+            args = probe_cli._parser().parse_args(c[name]["exec"]["command"][3:])
+            scheme, hostport = readiness.parse_url(args.url)
+            assert (scheme, hostport) == ("grpcs", f"localhost:{cfg.server.grpc_port}"), (
+                "a name the certificate holds"
+            )
+            named = client_tls_of(args)
+            assert named.ca_file == by_key["ca.crt"] and bool(named.cert_file) is mutual
+            # The probe's own check of its URL and flags, on the files as mounted.
+            as_mounted = (local[p] if p else None for p in (named.ca_file, named.cert_file, named.key_file))
+            ClientTLS(*as_mounted).check(args.url, scheme, prefix="--tls")
+            probed |= tls_paths(named)
+    assert set(tls_files) == set(server_tls.values()) | probed, (
+        "every mounted TLS file is used, and only those"
+    )
+
+    # The actor (Job or every PyTorchJob replica) and its wait: check_actor_pod asserts the grpcs
+    # URL and that each container mounts exactly the TLS files it names; here, which those are.
+    for actor_pod, name, operator in actor_pods(docs):
+        _, acfg = check_actor_pod(docs, actor_pod, name, operator_env=operator)
+        assert acfg.critic.tls.ca_file and bool(acfg.critic.tls.cert_file) is mutual
+        actor_tls = overrides_under(container(actor_pod, name)["args"], "critic.tls")
+        assert actor_tls == {
+            "ca_file": by_key["ca.crt"],
+            **({"cert_file": by_key["client.crt"], "key_file": by_key["client.key"]} if mutual else {}),
+        }
+        for cont in (container(actor_pod, "wait-for-critic", init=True), container(actor_pod, name)):
+            assert env_of(cont)[critic_client.ENV_URL] == f"grpcs://{svc['metadata']['name']}:8001"
+            keys = {ref[1] for ref in split_secret_files(docs, actor_pod, cont)[1].values()}
+            assert keys == {"ca.crt"} | (CLIENT_KEYS if mutual else set()), "never the server's key"
+        wait = container(actor_pod, "wait-for-critic", init=True)
+        wait_tls = client_tls_of(wait_cli._parser().parse_args(wait["args"][3:]))
+        assert tls_paths(wait_tls) == set(actor_tls.values()), (
+            "the wait trusts and presents what the actor does"
+        )
+
+    # Rollout workers never contact the critic: no TLS files, no critic.tls.
+    workers = rendered(*sets, "rollout_workers=2")
+    rollout = one(workers, "Job", "rollout")["spec"]["template"]["spec"]
+    assert [v["name"] for v in rollout["volumes"] if "secret" in v] == []
+    assert not [a for a in container(rollout, "rollout")["args"] if "tls" in a]
+
+
+def make_k8s_pki(d: Path, run: str) -> Path:
+    """The certificates of docs/launching.md's Kubernetes recipe, as files named by their Secret
+    keys: a CA (ca.crt), the server's (tls.crt, tls.key) naming <run>-critic and localhost, and the
+    actor's client certificate (client.crt, client.key)."""
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    openssl(
+        "req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=critic-ca"
+    )
+    # IP:127.0.0.1 beyond the recipe's names: start_server checks the server's readiness there.
+    san = f"DNS:{run}-critic,DNS:{run}-critic.default.svc,DNS:localhost,IP:127.0.0.1"
+    (d / "tls.ext").write_text(f"subjectAltName={san}\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name, cn in (("tls", f"{run}-critic"), ("client", f"{run}-actor")):
+        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
+        openssl(
+            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
+        )  # fmt: skip
+    return d
+
+
+@pytest.mark.server
+def test_rendered_mutual_tls_works_against_a_real_server(tmp_path, schemas):
+    """The rendered manifests with mutual TLS, run against a real (tiny) server started with the
+    critic's rendered server.tls overrides, on the certificates docs/launching.md makes: the
+    rendered probe and wait commands succeed, the actor's critic.tls reads server_info, and the
+    server's certificate passes a check for the Service's name the actor dials."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command-line tool is not installed (it makes the test certificates)")
+    docs = rendered(f"tls_secret={TLS_SECRET}", "tls_client_auth=true")
+    run = one(docs, "Secret")["metadata"]["labels"]["app.kubernetes.io/instance"]
+    pki = make_k8s_pki(tmp_path, run)
+    dep, svc, pod, c, tr, _ = critic_parts(docs)
+    local = {path: str(pki / key) for path, (_, key) in split_secret_files(docs, pod, c)[1].items()}
+
+    def in_test(args: list[str]) -> list[str]:  # the pod's paths -> the test's files
+        return [local.get(a, a) for a in args]
+
+    token = tmp_path / "token"
+    token.write_text("a-run-token-of-the-test-0123")
+    server_tls = {
+        f"server.tls.{k}": local[v] for k, v in overrides_under(tr.training_script_args, "server.tls").items()
+    }
+    assert set(server_tls) == {"server.tls.cert_file", "server.tls.key_file", "server.tls.client_ca_file"}
+    client = ClientTLS(str(pki / "ca.crt"), str(pki / "client.crt"), str(pki / "client.key"))
+    overrides = tiny_overrides(tmp_path / "server", **server_tls, **{"server.run_token_file": token})
+    server = start_server(overrides, log_path=tmp_path / "server.stderr", tls=client, ready_timeout_s=90)
+    try:
+        port = readiness.parse_url(server.url)[1].rsplit(":", 1)[1]
+        for name in ("startupProbe", "livenessProbe", "readinessProbe"):
+            args = in_test(c[name]["exec"]["command"][3:])
+            assert probe_cli.main([a.replace("localhost:8001", f"localhost:{port}") for a in args]) == 0, name
+        for actor_pod, name, _ in actor_pods(docs):
+            wait = container(actor_pod, "wait-for-critic", init=True)
+            url = env_of(wait)[critic_client.ENV_URL].replace(
+                f"{svc['metadata']['name']}:8001", f"localhost:{port}"
+            )
+            assert wait_cli.main([*in_test(wait["args"][3:]), "--url", url, "--quiet"]) == 0
+            tls = ClientTLS(
+                **{
+                    k: local[v]
+                    for k, v in overrides_under(container(actor_pod, name)["args"], "critic.tls").items()
+                }
+            )
+            with critic_client.RemoteCriticClient(url, tls=tls, timeout_s=60) as remote:
+                assert remote.server_info().protocol_version > 0
+        # The Service's name, which the actor dials in the cluster, is one the certificate holds.
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(pki / "client.crt", pki / "client.key")
+        ctx.set_alpn_protocols(["h2"])
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as sock:
+            with ctx.wrap_socket(sock, server_hostname=svc["metadata"]["name"]) as tls_sock:
+                assert tls_sock.version() is not None
+    finally:
+        server.stop()
+
+
+def test_tls_off_leaves_no_trace():
+    """Without tls_secret the manifests are those of a recipe without TLS: plain grpc:// URLs, the
+    probes on 127.0.0.1, no TLS volume, override or flag, and no template markers."""
+    for sets in ((), ("rollout_workers=2",), ("actor_nodes=2", "rollout_workers=2")):
+        text = render.render(render.load_values([], list(sets)))
+        assert "tls" not in text.lower() and "#if" not in text and "#end" not in text
+        assert (
+            'command: [python, -m, aligner.critic.probe, --ready, --url, "grpc://127.0.0.1:8001", --timeout, "8"]'
+            in text
+        )
+        assert 'args: [python, -m, aligner.critic.wait, --timeout, "1800"]' in text
+        assert 'value: "grpc://ppo-sort-critic:8001"' in text
+
+
+def test_tls_values_are_checked():
+    for sets, pattern in (
+        (["tls_secret=Not_A_Name"], r"tls_secret='Not_A_Name': expected the name of a Secret .* DNS-1123"),
+        ([f"tls_secret={'a' * 254}"], r"tls_secret='a+': expected .*at most 253"),
+        (["tls_secret=-leading-dash"], r"tls_secret='-leading-dash'"),
+        (["tls_client_auth=true"], r"tls_client_auth=true with tls_secret=null: .* set tls_secret"),
+        (["tls_client_auth=maybe"], r"tls_client_auth='maybe': expected true or false"),
+        (
+            [f"tls_secret={TLS_SECRET}", "critic_overrides=[+server_recipe=digits, server.tls.cert_file=/x]"],
+            r"critic_overrides: .*server.tls.cert_file=/x.* set server.tls by hand; set tls_secret",
+        ),
+        (
+            ["actor_overrides=[+recipe=digits, critic.tls.ca_file=/x]"],
+            r"actor_overrides: .* set critic.tls by hand",
+        ),
+    ):
+        with pytest.raises(render.RenderError, match=pattern):
+            render.load_values([], sets)
+    # A dotted name is a valid Secret name; other keys of the sections are the user's to set.
+    render.load_values(
+        [], ["tls_secret=critic.tls-v2", "critic_overrides=[+server_recipe=digits, server.tlsx=1]"]
+    )
+
+
 # --- the renderer ---------------------------------------------------------------------------------
 
 
@@ -528,6 +775,18 @@ def test_render_rules_and_errors(tmp_path):
     assert yaml.safe_load(text) == {"g": "3", "h": 3, "i": {"k": "v"}, "l": ["x=1", "y=2", "z=null"]}
     with pytest.raises(render.RenderError, match=r"\$\{nope\}"):
         render.render_text("x: ${nope}", values)
+    # A flow list's quoted placeholder takes a list's items; #if blocks (nested) go with their value.
+    flow = 'f: [a, "${b}", z]\ng: [a, "${c}", z]\nh: [a, "${d}"]\n'
+    assert yaml.safe_load(render.render_text(flow, values)) == {
+        "f": ["a", "x=1", "y=2", "z"],
+        "g": ["a", "z"],
+        "h": ["a", "3"],
+    }
+    blocks = "l:\n  - 1\n  #if ${b}\n  - 2\n  #if ${a}\n  - 3\n  #end\n  #end\n  #if ${c}\n  - 4\n  #end\n"
+    assert render.render_text(blocks, values) == "l:\n  - 1\n  - 2\n"
+    for text, pattern in (("#if ${b}\nx: 1\n", "#if without its #end"), ("x: 1\n#end\n", "line 2: #end")):
+        with pytest.raises(render.RenderError, match=pattern):
+            render.render_text(text, values)
     bad = tmp_path / "bad.yaml"
     bad.write_text("run_nmae: x\n")
     with pytest.raises(render.RenderError, match="run_nmae"):

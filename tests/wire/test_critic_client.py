@@ -247,6 +247,30 @@ def test_a_server_restarted_between_two_requests_refuses_the_next_infer_at_once(
         server.kill()
 
 
+@pytest.mark.server
+def test_a_load_after_a_restart_whose_server_info_was_not_read_follows_the_new_instance(tmp_path):
+    """A client that found a restart but could not read the new server's info (so it still names
+    the old instance) and then loads a step itself: its infers name the process that loaded it,
+    and go through instead of being refused, fenced, for the old id."""
+    tokens, lengths, prompt_lengths, *_ = _batch(seed=4)
+    server = Server(tmp_path)
+    server.start()
+    try:
+        client = RemoteCriticClient(server.url, **PATIENT)
+        first = client.instance_id
+        client.load(0)
+        server.kill()
+        server.start()
+        client._restart(P.INFER, "the connection was lost", None)  # no server_info came back
+        assert client.instance_id == first
+        client.load(0)
+        assert client.instance_id not in (None, first)
+        assert client.infer(tokens, lengths, prompt_lengths, after_step=0).result()[0].shape[0] == 4
+        client.close()
+    finally:
+        server.kill()
+
+
 def test_a_merged_infer_refused_for_another_instance_raises_restarted_and_sends_the_id():
     """No server: the client's infer task, answered as a merged execution answers. It sends the
     instance it works with (not when it does not watch for restarts); a request refused

@@ -236,6 +236,7 @@ def test_layout_keys_the_recipes_pass_are_config_keys(schemas):
             "component 1 has 1 GPU(s) per node, but ACTOR_GPUS_PER_NODE=1 + ROLLOUT_WORKERS_PER_NODE=1 need 2",
         ),
         ({"ROLLOUT_WORKERS_PER_NODE": "-1"}, "ROLLOUT_WORKERS_PER_NODE='-1': expected an integer >= 0"),
+        ({"CRITIC_RESTARTS": "many"}, "CRITIC_RESTARTS='many': expected an integer >= 0"),
     ],
     ids=[
         "critic-gpus",
@@ -246,6 +247,7 @@ def test_layout_keys_the_recipes_pass_are_config_keys(schemas):
         "rollout-cpus",
         "rollout-gpus",
         "rollout-workers",
+        "critic-restarts",
     ],
 )
 def test_sbatch_refuses_a_layout_that_does_not_fit_before_starting_anything(tmp_path, knobs, message):

@@ -82,6 +82,7 @@ def test_sbatch_launches_the_critic_then_the_actor_against_it(tmp_path, schemas)
     assert f"--cpus-per-task={components[0]['--cpus-per-task']}" in critic["args"]
     tr = torchrun(_after(critic["args"], "-m"))
     assert tr.nproc_per_node == components[0]["--gpus-per-node"]
+    assert tr.max_restarts == 3, "a critic rank that dies or hangs: torchrun starts the server again"
     assert tr.training_script == CRITIC_ENTRY
     ccfg = critic_config(tr.training_script_args)
     assert ccfg.server.host == "0.0.0.0" and ccfg.checkpoint.save_on_sigterm

@@ -13,7 +13,8 @@ variable and points:
   before its critic_train is sent; the others at the named moment of the save of step N. The step
   may be left out (``before_commit``): the point then fires at its first step;
 - a rollout worker, :data:`WORKER` (``ALIGNER_ROLLOUT_FAULT_AT``): ``generate@N`` once it has
-  the prompts of step N, before it generates them.
+  the prompts of step N, before it generates them; ``weights@N`` once it is told version N
+  follows, before it receives any of it (a worker lost during a push).
 
 How the tests show that a role that dies anywhere resumes exactly, and that a server never comes
 back with a critic the actor would take for its own (docs/design.md, "Wire protocol" and
@@ -84,7 +85,7 @@ class Faults:
 
 
 SERVER = Faults("ALIGNER_SERVER_FAULT_AT", ("infer", "train", "save"))
-WORKER = Faults("ALIGNER_ROLLOUT_FAULT_AT", ("generate",))
+WORKER = Faults("ALIGNER_ROLLOUT_FAULT_AT", ("generate", "weights"))
 ACTOR = Faults(
     "ALIGNER_FAULT_AT",
     (

@@ -1,17 +1,21 @@
 """Generation and training overlapped: one run on a rollout worker of its own at staleness k = 1
 (``--modes``: also k = 2), beside k = 0 on a worker (the synchronous algorithm, generated
 elsewhere) and the in-process run (the actor's own rank generates), in one run of this script.
+``k1-overlap`` is k = 1 with the weight push running while the step reads the weights
+(``rollout.overlap_push=true``; the same run, timed differently).
 
 A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light
 reward function (``--advantage gae``: GAE against the server's critic); on two cores the trainer (this process) has one and the worker the other (the server
 shares the trainer's: its reward function is cheap, and the trainer waits for its scores). Each mode runs the same steps from the same
 seed. Reported per mode: the median step time (after two warm-up steps), the wall time, the
 time and the episodes to a target reward (the mean score over three steps), the trainer's
-share of the step spent waiting for rollouts and pushing weights, the worker's idle share, and
-the last steps' score.
+share of the step spent waiting for rollouts and for the push, the worker's idle share, the
+push's share of the step (``push/step_frac``), the share of the push the step did not wait for
+(``push/hidden_frac``) and the seconds it waited for it (``push/wait_s``), and the last steps'
+score.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1,k2]
-        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]
+        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]    # modes: in-process,k0,k1,k1-overlap,k2
 
 With several ``--seeds`` every mode runs once per seed, and a last table gives each mode's mean
 episodes to the target and its ratio to k = 0's (a run that never reaches it counts as its
@@ -57,8 +61,14 @@ SETTINGS = [
     "logging.tensorboard=false",
 ]
 """Both sides' config (the worker reads the same)."""
-MODES = {"in-process": (0, 0), "k0": (1, 0), "k1": (1, 1), "k2": (1, 2)}
-"""Mode -> (rollout workers, max_staleness)."""
+MODES = {
+    "in-process": (0, 0, True),
+    "k0": (1, 0, True),
+    "k1": (1, 1, False),
+    "k1-overlap": (1, 1, True),
+    "k2": (1, 2, False),
+}
+"""Mode -> (rollout workers, max_staleness, rollout.overlap_push)."""
 
 
 def _cores() -> list[int]:
@@ -84,9 +94,10 @@ def one_run(
     from aligner.distributed import spare_port
     from aligner.metrics import read_metrics
 
-    workers, k = MODES[mode]
+    workers, k, overlap = MODES[mode]
     address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
+    rollout.append(f"rollout.overlap_push={str(overlap).lower()}")
     run_dir = tmp / name
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
@@ -128,7 +139,11 @@ def summarize(rows: list[dict], target: float, batch: int) -> dict:
     scores = [r["objective/scores"] for r in rows]
     hit = next((i for i in range(2, len(rows)) if sum(scores[i - 2 : i + 1]) / 3 >= target), None)
     mean = lambda k: statistics.fmean(r.get(k, 0.0) for r in rows[2:])  # noqa: E731
-    wait = statistics.fmean((r["timers/generate"] + r["timers/refit"]) / r["timers/step"] for r in rows[2:])
+    wait = statistics.fmean(
+        r.get("rollout/trainer_wait_frac", (r["timers/generate"] + r["timers/refit"]) / r["timers/step"])
+        for r in rows[2:]
+    )
+    push = "push/step_frac" in rows[-1]
     return {
         "step_s": statistics.median(r["timers/step"] for r in rows[2:]),
         "wall_s": rows[-1]["time"] - t0,
@@ -138,6 +153,9 @@ def summarize(rows: list[dict], target: float, batch: int) -> dict:
         "worker_idle_share": mean("rollout/worker_idle_frac")
         if "rollout/worker_idle_frac" in rows[-1]
         else None,
+        "push_step_frac": mean("push/step_frac") if push else None,
+        "push_hidden_frac": mean("push/hidden_frac") if push else None,
+        "push_wait_s": statistics.median(r["push/wait_s"] for r in rows[2:]) if push else None,
         "final_score": statistics.fmean(scores[-3:]),
     }
 
@@ -201,19 +219,19 @@ def main(argv: list[str] | None = None) -> dict:
             indent=2,
         )
     )
-    print(f"\n{'mode':<12}" + "".join(f"{k:>20}" for k in next(iter(results.values()))))
+    print(f"\n{'mode':<20}" + "".join(f"{k:>20}" for k in next(iter(results.values()))))
     for mode, r in results.items():
         cells = "".join(
             f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v):>20}" for v in r.values()
         )
-        print(f"{mode:<12}{cells}")
+        print(f"{mode:<20}{cells}")
     if len(seeds) > 1:
-        print(f"\n{'mode':<12}{'mean episodes to target':>26}{'ratio to k0':>14}  per seed")
+        print(f"\n{'mode':<20}{'mean episodes to target':>26}{'ratio to k0':>14}  per seed")
         miss = (args.steps + 1) * BATCH
         eps = {m: [results[f"{m}/{s}"]["episodes_to_target"] or miss for s in seeds] for m in modes}
         for m, e in eps.items():
             ratio = statistics.fmean(e) / statistics.fmean(eps["k0"]) if "k0" in eps else float("nan")
-            print(f"{m:<12}{statistics.fmean(e):>26.0f}{ratio:>14.2f}  {e}")
+            print(f"{m:<20}{statistics.fmean(e):>26.0f}{ratio:>14.2f}  {e}")
     return results
 
 

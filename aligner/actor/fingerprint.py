@@ -69,6 +69,7 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "rollout.bucket_mb",
     "rollout.weights_backend",
     "rollout.on_worker_loss",
+    "rollout.overlap_push",  # when the push runs, not what it sends
 )
 """Config keys (and whole sections) left out of the fingerprint: what may change when a run is
 continued. Every other key, the learning rate among them, is the run's."""

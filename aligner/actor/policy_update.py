@@ -152,7 +152,11 @@ class PolicyUpdate:
         return (logits, logp), old_logprobs, entropy
 
     def train_step(
-        self, r: Rollout, orders: list[torch.Tensor], handoff: list[FirstPass]
+        self,
+        r: Rollout,
+        orders: list[torch.Tensor],
+        handoff: list[FirstPass],
+        before_update: Callable[[], Any] | None = None,
     ) -> dict[str, float]:
         """PPO epochs over ``orders`` (one row permutation per epoch); ``handoff``: empty, or the
         first pass's ``(logits, logprobs)`` from :meth:`first_forward` (taken out of the list,
@@ -161,7 +165,8 @@ class PolicyUpdate:
         rank's rows), averaged over the minibatches; :attr:`minibatch_stats` holds them per
         minibatch. Two collectives over the data-parallel group besides the gradients': the
         minibatches' loss normalisers before the first forward, their statistics after the last
-        step."""
+        step. ``before_update()`` (on every rank) right before the first optimizer step: until
+        then the weights are only read (by the weight push, overlapped with this)."""
         first = handoff.pop() if handoff else None
         b = r.tokens.shape[0]
         per_rank_mini = self.ppo.mini_batch_size // self.state.dp_size
@@ -173,8 +178,8 @@ class PolicyUpdate:
         sums, norms = [], []
         self.policy.train()
         for idx, normaliser in zip(minibatches, normalisers):
-            stats, norm = self._minibatch_step(r, idx, normaliser, first, lengths)
-            first = None
+            stats, norm = self._minibatch_step(r, idx, normaliser, first, lengths, before_update)
+            first = before_update = None
             sums.append(stats)
             norms.append(norm)
         self.minibatch_stats = self._global_stats(sums, norms)
@@ -230,6 +235,7 @@ class PolicyUpdate:
         normaliser: torch.Tensor,
         first: FirstPass | None = None,
         lengths: torch.Tensor | None = None,
+        before_update: Callable[[], Any] | None = None,
     ) -> tuple[dict[str, torch.Tensor], float]:
         """One optimizer step on the rollout rows ``idx`` (this rank's share of a global minibatch
         whose loss ``normaliser`` is given), accumulated over micro-batches of
@@ -260,6 +266,8 @@ class PolicyUpdate:
             self.state.tp_rank,
             pp_group=self.state.pp_group if self.state.pp_size > 1 else None,
         )
+        if before_update is not None:
+            before_update()
         # Skipped (and counted in grad_norm as inf/nan) on a non-finite norm; sharded, it
         # all-gathers the weights (every DP rank steps here: the norm is the same on all).
         self.optimizer.step()

@@ -9,7 +9,8 @@ rank's own prompts, sampled from that rank's random streams) of workers ``((s - 
 1``; its rank 0 alone talks to the workers, and hands each rank its share. So step ``t`` trains on rollouts of version
 ``t - 1 - k`` in the same order in every run: the run is deterministic, and k = 0 is the
 synchronous algorithm generated elsewhere. The prompts and sampling seeds of each step are the
-ones the in-process run draws for it (the sampler simply runs k steps ahead).
+ones the in-process run draws for it (the sampler simply runs k steps ahead). At k >= 1 the push
+may run on a thread of its own while the step reads the weights (:meth:`RolloutWorkers.join_push`).
 
 A checkpoint holds the batches asked for but not yet trained on (they were generated from
 versions a resumed run no longer has): :meth:`RolloutWorkers.pending` waits for them and returns
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aligner.actor.push_overlap import PushInFlight
 from aligner.distributed import ParallelState, all_gather_json, comm_device, on_rank0, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
@@ -115,7 +117,21 @@ class RolloutWorkers:
         self.submitted = 0
         """The last step asked for."""
         self.pushed: int | None = None
-        """The last version pushed."""
+        """The last version pushed (or being pushed)."""
+        self.overlap = r.overlap_push and self.k >= 1 and state.tp_size * state.pp_size == 1
+        """Push on a thread of rank 0's while the step goes on (``rollout.overlap_push``), when the
+        step's batch was asked for from an older version (k >= 1, after the first step), and rank
+        0's weight stream is its own parameters (under TP or PP its gathers are collectives on the
+        groups the step's forwards use)."""
+        self.in_flight: int | None = None
+        """On every rank: the version of an overlapped push not yet waited for (:meth:`join_push`)."""
+        self._flight: PushInFlight | None = None
+        """On rank 0: that push (its thread, then its outcome), until :meth:`join_push` takes it."""
+        self._side_stream: Any = None  # on a GPU: the overlapped pushes' one CUDA stream
+        self.step_push: PushReport | None = None
+        """This step's push, once it has finished; :attr:`push_wait_s`: how long the step waited for
+        it at :meth:`join_push` (None: a serial push, waited for whole)."""
+        self.push_wait_s: float | None = None
         self._closing, self._threads = False, []
         self._inbox: queue.Queue = queue.Queue()
         self.links, self.retired = None, []
@@ -182,8 +198,15 @@ class RolloutWorkers:
     def push(self, version: int, policy: torch.nn.Module) -> PushReport | None:
         """Push ``version`` (the policy after that many updates) to every worker, once: from rank
         0 (the data-parallel replicas hold the same weights), the ranks of its replica streaming
-        their shards with it."""
+        their shards with it. Overlapped (:attr:`overlap`): started on rank 0's thread and None
+        returned; :meth:`join_push` waits for it (before anything writes the weights)."""
+        self.join_push()  # the one before (normally long waited for)
+        self.step_push, self.push_wait_s = None, None
         if self.pushed == version:
+            return None
+        if self.overlap and self.submitted > version:  # this step's batch is asked for already
+            on_rank0(lambda: self._start(version, policy), carried=(RolloutWorkerError,))
+            self.pushed = self.in_flight = version
             return None
         stream = iter_megatron_tensors(policy, self.policy_cfg) if self.lead or self.streams else None
 
@@ -199,7 +222,8 @@ class RolloutWorkers:
                 pass
         report = on_rank0(push, carried=(RolloutWorkerError,))
         self.pushed = version
-        return PushReport(**report)
+        self.step_push = PushReport(**report)
+        return self.step_push
 
     def _push(self, version: int, stream: Iterator[tuple[str, torch.Tensor]]) -> PushReport:
         self._poll()  # a worker already gone is left out of the push
@@ -207,11 +231,77 @@ class RolloutWorkers:
             for w in self.alive:
                 send_message(self.links.commands, self._rank(w), {"op": "weights", "version": version})
             report = self.pusher.push(version, stream)
+        return self._accepted(report)
+
+    @staticmethod
+    def _accepted(report: PushReport) -> PushReport:
         if report.refused:
             raise RolloutWorkerError(
-                f"{report.refused} rollout worker(s) refused version {version} (their logs say why); nothing was swapped"
+                f"{report.refused} rollout worker(s) refused version {report.version} (their logs say why); "
+                "nothing was swapped"
             )
         return report
+
+    def _start(self, version: int, policy: torch.nn.Module) -> None:
+        """On rank 0: announce ``version`` and push it, then send the asks queued meanwhile, on a
+        thread of its own. Until it is done, that thread alone uses the ``commands`` channel (a
+        send waits for a worker to take it: after the batch it is generating) and ``weights``;
+        this one the ``rollouts`` (its inbox)."""
+        self._finish()  # an abandoned push's error (a step that failed meanwhile) is met here
+        self._poll()  # a worker already gone is left out of the push (here: it may regroup)
+        if self.pusher.device.type == "cuda" and self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.pusher.device)
+        stream = iter_megatron_tensors(policy, self.policy_cfg)  # rank 0's own parameters: no collective
+        pusher, commands, alive = self.pusher, self.links.commands, [self._rank(w) for w in self.alive]
+
+        def announce_and_push() -> PushReport:
+            for g in alive:
+                send_message(commands, g, {"op": "weights", "version": version})
+            return pusher.push(version, stream)
+
+        send = lambda item: send_message(commands, *item[2:])  # noqa: E731 - an ask queued meanwhile
+        self._flight = PushInFlight(
+            announce_and_push, version, pusher.device, self._side_stream, f"push-{version}", send
+        )
+
+    def _finish(self, take: bool = False) -> dict[str, Any] | None:
+        """On rank 0: wait for the overlapped push (None: none), then its report (forgotten with
+        ``take``), or its error raised as the serial push raises it."""
+        flight = self._flight
+        if flight is None:
+            return None
+        if take:
+            self._flight = None
+        with self._reaching(f"the push of version {flight.version}"):
+            report = self._accepted(flight.wait())
+        unsent = flight.unsent()  # an ask whose send failed, and those after it: asked again here
+        for key, *_ in unsent:
+            del self.asked[key]
+        for key, version, *_ in unsent:
+            self._send_ask(key, version)
+        return dataclasses.asdict(report)
+
+    def join_push(self) -> PushReport | None:
+        """Wait for the overlapped push in flight, on every rank (its error raised on every rank);
+        its report, also kept as :attr:`step_push`. Nothing in flight: nothing happens."""
+        if self.in_flight is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            done = on_rank0(functools.partial(self._finish, take=True), carried=(RolloutWorkerError,))
+        finally:
+            self.in_flight = None
+        self.step_push = None if done is None else PushReport(**done)
+        self.push_wait_s = time.perf_counter() - t0
+        return self.step_push
+
+    def abandon_push(self) -> None:
+        """A step that failed: wait for the push in flight (rank 0's thread; nothing collective),
+        raising nothing; a failure of it is raised by whatever next waits for it on rank 0 (the
+        next push, a roll-back's reset, a lost worker's regroup)."""
+        self.in_flight = None
+        if self._flight is not None:
+            self._flight.settle()
 
     def ask_through(self, last_step: int, draw: Draw) -> None:
         """Ask for every step up to ``last_step`` whose version has been pushed: each rank draws
@@ -242,6 +332,9 @@ class RolloutWorkers:
         w = self.worker_of(*key)
         meta, tensors = self.requests[key]
         self.asked[key] = (version, w)
+        item = (key, version, self._rank(w), {**meta, "version": version}, tensors)
+        if self._flight is not None and self._flight.queue(item):
+            return  # the push's thread sends it once the version is through (it has the channel)
         if self.on_loss != "continue":
             with self._reaching(f"asking worker {w} for step {key[0]}"):
                 send_message(self.links.commands, self._rank(w), {**meta, "version": version}, tensors)
@@ -354,6 +447,12 @@ class RolloutWorkers:
         the same rollouts; for k >= 1 a batch it owed from an older one comes back less stale)."""
         if self._closing or w not in self.alive:
             return
+        # A push in flight first: if it met the loss, its error is the run's (as without overlap);
+        # if it went through, the regroup may replace its channels (its asks sent again may have
+        # met the loss and regrouped already).
+        self._finish()
+        if w not in self.alive:
+            return
         if self.on_loss != "continue" or len(self.alive) == 1:
             last = " and it was the last one" if self.on_loss == "continue" else ""
             raise RolloutWorkerError(f"rollout worker {w} {why}{last}")
@@ -424,22 +523,6 @@ class RolloutWorkers:
                 return
             self._inbox.put((w, meta, tensors))
 
-    def metrics(self, a: Arrived, step: int, push: PushReport | None, step_s: float) -> dict[str, float]:
-        """Staleness, the worker's time, how many workers are left, and this step's push (its
-        share of the step too)."""
-        out = {
-            "rollout/workers": float(len(self.alive)),
-            "rollout/staleness": float(step - 1 - a.version),
-            "rollout/worker_generate_s": float(a.generate_s),
-            "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s, 1e-9)),
-        }
-        if push is not None:
-            out.update(
-                {"push/seconds": push.seconds, "push/gbps": push.gbps, "push/mbytes": push.bytes / 1e6}
-            )
-            out["push/step_frac"] = push.seconds / max(step_s, 1e-9)
-        return out
-
     # -- checkpoints ----------------------------------------------------------------------------
 
     def pending(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -481,6 +564,7 @@ class RolloutWorkers:
         self.submitted, self.pushed = int(state["submitted"]), None
 
     def _drop_and_reset(self, state: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
+        self._finish()
         dropped = sorted({s for s, _ in self.asked})
         for s in dropped:
             self._collect(s)
@@ -497,6 +581,9 @@ class RolloutWorkers:
 
     def close(self) -> None:
         """Tell every worker to stop (they exit 0); on rank 0."""
+        if self._flight is not None:  # never leave a thread broadcasting under the stop
+            self._flight.settle()
+            self._flight = None
         self._closing = True
         if self.links is None:
             return

@@ -1,6 +1,7 @@
 """What the trainer reports of one step beyond the :class:`~aligner.actor.rollout.StepRecord`'s own
 metrics: the episode counter (``train/episode``), the histograms every
-``logging.histogram_interval`` steps, and memory and MFU (``perf/*``, :mod:`aligner.perf`).
+``logging.histogram_interval`` steps, memory and MFU (``perf/*``, :mod:`aligner.perf`), and with
+rollout workers their batch's and the weight push's (:func:`worker_metrics`).
 
 Every method that reduces is collective: every rank of the actor calls it, in the same order.
 """
@@ -14,11 +15,37 @@ import torch.distributed as dist
 
 from aligner.actor.config import ActorConfig
 from aligner.actor.rollout import StepRecord
+from aligner.actor.rollout_workers import Arrived, RolloutWorkers
 from aligner.distributed import ParallelState
 from aligner.histograms import DEFAULT_BINS, Histogram
 from aligner.perf import PerfMeter, peak_tflops
 
-__all__ = ["StepReport"]
+__all__ = ["StepReport", "worker_metrics"]
+
+
+def worker_metrics(
+    workers: RolloutWorkers, a: Arrived, step: int, timers: dict[str, float]
+) -> dict[str, float]:
+    """Staleness, the worker's time, how many workers are left, the trainer's wait (for the batch
+    and the push) over the step, from its ``timers``; and this step's push: its seconds, GB/s,
+    MB, share of the step, the seconds the step waited for it (a serial push: all of them) and
+    the share of it the step did not wait for (``push/hidden_frac``: 0 for a serial push)."""
+    step_s, push = max(timers["timers/step"], 1e-9), workers.step_push
+    overlapped = push is not None and workers.push_wait_s is not None
+    out = {
+        "rollout/workers": float(len(workers.alive)),
+        "rollout/staleness": float(step - 1 - a.version),
+        "rollout/worker_generate_s": float(a.generate_s),
+        "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s, 1e-9)),
+    }
+    if push is not None:
+        wait = workers.push_wait_s if overlapped else push.seconds
+        hidden = min(max(1.0 - wait / push.seconds, 0.0), 1.0) if overlapped and push.seconds > 0 else 0.0
+        out |= {"push/seconds": push.seconds, "push/gbps": push.gbps, "push/mbytes": push.bytes / 1e6}
+        out |= {"push/step_frac": push.seconds / step_s, "push/wait_s": wait, "push/hidden_frac": hidden}
+    waited = timers["timers/generate"] + timers["timers/refit"] + (workers.push_wait_s if overlapped else 0.0)
+    out["rollout/trainer_wait_frac"] = waited / step_s
+    return out
 
 
 class StepReport:

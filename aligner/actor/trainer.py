@@ -15,7 +15,9 @@ Each step reads as the steps of docs/design.md, "Roles and data flow":
 
 With rollout workers of their own (``rollout.workers``, :mod:`aligner.actor.rollout_workers`),
 step 1 pushes the policy's version to them and asks for every step it may generate (up to
-``rollout.max_staleness`` ahead), and step 2 takes this step's batch from them.
+``rollout.max_staleness`` ahead), and step 2 takes this step's batch from them; at k >= 1 the push
+(and the asks it allows) runs on through steps 2-4 and 7's backward (``rollout.overlap_push``),
+waited for right before the first optimizer step.
 
 Algorithms (``ppo.*``, :class:`~aligner.actor.config.PPOConfig`):
 
@@ -79,7 +81,7 @@ from aligner.actor.resume import check_restart, rollback_dir, rolled_back
 from aligner.actor.rollout import GroupFilter, Rollout, StepRecord, fill_by_rounds, global_mean
 from aligner.actor.rollout_workers import RolloutWorkers
 from aligner.actor.shaping import shape_and_estimate
-from aligner.actor.step_report import StepReport
+from aligner.actor.step_report import StepReport, worker_metrics
 from aligner.actor.validation import validate
 from aligner.distributed import ParallelState
 from aligner.generation.engine import GenerationEngine, GenerationOutput, SamplingParams
@@ -252,6 +254,13 @@ class PPOTrainer:
             self.on_rollback(to)
 
     def step(self) -> dict[str, float]:
+        try:
+            return self._step()
+        finally:  # a step that failed leaves no push reading the weights (a roll-back loads them)
+            if self.workers is not None:
+                self.workers.abandon_push()
+
+    def _step(self) -> dict[str, float]:
         cfg, p = self.cfg, self.cfg.ppo
         step_id = self._current = self.step_count + 1
         timed = Timers()
@@ -261,7 +270,8 @@ class PPOTrainer:
             with timed("refit"):
                 if self.workers is None:
                     refit = self._refit_engine()
-                else:  # push this version, then ask for every step it may generate (rollout.max_staleness)
+                else:  # push this version (at k >= 1 on a thread, waited for in step 7), then ask for
+                    # every step it may generate (rollout.max_staleness; sent after the push)
                     refit = self.workers.push(self.step_count, self.policy)
                     self.workers.ask_through(step_id + self.workers.k, self._draw)
 
@@ -362,8 +372,13 @@ class PPOTrainer:
                 )
                 handoff = [first] if first is not None else []
                 del first  # the first minibatch step holds the only reference: freed once it is done
-                # During the critic warm-up: no optimizer step, no schedule step, no KL update.
-                policy_stats = {} if warmup else self.policy_update.train_step(rollout, orders, handoff)
+                # The push in flight (rollout.overlap_push) has read the weights before the first
+                # optimizer step writes them. During the critic warm-up: no optimizer step, no
+                # schedule step, no KL update.
+                join = self.workers.join_push if self.workers is not None else None
+                policy_stats = {} if warmup else self.policy_update.train_step(rollout, orders, handoff, join)
+                if join is not None:
+                    join()  # (waited for already, unless nothing was trained)
             if not warmup:
                 self._engine_stale = True  # the policy changed: the next step refits the engine
                 self.kl_ctl.update(float(global_mean(kl.sum(1), None, self._dp_group)), p.global_batch_size)
@@ -402,10 +417,7 @@ class PPOTrainer:
         if p.critic_warmup_steps:
             metrics["ppo/critic_warmup"] = float(warmup)
         if self.workers is not None:  # staleness, the worker's time, the push, the trainer's wait
-            t = timed.seconds
-            metrics.update(self.workers.metrics(arrived, step_id, refit, t["timers/step"]))
-            waited = t["timers/generate"] + t["timers/refit"]
-            metrics["rollout/trainer_wait_frac"] = waited / max(t["timers/step"], 1e-9)
+            metrics.update(worker_metrics(self.workers, arrived, step_id, timed.seconds))
         elif hasattr(self.engine, "last_refit"):  # what this step's refit moved into the engine, on this rank
             metrics["refit/mbytes"] = float(refit.bytes) / 1e6 if refit is not None else 0.0
         # 8. Validation every N steps (the checkpoints follow the step: see train()).

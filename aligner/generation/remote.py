@@ -62,6 +62,12 @@ class RolloutConfig:
     on_worker_loss: str = "stop"
     """A worker that goes away: 'stop' the run with an error naming it, or 'continue' with the
     others (what it owed is asked of them; the run stops when none is left)."""
+    overlap_push: bool = False
+    """At max_staleness >= 1, push each version on a thread of the trainer's while the step takes
+    its batch and computes log-probs (only reading the weights), waiting for it before the first
+    optimizer step; false: push first, then go on. The same run either way (and at k = 0, where
+    the step's batch needs the version pushed, the push is always first). Off by default: on the
+    one CPU benchmark measured so far it made runs slower (README, "Rollout workers of their own")."""
 
     def problems(self, prefix: str = "rollout") -> Problems:
         p = Problems()
@@ -80,6 +86,9 @@ class RolloutConfig:
             f"{prefix}.on_worker_loss",
             self.on_worker_loss,
             "'stop' or 'continue'",
+        )
+        p.expect(
+            isinstance(self.overlap_push, bool), f"{prefix}.overlap_push", self.overlap_push, "true or false"
         )
         try:
             split_address(self.address)

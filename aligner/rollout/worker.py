@@ -127,6 +127,7 @@ class RolloutWorker:
                 self.receiver.last_version = last
                 self.say(f"regrouped: {meta['workers']} worker(s) left, this one now rank {meta['rank']}")
             elif op == "weights":
+                faults.WORKER.hit("weights", int(meta["version"]))  # tests only: a worker lost mid-push
                 try:
                     self.version = receive_into(self.receiver, self.policy)
                 except WeightPushError as e:

@@ -6,8 +6,12 @@ worker processes joining the trainer's store, the trainer in this process agains
 - k = 1 is stale by one version from step 2 on, and a run of two steps resumed to four (on two
   workers) ends equal to four steps in one go (on one worker): the checkpoint keeps the batch
   asked for and not yet trained on;
+- at k = 1 the push overlapped with the step (``rollout.overlap_push=true``) is the serial
+  push's run, every number and weight, also when the push is slowed until the optimizer step
+  would have changed the weights under it; at k = 0 it stays serial;
 - a worker that serves another model is refused by name; a worker killed mid-run stops the run
-  with an error naming it.
+  with an error naming it, and one lost during a push stops it with the same error whether the
+  push was overlapped or not.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,7 @@ from aligner.actor.rollout_workers import RolloutWorkerError
 from aligner.actor.run import build_actor
 from aligner.checkpoint import step_dir_name
 from aligner.distributed import destroy, spare_port
+from aligner.generation.weight_push import WeightPusher
 from aligner.metrics import read_metrics
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
@@ -162,6 +169,21 @@ def _same_weights(a: dict, b: dict) -> None:
     assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()]
 
 
+def _pushes(monkeypatch, delay_s: float = 0.0) -> list[str]:
+    """The threads the trainer's pushes run on, in order (``delay_s``: each push held back that
+    long first, off the main thread: what an optimizer step would overtake without the join)."""
+    threads, push = [], WeightPusher.push
+
+    def spied(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(delay_s)
+        return push(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightPusher, "push", spied)
+    return threads
+
+
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory):
     """Four steps generated in process: their rows and final weights."""
@@ -170,9 +192,12 @@ def in_process(tmp_path_factory):
     return rows, _weights(root, 4)
 
 
-def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path, in_process):
+def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path, in_process, monkeypatch):
     ours, weights = in_process
-    theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0)
+    threads = _pushes(monkeypatch)
+    theirs, codes = _run(tmp_path / "worker", 4, workers=1, k=0, extra=["rollout.overlap_push=true"])
+    assert threads == ["MainThread"] * 4  # the step's batch needs the version: nothing to overlap
+    assert all(r["push/hidden_frac"] == 0.0 and r["push/wait_s"] == r["push/seconds"] for r in theirs)
     assert codes == [0]  # told to stop at the end
     _same(ours, theirs)
     _same_weights(weights, _weights(tmp_path / "worker", 4))
@@ -185,7 +210,7 @@ def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path, in_process):
 def whole_k1(tmp_path_factory):
     """Four steps at k = 1 on one worker, uninterrupted: its rows and final weights."""
     root = tmp_path_factory.mktemp("whole-k1")
-    rows, codes = _run(root, 4, workers=1, k=1)
+    rows, codes = _run(root, 4, workers=1, k=1, extra=["rollout.overlap_push=true"])
     assert codes == [0]
     return rows, _weights(root, 4)
 
@@ -203,6 +228,26 @@ def test_k1_is_one_version_stale_and_resumes_exactly_on_another_number_of_worker
     assert codes == [0, 0]
     _same(whole, second)
     _same_weights(weights, _weights(split, 4))
+
+
+def test_the_overlapped_push_is_the_serial_push_s_run(tmp_path: Path, whole_k1, monkeypatch):
+    """Overlapped or not, the push sends the weights the step began with: the same rollouts, every
+    number and weight (``whole_k1`` overlapped its pushes). Each overlapped push here is held back
+    0.3 s, time for the step's optimizer step to overtake it, were it not waited for first."""
+    whole, weights = whole_k1
+    serial, codes = _run(tmp_path / "serial", 4, workers=1, k=1, extra=["rollout.overlap_push=false"])
+    assert codes == [0]
+    _same(whole, serial)
+    _same_weights(weights, _weights(tmp_path / "serial", 4))
+    assert all(r["push/hidden_frac"] == 0.0 for r in serial)
+
+    threads = _pushes(monkeypatch, delay_s=0.3)
+    held, codes = _run(tmp_path / "held", 4, workers=1, k=1, extra=["rollout.overlap_push=true"])
+    assert codes == [0]
+    assert threads == ["MainThread", "push-1", "push-2", "push-3"]  # step 1's batch needs version 0
+    assert max(r["push/wait_s"] for r in held[1:]) > 0.1  # a step waited for its held push
+    _same(whole, held)
+    _same_weights(weights, _weights(tmp_path / "held", 4))
 
 
 def test_a_restarted_server_rolls_the_asynchronous_run_back_and_it_ends_as_the_uninterrupted_one(
@@ -237,6 +282,24 @@ def test_a_worker_killed_mid_run_stops_the_run_naming_it(tmp_path: Path):
 
     with pytest.raises(RolloutWorkerError, match="rollout worker"):
         _run(tmp_path, 4, workers=1, k=0, on_step=kill_after_step_1)
+
+
+@pytest.mark.parametrize("overlap,on_loss", [("true", "stop"), ("false", "stop"), ("true", "continue")])
+def test_a_worker_lost_during_a_push_stops_the_run_overlapped_or_not(
+    tmp_path: Path, overlap, on_loss, monkeypatch
+):
+    """The worker dies when told version 2 follows (step 3's push, k = 1): the run stops naming the
+    push, whatever ``rollout.on_worker_loss`` says (a collective lost a member)."""
+    threads = _pushes(monkeypatch)
+    extra = [f"rollout.overlap_push={overlap}", f"rollout.on_worker_loss={on_loss}"]
+    fault = {1: {"ALIGNER_ROLLOUT_FAULT_AT": "weights@2"}}
+    with pytest.raises(
+        RolloutWorkerError, match="the push of version 2 failed: a rollout worker went away"
+    ) as e:
+        _run(tmp_path, 4, workers=1, k=1, extra=extra, worker_env=fault)
+    assert threads[-1] == ("push-2" if overlap == "true" else "MainThread")
+    if on_loss == "continue":
+        assert "stops the run whatever rollout.on_worker_loss says" in str(e.value)
 
 
 def test_a_worker_lost_mid_step_hands_its_batches_to_the_others_and_the_run_is_unchanged(

@@ -3,7 +3,9 @@ which every run shares: it holds no state):
 
 - a DP=2 actor (torchrun) whose rank 0 asks one worker for both ranks' shares and hands rank 1 its
   own ends equal, every metric and weight, to the DP=2 actor generating in process;
-- a TP=2 actor pushes its shards whole: its first batch is a TP=1 actor's, bit for bit.
+- a TP=2 actor pushes its shards whole: its first batch is a TP=1 actor's, bit for bit;
+- at k = 1 a DP=2 actor's rank 0 pushes on a thread while both ranks go on (the wait for it and the
+  asks after it are collective): the run is the one with the push first, every metric and weight.
 """
 
 from __future__ import annotations
@@ -79,7 +81,12 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
         log.close()
     assert f"stopped by the trainer after {2 * STEPS} batch(es)" in (tmp_path / "worker.log").read_text()
 
-    ours, theirs = _rows(tmp_path / "in-process"), _rows(tmp_path / "worker")
+    _same_runs(tmp_path / "in-process", tmp_path / "worker")
+
+
+def _same_runs(one: Path, two: Path) -> None:
+    """Two runs' every metric but the timed ones, and their final weights, equal."""
+    ours, theirs = _rows(one), _rows(two)
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, STEPS + 1))
     varying = (
         "timers/",
@@ -95,7 +102,7 @@ def test_dp2_trainer_on_a_worker_is_the_dp2_in_process_run(reward_server, tmp_pa
         diff = {k: (a[k], b.get(k)) for k in a if not k.startswith(varying) and a[k] != b.get(k)}
         assert not diff, f"step {a['step']}: {diff}"
     folder = lambda d: d / "ckpt" / step_dir_name(STEPS) / "actor" / "policy" / "model.safetensors"  # noqa: E731
-    want, got = load_file(str(folder(tmp_path / "in-process"))), load_file(str(folder(tmp_path / "worker")))
+    want, got = load_file(str(folder(one))), load_file(str(folder(two)))
     assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
 
 
@@ -151,3 +158,23 @@ def test_a_tp2_trainer_pushes_what_a_tp1_trainer_pushes(reward_server, tmp_path:
     for key in ("objective/scores", "response_length/mean"):
         assert one[0][key] == two[0][key], key
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=0.05), key
+
+
+def test_a_dp2_trainer_s_overlapped_push_is_its_serial_push_s_run(reward_server, tmp_path: Path):
+    url = reward_server.url
+    for name in ("overlap", "serial"):
+        flags = [
+            f"rollout.overlap_push={name == 'overlap'}".lower(),
+            f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+        ]
+        _with_worker(
+            tmp_path,
+            name,
+            lambda rollout, name=name, flags=flags: torchrun_actor(
+                2, url, tmp_path / name, [*COMMON, *rollout, *flags]
+            ),
+        )
+    _same_runs(tmp_path / "overlap", tmp_path / "serial")
+    rows = _rows(tmp_path / "overlap")
+    assert [r["rollout/staleness"] for r in rows] == [0.0] + [1.0] * (STEPS - 1)
+    assert all(r["push/hidden_frac"] == 0.0 for r in _rows(tmp_path / "serial"))

@@ -90,9 +90,24 @@ def test_addresses_and_rollout_settings_are_checked():
         with pytest.raises(ValueError, match="expected host:port"):
             split_address(bad)
     p = RolloutConfig(
-        workers=-1, max_staleness=-2, timeout_s=0, bucket_mb=0, weights_backend="mpi", address="x"
+        workers=-1,
+        max_staleness=-2,
+        timeout_s=0,
+        bucket_mb=0,
+        weights_backend="mpi",
+        address="x",
+        overlap_push="yes",
     ).problems()
-    for key in ("workers", "max_staleness", "timeout_s", "bucket_mb", "weights_backend", "address"):
+    keys = (
+        "workers",
+        "max_staleness",
+        "timeout_s",
+        "bucket_mb",
+        "weights_backend",
+        "address",
+        "overlap_push",
+    )
+    for key in keys:
         assert any(m.startswith(f"rollout.{key}=") for m in p), (key, p)
 
 

@@ -20,12 +20,10 @@ drops whatever the abandoned continuation still had in flight, so that nothing i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,14 +33,17 @@ import torch
 import torch.distributed as dist
 
 from aligner.actor.push_overlap import PushInFlight
+from aligner.actor.worker_membership import RolloutWorkerError, WorkerMembership, differences
 from aligner.distributed import ParallelState, all_gather_json, comm_device, on_rank0, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
     OUTPUT_FIELDS,
+    JoinRequests,
     RolloutLinks,
     decode_output,
     encode_output,
     encode_prompts,
+    mark_epoch,
     sampling_to,
 )
 from aligner.generation.weight_push import PushReport, WeightPusher
@@ -52,10 +53,6 @@ from aligner.peer_group import recv_message, send_message
 log = logging.getLogger(__name__)
 
 __all__ = ["Arrived", "Draw", "RolloutWorkerError", "RolloutWorkers"]
-
-
-class RolloutWorkerError(RuntimeError):
-    """A rollout worker failed, went away, or did not answer in time: the run stops."""
 
 
 Draw = Callable[[int], tuple[list[str], list[str] | None, list[list[int]], SamplingParams]]
@@ -76,19 +73,7 @@ class Arrived:
     idle_s: float
 
 
-def _differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
-    """``key: trainer <ours>, worker <theirs>`` for every (nested) key whose values differ."""
-    out = []
-    for k, v in ours.items():
-        w = theirs.get(k) if isinstance(theirs, dict) else None
-        if isinstance(v, dict) and isinstance(w, dict):
-            out += _differences(v, w, f"{prefix}{k}.")
-        elif v != w:
-            out.append(f"{prefix}{k}: trainer {v!r}, worker {w!r}")
-    return out
-
-
-class RolloutWorkers:
+class RolloutWorkers(WorkerMembership):
     """The trainer's end, on every rank: rank 0 holds the channels, the push and the shares asked
     for and arrived; every rank its own prompts of the steps asked for. Every method is called on
     every rank (the outcome of rank 0's part reaches all of them)."""
@@ -96,7 +81,9 @@ class RolloutWorkers:
     def __init__(self, cfg: Any, identity: dict[str, Any], policy_cfg: Any, state: ParallelState) -> None:
         r = cfg.rollout
         self.n, self.k, self.timeout_s = r.workers, r.max_staleness, r.timeout_s
-        self.rcfg, self.on_loss = r, r.on_worker_loss
+        self.rcfg, self.on_loss, self.identity = r, r.on_worker_loss, identity
+        self.joins: JoinRequests | None = None
+        """On rank 0: workers asking to join the run under way (in place of ones it lost)."""
         self.alive = list(range(1, self.n + 1))
         """On rank 0: the workers still in the run, in the order of their ranks in the channels."""
         self.policy_cfg, self.device = policy_cfg, state.device
@@ -155,7 +142,7 @@ class RolloutWorkers:
             raise RolloutWorkerError(str(e)) from e
         for w in self.alive:
             meta, _ = recv_message(self.links.rollouts, w)
-            differ = _differences(identity, meta)
+            differ = differences(identity, meta)
             if meta.get("op") != "hello" or differ:
                 self.close()
                 raise RolloutWorkerError(
@@ -165,29 +152,16 @@ class RolloutWorkers:
         self._listen_all()
 
     def _use(self, links: RolloutLinks) -> None:
-        """Talk to the workers over ``links`` from now on (the push too)."""
+        """Talk to the workers over ``links`` from now on (the push too); a worker that starts
+        from now on asks to join (:meth:`_admit`)."""
         self.links = links
         self.pusher = WeightPusher(links.weights, src=0, bucket_bytes=self.rcfg.bucket_mb << 20)
-
-    def _listen_all(self) -> None:
-        """A listener thread for every worker on the current channels."""
-        for g, w in enumerate(self.alive, start=1):
-            t = threading.Thread(
-                target=self._listen,
-                args=(w, self.links, g),
-                name=f"rollout-{w}.{self.links.epoch}",
-                daemon=True,
-            )
-            t.start()
-            self._threads.append(t)
+        mark_epoch(links.store, links.epoch)
+        self.joins = self.joins or JoinRequests(links.store)
 
     def worker_of(self, step: int, rank: int = 0) -> int:
         """The worker asked for ``rank``'s share of ``step`` (of those still in the run)."""
         return self.alive[((step - 1) * self.dp + rank) % len(self.alive)]
-
-    def _rank(self, w: int) -> int:
-        """Worker ``w``'s rank in the current channels."""
-        return self.alive.index(w) + 1
 
     def version_of(self, step: int) -> int:
         """The policy version step ``step`` is generated from."""
@@ -199,9 +173,12 @@ class RolloutWorkers:
         """Push ``version`` (the policy after that many updates) to every worker, once: from rank
         0 (the data-parallel replicas hold the same weights), the ranks of its replica streaming
         their shards with it. Overlapped (:attr:`overlap`): started on rank 0's thread and None
-        returned; :meth:`join_push` waits for it (before anything writes the weights)."""
+        returned; :meth:`join_push` waits for it (before anything writes the weights). First,
+        workers that asked to join are admitted (:meth:`_admit`)."""
         self.join_push()  # the one before (normally long waited for)
         self.step_push, self.push_wait_s = None, None
+        if self.on_loss == "continue" and on_rank0(self._admit, carried=(RolloutWorkerError,)):
+            self.pushed = None  # the newcomers and the others (who forgot theirs) take it again
         if self.pushed == version:
             return None
         if self.overlap and self.submitted > version:  # this step's batch is asked for already
@@ -426,102 +403,6 @@ class RolloutWorkers:
             except queue.Empty:
                 return
             self._accept(w, meta, tensors)
-
-    def _await_gone(self, w: int) -> None:
-        """Worker ``w`` failed a send: wait for its listener to see it go (what it sent before
-        comes first), at most ``rollout.timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
-        while w in self.alive:
-            try:
-                got = self._inbox.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise RolloutWorkerError(
-                    f"rollout worker {w} cannot be reached and did not go away"
-                ) from None
-            self._accept(*got)
-
-    def _lose(self, w: int, why: str) -> None:
-        """Worker ``w`` went away: the run stops (``rollout.on_worker_loss=stop``, or when it was
-        the last), or the others meet again in channels of a new epoch and what ``w`` owed is
-        asked of them, from the newest version they hold (the version it was asked at for k = 0:
-        the same rollouts; for k >= 1 a batch it owed from an older one comes back less stale)."""
-        if self._closing or w not in self.alive:
-            return
-        # A push in flight first: if it met the loss, its error is the run's (as without overlap);
-        # if it went through, the regroup may replace its channels (its asks sent again may have
-        # met the loss and regrouped already).
-        self._finish()
-        if w not in self.alive:
-            return
-        if self.on_loss != "continue" or len(self.alive) == 1:
-            last = " and it was the last one" if self.on_loss == "continue" else ""
-            raise RolloutWorkerError(f"rollout worker {w} {why}{last}")
-        old_rank = {other: self._rank(other) for other in self.alive}
-        self.alive.remove(w)
-        owed = sorted(key for key, (_, owner) in self.asked.items() if owner == w)
-        print(
-            f"rollout: worker {w} {why}; going on with worker(s) {self.alive} "
-            f"(rollout.on_worker_loss=continue), asking them for {len(owed)} share(s) it owed",
-            flush=True,
-        )
-        epoch = self.links.epoch + 1
-        with self._reaching(f"regrouping after worker {w} was lost"):
-            for other in self.alive:
-                meta = {
-                    "op": "regroup",
-                    "epoch": epoch,
-                    "rank": self._rank(other),
-                    "workers": len(self.alive),
-                }
-                send_message(self.links.commands, old_rank[other], meta)
-            self.retired.append(self.links)  # kept: a group is not torn down under a peer that died
-            self._use(
-                RolloutLinks(
-                    self.rcfg, 0, self.backend, epoch=epoch, workers=len(self.alive), store=self.links.store
-                )
-            )
-        self._listen_all()
-        for key in owed:
-            self._send_ask(key, self.pushed)
-
-    @contextlib.contextmanager
-    def _reaching(self, what: str) -> Iterator[None]:
-        """A worker that went away (a send or the push failed) stops the run, with what came from
-        the workers first (a worker's own error says more than the broken connection)."""
-        try:
-            yield
-        except RuntimeError as e:
-            if isinstance(e, RolloutWorkerError):
-                raise
-            said = self._said()
-            during = " (a worker lost during a push or a regroup stops the run whatever rollout.on_worker_loss says)"
-            during = during if self.on_loss == "continue" else ""
-            raise RolloutWorkerError(f"{what} failed: a rollout worker went away ({e}){said}{during}") from e
-
-    def _said(self) -> str:
-        """What the workers sent that was not a rollout, as a suffix for an error."""
-        notes = []
-        while True:
-            try:
-                w, meta, _ = self._inbox.get(timeout=1.0)
-            except queue.Empty:
-                return "".join(f"; worker {w}: {m}" for w, m in notes)
-            if meta.get("op") != "rollout":
-                notes.append((w, meta.get("message", meta)))
-
-    def _listen(self, w: int, links: RolloutLinks, rank: int) -> None:
-        """Worker ``w``'s messages on ``links`` (where it is ``rank``) into the inbox, until it
-        goes away or moves to the channels of a new epoch."""
-        while True:
-            try:
-                meta, tensors = recv_message(links.rollouts, rank)
-            except RuntimeError as e:
-                if not self._closing:
-                    self._inbox.put((w, {"op": "gone", "message": f"went away ({e})"}, {}))
-                return
-            if meta.get("op") == "regrouped":
-                return
-            self._inbox.put((w, meta, tensors))
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -13,11 +13,18 @@ at ``rollout.address`` (rank 0: the trainer; rank ``w``: worker ``w``, 1..``roll
   log-probs, the version that generated them, the worker's generate and idle seconds) or an
   ``error``; ``regrouped`` last, before a worker moves to the channels of a new epoch;
 - ``weights``: the versioned push of :mod:`aligner.generation.weight_push` (all workers at once).
+
+A worker that starts once the run is under way (a replacement for one that was lost) joins
+through the store instead (:func:`ask_to_join`, :class:`JoinRequests`): it files a request with
+its rank and what it serves, and the trainer, at its next push, answers it with the epoch of the
+channels it is to meet the others in (or why it is refused).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,7 @@ from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.peer_group import PeerGroup, open_store, split_address
 
 __all__ = [
+    "JoinRequests",
     "RolloutConfig",
     "RolloutLinks",
     "decode_output",
@@ -35,7 +43,7 @@ __all__ = [
     "encode_output",
     "encode_prompts",
 ]
-__all__ += ["sampling_from", "sampling_to", "worker_identity"]
+__all__ += ["ask_to_join", "mark_epoch", "sampling_from", "sampling_to", "worker_identity"]
 
 
 @dataclass
@@ -132,6 +140,67 @@ class RolloutLinks:
                 f"rollout.address={cfg.address}: waited {cfg.timeout_s:g} s for {who} "
                 f"({workers} worker(s){' left' if epoch else ' configured'}): {e}"
             ) from e
+
+
+_EPOCH = "aligner/rollout/epoch"
+"""Set by the trainer once the channels of an epoch are formed: the run is under way."""
+_JOINS = "aligner/rollout/joins"
+"""How many workers asked to join the run under way (each request is ``_JOINS/<n>``)."""
+
+
+def mark_epoch(store: Any, epoch: int) -> None:
+    """The trainer: the channels of ``epoch`` are formed (a worker starting now joins late)."""
+    store.set(_EPOCH, str(epoch))
+
+
+def ask_to_join(
+    store: Any, rank: int, identity: dict[str, Any], timeout_s: float, say: Any = None
+) -> dict[str, Any] | None:
+    """A worker starting: None when the run is not under way (it joins the channels of epoch 0
+    with the others); else it files a request to join as ``rank`` and waits, at most
+    ``timeout_s``, for the trainer's answer: ``{"epoch", "rank", "workers"}`` (``say``: told
+    once the request is filed).
+
+    Raises:
+        RuntimeError: the trainer refused it (naming why), or did not answer in time.
+    """
+    if not store.check([_EPOCH]):
+        return None
+    n = store.add(_JOINS, 1)
+    store.set(f"{_JOINS}/{n}", json.dumps({"rank": rank, "identity": identity}))
+    if say is not None:
+        say(f"the run is under way: asked the trainer to join as worker {rank}")
+    key = f"{_JOINS}/{n}/answer"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):  # polled: a store wait cannot be given a deadline of its own
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"asked to join the run under way as worker {rank}; the trainer did not admit it within "
+                f"rollout.timeout_s={timeout_s:g} s (it admits a worker at its next push, only with "
+                "rollout.on_worker_loss=continue and in place of one it lost)"
+            )
+        time.sleep(0.2)
+    answer = json.loads(store.get(key))
+    if "refused" in answer:
+        raise RuntimeError(f"the trainer refused this worker: {answer['refused']}")
+    return answer
+
+
+class JoinRequests:
+    """The trainer's side of :func:`ask_to_join`: the requests filed since the last look."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.seen = store, 0
+
+    def new(self) -> list[tuple[int, dict[str, Any]]]:
+        """(ticket, request) of each request filed since the last call (none: one store read)."""
+        n = self.store.add(_JOINS, 0)
+        out = [(t, json.loads(self.store.get(f"{_JOINS}/{t}"))) for t in range(self.seen + 1, n + 1)]
+        self.seen = n
+        return out
+
+    def answer(self, ticket: int, answer: dict[str, Any]) -> None:
+        self.store.set(f"{_JOINS}/{ticket}/answer", json.dumps(answer))
 
 
 def worker_identity(model: Any, tokenizer: Any, dtype: str) -> dict[str, Any]:

@@ -9,7 +9,9 @@ It reads the actor's config (``actor.yaml``, the same overrides as the trainer's
 tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
 with random weights, then generates only from versions the trainer pushed (version 0 before the
 first batch), each verified whole before it is swapped in. It exits when the trainer says stop
-(0), or with an error when the trainer goes away or a version is refused (1).
+(0), or with an error when the trainer goes away or a version is refused (1). Started once the run
+is under way (a replacement for a lost worker, e.g. a retried pod), it asks the trainer to join
+and is admitted at the trainer's next push, with ``rollout.on_worker_loss=continue``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from aligner.distributed import ParallelConfig
 from aligner.generation.native import NativeEngine
 from aligner.generation.remote import (
     RolloutLinks,
+    ask_to_join,
     decode_prompts,
     encode_output,
     sampling_from,
@@ -37,7 +40,7 @@ from aligner.generation.remote import (
 )
 from aligner.generation.weight_push import WeightPushError, WeightReceiver, receive_into
 from aligner.models import gpt
-from aligner.peer_group import recv_message, send_message
+from aligner.peer_group import open_store, recv_message, send_message
 from aligner.precision import precision_dtype, resolve_precision
 from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
 
@@ -86,12 +89,22 @@ class RolloutWorker:
         if backend == "auto":
             backend = "nccl" if self.state.device.type == "cuda" else "gloo"
         self.backend = backend
-        self.links = RolloutLinks(r, self.rank, backend)
+        self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
+        store = open_store(r.address, r.workers + 1, False, r.timeout_s)
+        joined = ask_to_join(store, self.rank, self.identity, r.timeout_s, say=self.say)
+        self.late = joined is not None
+        """It joined the run under way, in place of a worker the trainer lost (no hello: the
+        trainer checked what it serves with its request)."""
+        if joined is None:  # the run's start: every worker meets the trainer in epoch 0
+            self.links = RolloutLinks(r, self.rank, backend, store=store)
+        else:
+            self.links = RolloutLinks(
+                r, joined["rank"], backend, epoch=joined["epoch"], workers=joined["workers"], store=store
+            )
         self.retired: list[RolloutLinks] = []
         """Channels of earlier epochs (kept: a group is not torn down under a peer that died)."""
         self.receiver = WeightReceiver(self.links.weights, src=0)
         self.version: int | None = None
-        self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
 
     def say(self, msg: str) -> None:
         print(f"[rollout {self.rank}] {msg}", flush=True)
@@ -101,7 +114,8 @@ class RolloutWorker:
 
     def serve(self) -> int:
         """Answer the trainer's commands until it says stop. Returns the exit status."""
-        self._send({"op": "hello", "rank": self.rank, **self.identity})
+        if not self.late:
+            self._send({"op": "hello", "rank": self.rank, **self.identity})
         idle_since, generated = time.perf_counter(), 0
         while True:
             meta, tensors = recv_message(self.links.commands, 0)
@@ -181,8 +195,9 @@ def serve(cfg: ActorConfig, model_keys: set[str] | None = None) -> int:
     worker = None
     try:
         worker = RolloutWorker(cfg, model_keys)
+        late = f", in the run under way (epoch {worker.links.epoch})" if worker.late else ""
         worker.say(
-            f"joined {cfg.rollout.address} as worker {worker.rank} of {cfg.rollout.workers} "
+            f"joined {cfg.rollout.address} as worker {worker.rank} of {cfg.rollout.workers}{late} "
             f"({worker.state.device}, {worker.precision})"
         )
         return worker.serve()

@@ -114,7 +114,7 @@ class WorkerMembership:
             w = req.get("rank")
             differ = differences(self.identity, req.get("identity") or {})
             why = None
-            if not isinstance(w, int) or not 1 <= w <= self.n:
+            if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= self.n:
                 why = f"worker rank {w!r} is not one of 1..rollout.workers ({self.n})"
             elif w in members:
                 why = f"worker {w} is in the run"

@@ -191,12 +191,32 @@ class JoinRequests:
 
     def __init__(self, store: Any) -> None:
         self.store, self.seen = store, 0
+        self.unfiled: set[int] = set()
+        """Tickets taken whose request was not there yet (its worker may still be writing it)."""
 
     def new(self) -> list[tuple[int, dict[str, Any]]]:
-        """(ticket, request) of each request filed since the last call (none: one store read)."""
+        """(ticket, request) of each request filed since the last call, in ticket order (none: one
+        store read). A request that is not a JSON object is refused here, naming why; a ticket
+        whose request is not filed yet is looked at again next time (never waited for: a worker
+        that died between taking a ticket and filing holds up nothing)."""
         n = self.store.add(_JOINS, 0)
-        out = [(t, json.loads(self.store.get(f"{_JOINS}/{t}"))) for t in range(self.seen + 1, n + 1)]
-        self.seen = n
+        tickets = sorted(self.unfiled | set(range(self.seen + 1, n + 1)))
+        self.seen = max(self.seen, n)
+        out = []
+        for t in tickets:
+            key = f"{_JOINS}/{t}"
+            if not self.store.check([key]):
+                self.unfiled.add(t)
+                continue
+            self.unfiled.discard(t)
+            try:
+                req = json.loads(self.store.get(key))
+                if not isinstance(req, dict):
+                    raise ValueError(f"a JSON {type(req).__name__}, not an object")
+            except ValueError as e:  # bad JSON, bad UTF-8, not an object
+                self.answer(t, {"refused": f"an unreadable request to join ({e})"})
+                continue
+            out.append((t, req))
         return out
 
     def answer(self, ticket: int, answer: dict[str, Any]) -> None:

@@ -4,7 +4,9 @@ between two threads of this process over a real TCP store; the ``rollout`` confi
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import pytest
 import torch
@@ -14,11 +16,14 @@ from aligner.config_checks import Problems
 from aligner.distributed import spare_port
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
+    JoinRequests,
     RolloutConfig,
+    ask_to_join,
     decode_output,
     decode_prompts,
     encode_output,
     encode_prompts,
+    mark_epoch,
     sampling_from,
     sampling_to,
 )
@@ -141,3 +146,51 @@ def test_a_worker_checks_only_what_it_uses_of_the_actors_config():
     problems = worker_problems(cfg, 20)
     for key in ("generation.temperature", "precision", "ppo.tis_cap", "model.vocab_size"):
         assert any(m.startswith(key) for m in problems), (key, problems)
+
+
+def test_a_worker_joins_a_run_under_way_through_the_store_and_bad_requests_are_refused():
+    """Before the trainer marks an epoch a worker joins with the others (None); after it, its
+    request reaches the trainer, who answers it. A request that is not a JSON object is refused
+    naming why; a ticket taken and never filed (its worker died) holds up no other."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    me = {"model": {"num_layers": 2}, "tokenizer": "f", "dtype": "fp32"}
+    assert ask_to_join(store, 2, me, timeout_s=1.0) is None  # the run has not started: epoch 0
+    joins = JoinRequests(store)
+    mark_epoch(store, 0)
+    assert joins.new() == []
+
+    store.add("aligner/rollout/joins", 1)  # ticket 1: taken, never filed
+    store.add("aligner/rollout/joins", 1)  # ticket 2: not JSON
+    store.set("aligner/rollout/joins/2", b"\xff{not json")
+    store.add("aligner/rollout/joins", 1)  # ticket 3: JSON, not an object
+    store.set("aligner/rollout/joins/3", "[2]")
+    said, answer = [], {}
+
+    def worker():
+        answer["got"] = ask_to_join(store, 2, me, timeout_s=30.0, say=said.append)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    while not said:  # its request is filed: ticket 4
+        time.sleep(0.01)
+    got = joins.new()
+    assert [(tk, r["rank"], r["identity"]) for tk, r in got] == [(4, 2, me)]
+    assert json.loads(store.get("aligner/rollout/joins/2/answer"))["refused"].startswith(
+        "an unreadable request"
+    )
+    assert "not an object" in json.loads(store.get("aligner/rollout/joins/3/answer"))["refused"]
+    assert joins.unfiled == {1}
+    joins.answer(4, {"epoch": 1, "rank": 2, "workers": 2})
+    t.join(10)
+    assert answer["got"] == {"epoch": 1, "rank": 2, "workers": 2}
+    assert said == ["the run is under way: asked the trainer to join as worker 2"]
+
+    store.set("aligner/rollout/joins/1", json.dumps({"rank": 1, "identity": me}))  # filed at last
+    assert [tk for tk, _ in joins.new()] == [1] and joins.unfiled == set()
+    with pytest.raises(RuntimeError, match="the trainer refused this worker: worker 2 is in the run"):
+        threading.Timer(0.5, lambda: joins.answer(5, {"refused": "worker 2 is in the run"})).start()
+        ask_to_join(store, 2, me, timeout_s=30.0)
+    with pytest.raises(RuntimeError, match="did not admit it within rollout.timeout_s=0.3 s"):
+        ask_to_join(store, 2, me, timeout_s=0.3)

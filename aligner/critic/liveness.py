@@ -43,7 +43,7 @@ __all__ = ["PeerWatch", "beat_interval", "end_server", "exit_now", "fatal_collec
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "aligner/critic/liveness/"
+_PREFIX = "aligner/critic/liveness"
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -91,15 +91,19 @@ class PeerWatch:
         self._stopped.set()
 
     def _run(self) -> None:
-        start = time.monotonic()
-        seen = {r: (-1, start) for r in range(self.world_size) if r != self.rank}
+        last = time.monotonic()
+        seen = {r: (-1, last) for r in range(self.world_size) if r != self.rank}
         while not self._stopped.wait(self.beat_s):
             try:
                 self._store.add(f"beat/{self.rank}", 1)
                 now = time.monotonic()
+                # This rank itself did not run for a while (it was the one stopped, or the whole
+                # machine was): the others' silence is not theirs to answer for, so they get a new
+                # window rather than the blame.
+                paused, last = now - last > self.timeout_s / 2, now
                 for r, (count, _) in seen.items():
                     c = self._store.add(f"beat/{r}", 0)  # a read that never blocks
-                    if c != count:
+                    if c != count or paused:
                         seen[r] = (c, now)
                 silent = {r: now - since for r, (_, since) in seen.items() if now - since > self.timeout_s}
             except Exception as e:  # the store's host (torchrun's agent, or rank 0) is gone or hung
@@ -107,7 +111,7 @@ class PeerWatch:
                     self._lose(f"the process group's store stopped answering: {type(e).__name__}: {e}")
                 return
             if silent and not self._stopped.is_set():
-                named = ", ".join(f"rank {r} ({s:.0f} s)" for r, s in sorted(silent.items()))
+                named = ", ".join(f"rank {r} ({s:.1f} s)" for r, s in sorted(silent.items()))
                 self._lose(
                     f"critic server rank {self.rank}: no sign of life from {named}, past "
                     f"parallel.peer_timeout_s={self.timeout_s:g}: a hung rank"

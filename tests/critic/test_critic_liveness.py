@@ -68,6 +68,50 @@ def test_ranks_that_beat_are_never_hung_and_a_silent_one_is_named_in_time():
             w.stop()
 
 
+def test_a_rank_that_was_stopped_itself_does_not_blame_the_others():
+    """A watch whose own thread did not run for longer than the timeout (its process stopped, the
+    machine frozen) gives the others a new window instead of naming them."""
+    store, found = dist.HashStore(), _Found()
+    watch = PeerWatch(0, 2, 0.4, found, store=store)
+    beats = threading.Event()
+
+    def rank1():  # a live peer that beats, but only once the watch has been "frozen"
+        while not beats.wait(0.02):
+            pass
+        while not watch._stopped.is_set():
+            store.add("aligner/critic/liveness/beat/1", 1)
+            time.sleep(0.05)
+
+    peer = threading.Thread(target=rank1, daemon=True)
+    peer.start()
+    try:
+        watch._stopped.wait(0.2)
+        with _frozen(watch):  # the watch's thread does not run for 1 s
+            time.sleep(1.0)
+        beats.set()
+        time.sleep(1.0)
+        assert found.what == []
+    finally:
+        watch.stop()
+        beats.set()
+
+
+class _frozen:
+    """Holds ``watch``'s thread in its next wait, as a stopped process would be held."""
+
+    def __init__(self, watch: PeerWatch) -> None:
+        self.watch, self.release = watch, threading.Event()
+        self._wait = watch._stopped.wait
+
+    def __enter__(self):
+        self.watch._stopped.wait = lambda t: self.release.wait() and False or self._wait(0)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.watch._stopped.wait = self._wait  # type: ignore[method-assign]
+
+
 def test_a_rank_that_never_beats_is_named():
     found = _Found()
     watch = PeerWatch(1, 2, 0.4, found, store=dist.HashStore())

@@ -73,6 +73,20 @@ class Arrived:
     idle_s: float
 
 
+def _announce_and_push(
+    pusher: WeightPusher,
+    commands: Any,
+    ranks: list[int],
+    version: int,
+    stream: Iterator[tuple[str, torch.Tensor]],
+) -> PushReport:
+    """Tell the workers at channel ``ranks`` that ``version`` follows, then push it (serial, or on
+    the overlapped push's thread with the channels it was started with)."""
+    for g in ranks:
+        send_message(commands, g, {"op": "weights", "version": version})
+    return pusher.push(version, stream)
+
+
 class RolloutWorkers(WorkerMembership):
     """The trainer's end, on every rank: rank 0 holds the channels, the push and the shares asked
     for and arrived; every rank its own prompts of the steps asked for. Every method is called on
@@ -204,10 +218,9 @@ class RolloutWorkers(WorkerMembership):
 
     def _push(self, version: int, stream: Iterator[tuple[str, torch.Tensor]]) -> PushReport:
         self._poll()  # a worker already gone is left out of the push
+        ranks = [self._rank(w) for w in self.alive]
         with self._reaching(f"the push of version {version}"):
-            for w in self.alive:
-                send_message(self.links.commands, self._rank(w), {"op": "weights", "version": version})
-            report = self.pusher.push(version, stream)
+            report = _announce_and_push(self.pusher, self.links.commands, ranks, version, stream)
         return self._accepted(report)
 
     @staticmethod
@@ -229,17 +242,10 @@ class RolloutWorkers(WorkerMembership):
         if self.pusher.device.type == "cuda" and self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.pusher.device)
         stream = iter_megatron_tensors(policy, self.policy_cfg)  # rank 0's own parameters: no collective
-        pusher, commands, alive = self.pusher, self.links.commands, [self._rank(w) for w in self.alive]
-
-        def announce_and_push() -> PushReport:
-            for g in alive:
-                send_message(commands, g, {"op": "weights", "version": version})
-            return pusher.push(version, stream)
-
+        pusher, commands, ranks = self.pusher, self.links.commands, [self._rank(w) for w in self.alive]
+        push = functools.partial(_announce_and_push, pusher, commands, ranks, version, stream)
         send = lambda item: send_message(commands, *item[2:])  # noqa: E731 - an ask queued meanwhile
-        self._flight = PushInFlight(
-            announce_and_push, version, pusher.device, self._side_stream, f"push-{version}", send
-        )
+        self._flight = PushInFlight(push, version, pusher.device, self._side_stream, f"push-{version}", send)
 
     def _finish(self, take: bool = False) -> dict[str, Any] | None:
         """On rank 0: wait for the overlapped push (None: none), then its report (forgotten with
@@ -309,15 +315,15 @@ class RolloutWorkers(WorkerMembership):
         w = self.worker_of(*key)
         meta, tensors = self.requests[key]
         self.asked[key] = (version, w)
-        item = (key, version, self._rank(w), {**meta, "version": version}, tensors)
-        if self._flight is not None and self._flight.queue(item):
+        rank, ask = self._rank(w), {**meta, "version": version}
+        if self._flight is not None and self._flight.queue((key, version, rank, ask, tensors)):
             return  # the push's thread sends it once the version is through (it has the channel)
         if self.on_loss != "continue":
             with self._reaching(f"asking worker {w} for step {key[0]}"):
-                send_message(self.links.commands, self._rank(w), {**meta, "version": version}, tensors)
+                send_message(self.links.commands, rank, ask, tensors)
             return
         try:
-            send_message(self.links.commands, self._rank(w), {**meta, "version": version}, tensors)
+            send_message(self.links.commands, rank, ask, tensors)
         except RuntimeError:
             self._await_gone(w)  # its loss asks another worker for what it owed, this share too
 

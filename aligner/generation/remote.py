@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from aligner.config_checks import Problems
 from aligner.generation.engine import GenerationOutput, SamplingParams
@@ -171,15 +172,14 @@ def ask_to_join(
     if say is not None:
         say(f"the run is under way: asked the trainer to join as worker {rank}")
     key = f"{_JOINS}/{n}/answer"
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):  # polled: a store wait cannot be given a deadline of its own
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"asked to join the run under way as worker {rank}; the trainer did not admit it within "
-                f"rollout.timeout_s={timeout_s:g} s (it admits a worker at its next push, only with "
-                "rollout.on_worker_loss=continue and in place of one it lost)"
-            )
-        time.sleep(0.2)
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # the wait's own timeout (a trainer gone is another error)
+        raise RuntimeError(
+            f"asked to join the run under way as worker {rank}; the trainer did not admit it within "
+            f"rollout.timeout_s={timeout_s:g} s (it admits a worker at its next push, only with "
+            "rollout.on_worker_loss=continue and in place of one it lost)"
+        ) from None
     answer = json.loads(store.get(key))
     if "refused" in answer:
         raise RuntimeError(f"the trainer refused this worker: {answer['refused']}")

@@ -120,13 +120,9 @@ def env(tmp_path_factory):
         server.stop()
 
 
-def _descendants(pid: int) -> list[int]:
-    return list(descendants(pid))
-
-
 def _tritonserver(pid: int) -> int:
     found = [
-        p for p in _descendants(pid) if "tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().decode()
+        p for p in descendants(pid) if "tritonserver" in Path(f"/proc/{p}/cmdline").read_bytes().decode()
     ]
     assert found, "no tritonserver child"
     return found[0]
@@ -186,7 +182,7 @@ def test_tritons_admin_token_is_off_its_command_line_and_still_guards_the_admin_
 
 @pytest.mark.server
 def test_the_token_variable_is_not_in_the_environment_of_the_servers_children(env):
-    kids = _descendants(env["server"].pid)
+    kids = list(descendants(env["server"].pid))
     assert kids
     for pid in kids:
         try:

@@ -17,7 +17,7 @@ of one nothing is sent.
 A hung rank, or a collective that fails, ends the server (:mod:`aligner.critic.liveness`): every
 rank beats and watches the others' beats (:class:`~aligner.critic.liveness.PeerWatch`); a peer
 that finds a hung rank, or whose collective fails, exits at once; rank 0 records it
-(:attr:`PeerLink.lost`), and the server's main loop stops Triton and exits.
+(:attr:`PeerLink.lost`), and the server's main loop kills Triton and exits (:func:`~aligner.critic.liveness.end_server`).
 """
 
 from __future__ import annotations

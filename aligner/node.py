@@ -18,6 +18,8 @@ for it, waits until it serves, runs the actor on the others (and rollout workers
   ``--rollout-procs N``; each gets the actor's overrides, and the actor hosts their store on a
   free loopback port (``rollout.workers``, ``rollout.address`` and each ``rollout.worker_rank``
   are set by the launcher). Their output goes to ``<--log-dir>/rollout_<rank>.log``.
+  ``--rollout-tp G``: each worker is G processes generating tensor-parallel (under torchrun), on
+  G consecutive devices of ``--rollout-gpus`` (``rollout.tensor_parallel_size``).
 - The server's stderr goes to ``<--log-dir>/critic_server.log`` (default ``runs/launch``).
 - The actor's exit code is the launcher's; a server that does not start is 1 before the actor
   starts; a server that dies while the actor runs stops the actor (SIGTERM, then SIGKILL after
@@ -71,11 +73,16 @@ def actor_command(nproc: int, url: str, overrides: Sequence[str], python: str = 
 
 
 def rollout_command(
-    rank: int, workers: int, address: str, overrides: Sequence[str], python: str = sys.executable
+    rank: int, workers: int, address: str, overrides: Sequence[str], python: str = sys.executable, tp: int = 1
 ) -> list[str]:
-    """``python -m aligner.rollout.worker`` as worker ``rank`` of ``workers``, joining ``address``."""
+    """``python -m aligner.rollout.worker`` as worker ``rank`` of ``workers``, joining ``address``
+    (under torchrun, ``tp`` processes, for ``tp`` > 1)."""
     where = [f"rollout.workers={workers}", f"rollout.worker_rank={rank}", f"rollout.address={address}"]
-    return [python, "-m", ROLLOUT_MODULE, *overrides, *where]
+    head = [python]
+    if tp > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}"]
+        where.append(f"rollout.tensor_parallel_size={tp}")
+    return [*head, "-m", ROLLOUT_MODULE, *overrides, *where]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-procs", type=int, default=None, help="actor processes on cpu (default 1)")
     p.add_argument("--rollout-gpus", default=None, help="one rollout worker per device, e.g. 2,3; or cpu")
     p.add_argument("--rollout-procs", type=int, default=None, help="rollout workers on cpu (default 1)")
+    p.add_argument(
+        "--rollout-tp", type=int, default=1, help="processes (devices) per rollout worker, tensor-parallel"
+    )
     p.add_argument("--critic", action="append", default=[], metavar="OVERRIDE", help="a server override")
     p.add_argument("--share-gpus", action="store_true", help="allow the two roles the same devices")
     p.add_argument("--log-dir", default="runs/launch", help="where the server's log goes")
@@ -132,17 +142,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
         critic_procs = _procs(critic_gpus, args.critic_procs, "--critic-procs")
         actor_procs = _procs(actor_gpus, args.actor_procs, "--actor-procs")
-        workers = 0
-        if args.rollout_gpus:
-            workers = _procs(rollout_gpus, args.rollout_procs, "--rollout-procs")
-        elif args.rollout_procs is not None:
-            raise ValueError("--rollout-procs: name the workers' devices with --rollout-gpus (or cpu)")
+        workers, tp = 0, args.rollout_tp
+        if tp < 1:
+            raise ValueError(f"--rollout-tp={tp}: expected at least 1")
+        if args.rollout_gpus and rollout_gpus is None:  # cpu
+            workers = _procs(None, args.rollout_procs, "--rollout-procs")
+        elif args.rollout_gpus:
+            if len(rollout_gpus) % tp:
+                raise ValueError(
+                    f"--rollout-tp={tp} does not divide the {len(rollout_gpus)} device(s) of --rollout-gpus: "
+                    "each worker takes that many"
+                )
+            workers = len(rollout_gpus) // tp
+            if args.rollout_procs not in (None, workers):
+                raise ValueError(
+                    f"--rollout-procs={args.rollout_procs}: {workers} worker(s) of {tp} device(s) each on "
+                    f"--rollout-gpus={args.rollout_gpus}"
+                )
+        elif args.rollout_procs is not None or tp > 1:
+            raise ValueError(
+                "--rollout-procs, --rollout-tp: name the workers' devices with --rollout-gpus (or cpu)"
+            )
     except ValueError as e:
         parser.error(str(e))
     bad = [o for o in actor_overrides if o.startswith(("critic.url=", "+critic.url="))]
     if bad:
         parser.error(f"{bad[0]}: the launcher points the actor at the server it starts")
-    placed = ("rollout.workers=", "rollout.address=", "rollout.worker_rank=")
+    placed = ("rollout.workers=", "rollout.address=", "rollout.worker_rank=", "rollout.tensor_parallel_size=")
     bad = [o for o in actor_overrides if workers and o.lstrip("+").startswith(placed)]
     if bad:
         parser.error(f"{bad[0]}: the launcher places the rollout workers (--rollout-gpus)")
@@ -171,11 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         actor_overrides = [*same, f"rollout.workers={workers}", f"rollout.address={address}"]
         log_dir.mkdir(parents=True, exist_ok=True)
         for w in range(1, workers + 1):
-            env = role_env(None if rollout_gpus is None else [rollout_gpus[w - 1]])
+            env = role_env(None if rollout_gpus is None else rollout_gpus[(w - 1) * tp : w * tp])
             log = open(log_dir / f"rollout_{w}.log", "w")  # noqa: SIM115 - the child holds it
             started.append(
                 subprocess.Popen(
-                    rollout_command(w, workers, address, same),
+                    rollout_command(w, workers, address, same, tp=tp),
                     env={**os.environ, **env},
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -184,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             log.close()
         print(
-            f"aligner-launch: {workers} rollout worker(s) on {args.rollout_gpus}, joining {address}",
+            f"aligner-launch: {workers} rollout worker(s) on {args.rollout_gpus}"
+            f"{f' ({tp} processes each, tensor-parallel)' if tp > 1 else ''}, joining {address}",
             flush=True,
         )
     return _run_actor(

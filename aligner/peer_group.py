@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PeerGroup", "open_store", "recv_message", "send_message", "split_address"]
+__all__ = ["PeerGroup", "decode_message", "encode_message", "open_store", "recv_message", "send_message"]
+__all__ += ["split_address"]
 
 MAX_MESSAGE_BYTES = 1 << 34
 """A message longer than this (16 GiB) is refused before anything is allocated for it."""
@@ -97,34 +98,50 @@ class PeerGroup:
         return f"PeerGroup({self.name!r}, rank {self.rank} of {self.size}, {self.backend})"
 
 
-def send_message(
-    group: PeerGroup, dst: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
-) -> None:
-    """Send ``meta`` (JSON) and ``tensors`` (CPU tensors, any dtype) to ``dst``: the buffer's
-    length, then the buffer (safetensors, ``meta`` in its metadata)."""
+def encode_message(meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """``meta`` (JSON) and ``tensors`` (any device and dtype) as one uint8 tensor on the CPU: a
+    safetensors buffer with ``meta`` in its metadata."""
     from safetensors.torch import save
 
     body = {k: v.detach().contiguous().cpu() for k, v in (tensors or {}).items()}
     data = save(body, metadata={"aligner": json.dumps(meta)})
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode_message(payload: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What :func:`encode_message` made: the metadata and the tensors (on the CPU)."""
+    from safetensors.torch import load
+
+    data = payload.cpu().numpy().tobytes()
+    tensors = load(data)
+    # The metadata: the JSON header safetensors' format starts with (its length, 8 bytes LE).
+    header_len = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["aligner"])
+    return meta, tensors
+
+
+def check_message_size(size: int, where: str) -> None:
+    """Refuse a message length that no message has, before anything is allocated for it."""
+    if not 0 < size <= MAX_MESSAGE_BYTES:
+        raise RuntimeError(f"{where}: a message of {size} bytes (out of step?)")
+
+
+def send_message(
+    group: PeerGroup, dst: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Send ``meta`` (JSON) and ``tensors`` (any dtype) to ``dst``: the buffer's length, then the
+    buffer (:func:`encode_message`)."""
+    payload = encode_message(meta, tensors)
     group.send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
     group.send(payload, dst)
 
 
 def recv_message(group: PeerGroup, src: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The next message from ``src``: its metadata and tensors (on the CPU)."""
-    from safetensors.torch import load
-
     n = torch.empty(1, dtype=torch.int64)
     group.recv(n, src)
     size = int(n.item())
-    if not 0 < size <= MAX_MESSAGE_BYTES:
-        raise RuntimeError(f"{group.name}: a message of {size} bytes from rank {src} (out of step?)")
+    check_message_size(size, f"{group.name}, from rank {src}")
     payload = torch.empty(size, dtype=torch.uint8)
     group.recv(payload, src)
-    data = payload.numpy().tobytes()
-    tensors = load(data)
-    # The metadata: the JSON header safetensors' format starts with (its length, 8 bytes LE).
-    header_len = int.from_bytes(data[:8], "little")
-    meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["aligner"])
-    return meta, tensors
+    return decode_message(payload)

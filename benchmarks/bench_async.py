@@ -179,8 +179,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     cores = _cores()
-    if len(cores) >= 2:
-        os.sched_setaffinity(0, {cores[0]})  # the server inherits the trainer's core
     tmp = Path(tempfile.mkdtemp(prefix="bench-async-"))
     server = start_server(
         [
@@ -198,6 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         log_path=tmp / "server.log",
     )
+    if len(cores) >= 2:  # after the server started: it keeps both cores
+        os.sched_setaffinity(0, {cores[0]})
     results = {}
     try:
         for seed in seeds:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aligner.node import actor_command, parse_devices, role_env
+from aligner.node import actor_command, parse_devices, role_env, rollout_command
 
 ROOT = Path(__file__).resolve().parents[1]
 # The demo's critic (examples/demo.py) and a tiny, short actor run of the copy task.
@@ -57,6 +57,25 @@ def test_devices_and_commands():
     ]
     cmd = actor_command(4, "grpc://h:1", [], python="py")
     assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    where = ["rollout.workers=3", "rollout.worker_rank=2", "rollout.address=h:2"]
+    assert rollout_command(2, 3, "h:2", ["a=1"], python="py") == [
+        "py",
+        "-m",
+        "aligner.rollout.worker",
+        "a=1",
+        *where,
+    ]
+    cmd = rollout_command(2, 3, "h:2", ["a=1"], python="py", tp=2)
+    assert cmd[:7] == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "aligner.rollout.worker",
+    ]
+    assert cmd[7:] == ["a=1", *where, "rollout.tensor_parallel_size=2"]
 
 
 @pytest.mark.parametrize(
@@ -83,6 +102,29 @@ def test_devices_and_commands():
                 "rollout.workers=3",
             ],
             "the launcher places the rollout workers",
+        ),
+        (
+            ["--critic-gpus", "0", "--actor-gpus", "1", "--rollout-gpus", "2,3,4", "--rollout-tp", "2"],
+            "--rollout-tp=2 does not divide the 3 device(s)",
+        ),
+        (
+            ["--critic-gpus", "0", "--actor-gpus", "1", "--rollout-tp", "2"],
+            "name the workers' devices",
+        ),
+        (
+            [
+                "--critic-gpus",
+                "0",
+                "--actor-gpus",
+                "1",
+                "--rollout-gpus",
+                "2,3",
+                "--rollout-tp",
+                "2",
+                "--rollout-procs",
+                "2",
+            ],
+            "--rollout-procs=2: 1 worker(s) of 2 device(s) each",
         ),
         (
             ["--critic-gpus", "0", "--actor-gpus", "1", "--actor-procs", "2"],

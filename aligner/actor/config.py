@@ -403,7 +403,8 @@ class ActorConfig:
 
     def rollout_problems(self) -> Problems:
         """``rollout.*`` and what rollout workers need of the rest: in this version, the native
-        engine in the training dtype and a layout of one process, one generation round per step;
+        engine in the training dtype at the workers' own layout (``rollout.tensor_parallel_size``,
+        not ``generation.tensor_parallel_size``), one generation round per step;
         a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""
         e = self.rollout.problems("rollout")
         if self.rollout.workers < 1:

@@ -65,6 +65,7 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "rollout.workers",  # where rollouts are generated (rollout.max_staleness is the run's)
     "rollout.address",
     "rollout.worker_rank",
+    "rollout.tensor_parallel_size",
     "rollout.timeout_s",
     "rollout.bucket_mb",
     "rollout.weights_backend",

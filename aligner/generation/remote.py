@@ -61,6 +61,9 @@ class RolloutConfig:
     """host:port of the store the trainer hosts and the workers join (the trainer's host)."""
     worker_rank: int = 1
     """On a worker: which one it is, 1..workers (each rank once)."""
+    tensor_parallel_size: int = 1
+    """Processes of each worker, generating tensor-parallel (a worker of more than one is
+    started by torchrun, ``--nproc-per-node`` this many; its rank 0 talks to the trainer)."""
     timeout_s: float = 600.0
     """Longest wait for the workers to join, for a rollout, and for a push (a push waits for a
     worker to finish the batch it is generating: longer than the longest generation)."""
@@ -84,6 +87,12 @@ class RolloutConfig:
         p.expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, "an integer >= 0")
         p.expect(self.timeout_s > 0, f"{prefix}.timeout_s", self.timeout_s, "a number of seconds > 0")
         p.expect(self.bucket_mb >= 1, f"{prefix}.bucket_mb", self.bucket_mb, "an integer >= 1")
+        p.expect(
+            self.tensor_parallel_size >= 1,
+            f"{prefix}.tensor_parallel_size",
+            self.tensor_parallel_size,
+            "an integer >= 1",
+        )
         p.expect(
             self.weights_backend in ("auto", "gloo", "nccl"),
             f"{prefix}.weights_backend",

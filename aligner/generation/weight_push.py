@@ -47,17 +47,18 @@ from aligner.models.layout import load_megatron_tensors, megatron_tensor_specs
 from aligner.peer_group import PeerGroup
 
 __all__ = ["ALIGN", "PushFault", "PushReport", "WeightPushError", "WeightPusher", "WeightReceiver"]
-__all__ += ["apply_weights", "checksum", "plan_buckets", "receive_into"]
+__all__ += ["PUSHED_DTYPES", "apply_weights", "check_fits", "checksum", "plan_buckets", "receive_into"]
 
 ALIGN = 16
 """Every tensor's offset in a payload, and every payload's size, is a multiple of this."""
 HEADER_BYTES = 1 << 16
 FORMAT = 1
 _CHUNK, _CPU_CHUNK = 1 << 22, 1 << 16  # int64 words per step of the checksum (GPU, CPU)
-_DTYPES = {
+PUSHED_DTYPES = {
     n: getattr(torch, n)
     for n in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 }
+"""The dtypes a version may carry, by the name its headers give (``torch.`` left out)."""
 
 
 class WeightPushError(RuntimeError):
@@ -286,8 +287,10 @@ def _pack(
     entries = []
     for (name, t), off in zip(items, offsets, strict=True):
         n, dtype = _nbytes(t), str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise WeightPushError(f"tensor {name}: dtype {t.dtype} cannot be pushed (one of {list(_DTYPES)})")
+        if dtype not in PUSHED_DTYPES:
+            raise WeightPushError(
+                f"tensor {name}: dtype {t.dtype} cannot be pushed (one of {list(PUSHED_DTYPES)})"
+            )
         if n:
             payload[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         payload[off + n : _aligned(off + n)].zero_()
@@ -301,17 +304,17 @@ def _unpack(payload: torch.Tensor, entries: object) -> list[tuple[str, torch.Ten
         raise ValueError("its tensor list is not a list")
     out = []
     for e in entries:
-        ok = isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and e[1] in _DTYPES
+        ok = isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and e[1] in PUSHED_DTYPES
         ok = ok and isinstance(e[2], list) and all(isinstance(s, int) and s >= 0 for s in e[2])
         if not ok or not isinstance(e[3], int) or e[3] < 0 or e[3] % ALIGN:
             raise ValueError(f"tensor entry {str(e)[:200]} is malformed")
         name, dtype, shape, off = e
-        n = _DTYPES[dtype].itemsize * int(torch.Size(shape).numel())
+        n = PUSHED_DTYPES[dtype].itemsize * int(torch.Size(shape).numel())
         if off + n > payload.numel():
             raise ValueError(
                 f"tensor {name} [{off}, {off + n}) runs past the payload of {payload.numel()} bytes"
             )
-        out.append((name, payload[off : off + n].view(_DTYPES[dtype]).view(shape)))
+        out.append((name, payload[off : off + n].view(PUSHED_DTYPES[dtype]).view(shape)))
     return out
 
 
@@ -417,6 +420,16 @@ def apply_weights(target: OwnedWeights | nn.Module, tensors: list[tuple[str, tor
     :class:`~aligner.generation.weights.OwnedWeights` (its shard of each) or a GPT module built by
     :mod:`aligner.models.gpt` (this rank's shards, via ``load_megatron_tensors``). The names and
     shapes are checked against the target's architecture before anything is copied."""
+    check_fits(target, tensors)
+    if isinstance(target, OwnedWeights):
+        target.load(iter(tensors))
+    else:
+        load_megatron_tensors(target, None, dict(tensors).__getitem__)
+
+
+def check_fits(target: OwnedWeights | nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`WeightPushError` unless ``tensors`` are the full canonical tensors of
+    ``target``'s architecture, by name and shape."""
     if isinstance(target, OwnedWeights):
         cfg, head = target.cfg, "lm"
     else:
@@ -429,10 +442,6 @@ def apply_weights(target: OwnedWeights | nn.Module, tensors: list[tuple[str, tor
         raise WeightPushError(
             f"the version's tensors do not fit the target: {odd[:8]} differ in name or shape"
         )
-    if isinstance(target, OwnedWeights):
-        target.load(iter(tensors))
-    else:
-        load_megatron_tensors(target, cfg, dict(tensors).__getitem__)
 
 
 def receive_into(

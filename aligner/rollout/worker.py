@@ -5,8 +5,12 @@ the trainer asks for and sends them back with the version that generated them.
     aligner-rollout <the actor's overrides> rollout.workers=2 rollout.worker_rank=1
     python -m aligner.rollout.worker ...                    # the same
 
-It reads the actor's config (``actor.yaml``, the same overrides as the trainer's): the model and
-tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
+    torchrun --nproc-per-node 2 -m aligner.rollout.worker ... rollout.tensor_parallel_size=2
+
+A worker of ``rollout.tensor_parallel_size`` = g > 1 processes generates tensor-parallel: its rank
+0 alone joins the trainer's channels and relays what its peers need over the worker's own world
+(:mod:`aligner.rollout.relay`). It reads the actor's config (``actor.yaml``, the same overrides
+as the trainer's): the model and tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
 with random weights, then generates only from versions the trainer pushed (version 0 before the
 first batch), each verified whole before it is swapped in. It exits when the trainer says stop
 (0), or with an error when the trainer goes away or a version is refused (1). Started once the run
@@ -16,6 +20,7 @@ and is admitted at the trainer's next push, with ``rollout.on_worker_loss=contin
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -42,6 +47,7 @@ from aligner.generation.weight_push import WeightPushError, WeightReceiver, rece
 from aligner.models import gpt
 from aligner.peer_group import open_store, recv_message, send_message
 from aligner.precision import precision_dtype, resolve_precision
+from aligner.rollout.relay import Relay
 from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
 
 __all__ = ["RolloutWorker", "main", "serve", "worker_problems"]
@@ -50,9 +56,17 @@ __all__ = ["RolloutWorker", "main", "serve", "worker_problems"]
 def worker_problems(cfg: ActorConfig, vocab_size: int) -> Problems:
     """What a worker uses of the actor's config, checked: the model, generation, precision and
     ``rollout`` sections (not the data, the critic's address or its files, nor the trainer's
-    layout: a worker is one process, on a machine that may not hold the trainer's files)."""
-    e = cfg.served_problems(vocab_size)
+    layout: a worker is its own processes, on a machine that may not hold the trainer's files)."""
+    e = cfg.served_problems(vocab_size, tp=cfg.rollout.tensor_parallel_size)
     e += cfg.rollout_problems()  # += keeps it a Problems (a + makes a plain list)
+    g, world = cfg.rollout.tensor_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+    e.expect(
+        world == g,
+        "rollout.tensor_parallel_size",
+        g,
+        f"the worker's number of processes ({world}, WORLD_SIZE): start a worker of g processes with "
+        "torchrun --nproc-per-node g",
+    )
     return e
 
 
@@ -70,8 +84,17 @@ class RolloutWorker:
         self.tokenizer = build_tokenizer(cfg.tokenizer, cfg.init_from)
         worker_problems(cfg, self.tokenizer.vocab_size).raise_if_any("rollout worker config", ConfigError)
         self.cfg, self.rank = cfg, r.worker_rank
-        # A world of its own (one process); the trainer's groups are joined through the store.
-        self.state = distributed.initialize(ParallelConfig(backend=cfg.parallel.backend), seed=cfg.seed)
+        # A world of its own (its tensor-parallel processes); its lead joins the trainer's groups
+        # through the store. The peers wait in the world's broadcasts as long as the lead may
+        # wait for the trainer's next command.
+        g = r.tensor_parallel_size
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=g, backend=cfg.parallel.backend, timeout_s=r.timeout_s
+        )
+        self.state = distributed.initialize(parallel, seed=cfg.seed)
+        self.relay = Relay(self.state.device) if g > 1 else None
+        self.lead = self.relay is None or self.relay.lead
+        """Rank 0 of the worker: the one the trainer sees (the others follow it)."""
         self.precision = resolve_precision(cfg.precision, self.state.device)
         dtype = precision_dtype(self.precision)
         # The architecture only: every weight the engine uses comes from a pushed version.
@@ -90,6 +113,10 @@ class RolloutWorker:
             backend = "nccl" if self.state.device.type == "cuda" else "gloo"
         self.backend = backend
         self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
+        self.version: int | None = None
+        self.late = False
+        if not self.lead:
+            return
         store = open_store(r.address, r.workers + 1, False, r.timeout_s)
         joined = ask_to_join(store, self.rank, self.identity, r.timeout_s, say=self.say)
         self.late = joined is not None
@@ -104,7 +131,6 @@ class RolloutWorker:
         self.retired: list[RolloutLinks] = []
         """Channels of earlier epochs (kept: a group is not torn down under a peer that died)."""
         self.receiver = WeightReceiver(self.links.weights, src=0)
-        self.version: int | None = None
 
     def say(self, msg: str) -> None:
         print(f"[rollout {self.rank}] {msg}", flush=True)
@@ -113,7 +139,33 @@ class RolloutWorker:
         send_message(self.links.rollouts, 0, meta, tensors)
 
     def serve(self) -> int:
-        """Answer the trainer's commands until it says stop. Returns the exit status."""
+        """Answer the trainer's commands until it says stop (the lead; its peers follow it).
+        Returns the exit status."""
+        if not self.lead:
+            return self._follow()
+        status = self._serve()
+        if self.relay is not None:  # at a command's boundary: the peers wait for the next one
+            self.relay.message({"op": "exit", "status": status})
+        return status
+
+    def _follow(self) -> int:
+        """A peer of a worker of several processes: what the lead relays, until it exits."""
+        while True:
+            meta, tensors = self.relay.message()
+            op = meta.get("op")
+            if op == "exit":
+                return int(meta["status"])
+            if op == "weights":
+                self.relay.load(self.policy, meta["tensors"])
+                self.version = int(meta["version"])
+                self.engine.refit(self.policy)
+            elif op == "generate":
+                self.engine.seed_rank = int(meta.get("rank", 0))
+                self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+            else:
+                raise RuntimeError(f"the worker's lead relayed an unknown command {op!r}")
+
+    def _serve(self) -> int:
         if not self.late:
             self._send({"op": "hello", "rank": self.rank, **self.identity})
         idle_since, generated = time.perf_counter(), 0
@@ -143,7 +195,10 @@ class RolloutWorker:
             elif op == "weights":
                 faults.WORKER.hit("weights", int(meta["version"]))  # tests only: a worker lost mid-push
                 try:
-                    self.version = receive_into(self.receiver, self.policy)
+                    if self.relay is None:
+                        self.version = receive_into(self.receiver, self.policy)
+                    else:
+                        self.version = self.relay.receive_into(self.receiver, self.policy)
                 except WeightPushError as e:
                     self.say(f"{e}")  # the trainer's push reports the refusal too, and stops
                     return 1
@@ -164,6 +219,8 @@ class RolloutWorker:
                     return 1
                 faults.WORKER.hit("generate", int(meta["step"]))  # tests only: a worker lost mid-step
                 t0 = time.perf_counter()
+                if self.relay is not None:  # the peers generate with it (tensor-parallel)
+                    self.relay.message(meta, tensors)
                 self.engine.seed_rank = int(meta.get("rank", 0))  # the trainer rank whose rows these are
                 try:
                     gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
@@ -195,11 +252,13 @@ def serve(cfg: ActorConfig, model_keys: set[str] | None = None) -> int:
     worker = None
     try:
         worker = RolloutWorker(cfg, model_keys)
-        late = f", in the run under way (epoch {worker.links.epoch})" if worker.late else ""
-        worker.say(
-            f"joined {cfg.rollout.address} as worker {worker.rank} of {cfg.rollout.workers}{late} "
-            f"({worker.state.device}, {worker.precision})"
-        )
+        if worker.lead:
+            late = f", in the run under way (epoch {worker.links.epoch})" if worker.late else ""
+            g = cfg.rollout.tensor_parallel_size
+            worker.say(
+                f"joined {cfg.rollout.address} as worker {worker.rank} of {cfg.rollout.workers}{late} "
+                f"({worker.state.device}, {worker.precision}{f', {g} processes, tensor-parallel' if g > 1 else ''})"
+            )
         return worker.serve()
     except RuntimeError as e:  # the trainer went away, or never came
         print(f"[rollout {cfg.rollout.worker_rank}] stopping: {e}", file=sys.stderr, flush=True)

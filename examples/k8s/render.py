@@ -205,7 +205,11 @@ def _layout_problems(values: dict[str, Any]) -> list[str]:
     critic = ("critic_tensor_parallel", "critic_data_parallel")
     actor = ("actor_nodes", "actor_gpus_per_node", "actor_tensor_parallel", "actor_pipeline_parallel")
     gen_tp = values["actor_generation_tensor_parallel"]
-    e = [f"{k}={values[k]}: expected >= 1" for k in (*critic, *actor) if values[k] < 1]
+    e = [
+        f"{k}={values[k]}: expected >= 1"
+        for k in (*critic, *actor, "rollout_tensor_parallel")
+        if values[k] < 1
+    ]
     if gen_tp is not None and gen_tp < 1:
         e.append(f"actor_generation_tensor_parallel={gen_tp}: expected >= 1, or null for the training TP")
     if any(values[k] < 1 for k in actor) or (gen_tp is not None and gen_tp < 1):
@@ -225,7 +229,7 @@ def _layout_problems(values: dict[str, Any]) -> list[str]:
     if values["rollout_workers"] > 0 and gen_tp is not None:
         e.append(
             f"actor_generation_tensor_parallel={gen_tp} with rollout_workers={values['rollout_workers']}: "
-            "the workers generate, each on one GPU; leave it null"
+            "the workers generate (rollout_tensor_parallel GPUs each); leave it null"
         )
     if gen_tp is not None and (tp * pp) % gen_tp:
         e.append(
@@ -314,8 +318,8 @@ def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
 
 def rollout_overrides(values: dict[str, Any]) -> list[str]:
     """What the actor and its workers are both given beyond the actor's overrides: the number of
-    workers and the store's address (the one-node actor's Service, or the Service the training
-    operator makes for a PyTorchJob's Master); none without workers."""
+    workers, the store's address (the one-node actor's Service, or the Service the training
+    operator makes for a PyTorchJob's Master) and each worker's processes; none without workers."""
     n = values["rollout_workers"]
     if n == 0:
         return []
@@ -324,7 +328,11 @@ def rollout_overrides(values: dict[str, Any]) -> list[str]:
         if values["actor_nodes"] == 1
         else f"{values['run_name']}-actor-master-0"
     )
-    return [f"rollout.workers={n}", f"rollout.address={host}:{ROLLOUT_PORT}"]
+    return [
+        f"rollout.workers={n}",
+        f"rollout.address={host}:{ROLLOUT_PORT}",
+        f"rollout.tensor_parallel_size={values['rollout_tensor_parallel']}",
+    ]
 
 
 def critic_tls_flags(values: dict[str, Any]) -> list[str]:

@@ -2,7 +2,8 @@
 worker processes joining the trainer's store, the trainer in this process against the toy critic
 (:class:`ToyCritic`: values that depend on every update).
 
-- k = 0 on a worker is the in-process run, every number and every final weight;
+- k = 0 on a worker is the in-process run, every number and every final weight; on a worker of
+  two tensor-parallel processes, the same run but for rounding;
 - k = 1 is stale by one version from step 2 on, and a run of two steps resumed to four (on two
   workers) ends equal to four steps in one go (on one worker): the checkpoint keeps the batch
   asked for and not yet trained on;
@@ -84,14 +85,18 @@ def _workers(
     env: dict[int, dict[str, str]] | None = None,
     ranks: list[int] | None = None,
     log_name: str = "worker{w}.log",
+    tp: int = 1,
 ) -> list[subprocess.Popen]:
     """``n`` worker processes, or those of ``ranks`` alone (``env``: worker -> variables of its
-    own, e.g. a fault point)."""
+    own, e.g. a fault point); ``tp`` > 1: each a torchrun of that many processes."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    launch = [sys.executable]
+    if tp > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
     return [
         subprocess.Popen(
             [
-                sys.executable,
+                *launch,
                 "-m",
                 "aligner.rollout.worker",
                 *COMMON,
@@ -99,6 +104,7 @@ def _workers(
                 f"rollout.workers={n}",
                 f"rollout.worker_rank={w}",
                 f"rollout.address={address}",
+                f"rollout.tensor_parallel_size={tp}",
             ],
             stdout=open(log_dir / log_name.format(w=w), "w"),  # noqa: SIM115 - closed with the process
             stderr=subprocess.STDOUT,
@@ -122,6 +128,7 @@ def _run(
     extra=(),
     worker_env=None,
     address=None,
+    worker_tp=1,
 ):
     """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
     the toy critic to use (a resumed run's must be the one its first part saved to)."""
@@ -143,7 +150,9 @@ def _run(
     )
     cfg.rollout.timeout_s = 60.0
     procs = (
-        _workers(workers, address, [*rollout, *worker_extra], root / "workers", worker_env) if workers else []
+        _workers(workers, address, [*rollout, *worker_extra], root / "workers", worker_env, tp=worker_tp)
+        if workers
+        else []
     )
     try:
         actor = build_actor(cfg, critic=critic or ToyCritic())
@@ -214,6 +223,23 @@ def test_k0_on_a_worker_is_the_in_process_run(tmp_path: Path, in_process, monkey
     assert [r["rollout/staleness"] for r in theirs] == [0.0] * 4
     assert all(r["push/mbytes"] > 0 and 0 <= r["rollout/trainer_wait_frac"] <= 1 for r in theirs)
     assert all(0 < r["push/step_frac"] < 1 for r in theirs)
+
+
+def test_a_worker_of_two_tensor_parallel_processes_generates_what_one_process_does(
+    tmp_path: Path, in_process
+):
+    """``rollout.tensor_parallel_size=2``: the worker's lead takes each version and relays it to
+    its peer, each keeps its shard, and the two generate together. fp32: the tensor-parallel
+    sums differ from one process's by rounding only, so the trainer's log-probs of the tokens
+    (one process) are the engine's, and the tokens are the in-process run's."""
+    ours, _ = in_process
+    theirs, codes = _run(tmp_path, 4, workers=1, k=0, worker_tp=2)
+    assert codes == [0]
+    assert all(r["rollout/logprob_mismatch_max"] < 1e-5 for r in theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        for key in (x for x in a if not x.startswith(VARYING)):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert "2 processes, tensor-parallel" in (tmp_path / "workers" / "worker1.log").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,7 @@ from _recipes import (
     secret_files_of,
     split_secret_files,
     tls_paths,
+    torchrun,
 )
 from hydra.errors import ConfigCompositionException
 
@@ -421,14 +422,16 @@ def test_actor_network_policy_lets_the_actor_reach_its_peers_the_critic_and_dns_
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, schemas, nodes):
-    """rollout_workers=3: an Indexed Job of three one-GPU worker pods, each running the worker with
-    the actor's overrides, the worker count, the store's address and its own rank (the completion
-    index + 1, run here through the container's own shell command); the address names the one-node
+    """rollout_workers=3 of rollout_tensor_parallel=2: an Indexed Job of three two-GPU worker pods,
+    each a torchrun of two worker processes with the actor's overrides, the worker count and size,
+    the store's address and its own rank (the completion index + 1, run here through the
+    container's own shell command); the address names the one-node
     actor's headless Service (or the operator's Service of a PyTorchJob's Master), and the network
     policies let actor and workers reach each other."""
     docs = rendered(
         f"actor_nodes={nodes}",
         "rollout_workers=3",
+        "rollout_tensor_parallel=2",
         "actor_overrides=[+recipe=digits, rollout.max_staleness=1, ppo.tis_cap=2.0, ppo.micro_batch_size=32]",
     )
     for d in docs:
@@ -440,7 +443,7 @@ def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, sche
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
     pod = spec["template"]["spec"]
     c = container(pod, "rollout")
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 2
     assert not env_of(c) and "run-token" not in {v["name"] for v in pod["volumes"]}  # no credentials
     host = f"{run}-rollout-store" if nodes == 1 else OPERATOR_ENV["MASTER_ADDR"].replace("run-", f"{run}-")
     address = f"{host}:{render.ROLLOUT_PORT}"
@@ -463,9 +466,13 @@ def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, sche
     done = subprocess.run(c["args"], env={**env, "JOB_COMPLETION_INDEX": "2"}, timeout=60)
     assert done.returncode == 0
     (start,) = [e for e in _log(tmp_path) if e["event"] == "start"]
-    assert start["args"][:2] == ["-m", "aligner.rollout.worker"]
-    wcfg = actor_config(start["args"][2:], world_size=1)
+    assert start["args"][:2] == ["-m", "torch.distributed.run"]
+    wtr = torchrun(start["args"][2:])
+    assert (wtr.standalone, wtr.nproc_per_node, wtr.module) == (True, "2", True)
+    assert wtr.training_script == "aligner.rollout.worker"
+    wcfg = actor_config(wtr.training_script_args, world_size=1)
     assert wcfg.rollout.worker_rank == 3 and wcfg.rollout.address == address and wcfg.rollout.workers == 3
+    assert wcfg.rollout.tensor_parallel_size == 2 == acfg.rollout.tensor_parallel_size
     assert wcfg.model == acfg.model and wcfg.rollout.max_staleness == 1
 
     # Actor and workers reach each other, and the workers nothing but DNS besides.

@@ -232,9 +232,11 @@ def test_layout_keys_the_recipes_pass_are_config_keys(schemas):
             "ROLLOUT_WORKERS_PER_NODE=4 x ROLLOUT_CPUS=4 leave the actor no CPUs",
         ),
         (
-            {"ROLLOUT_WORKERS_PER_NODE": "1", "SLURM_GPUS_PER_NODE_HET_GROUP_1": "1"},
-            "component 1 has 1 GPU(s) per node, but ACTOR_GPUS_PER_NODE=1 + ROLLOUT_WORKERS_PER_NODE=1 need 2",
+            {"ROLLOUT_WORKERS_PER_NODE": "1", "ROLLOUT_TP": "2", "SLURM_GPUS_PER_NODE_HET_GROUP_1": "2"},
+            "component 1 has 2 GPU(s) per node, but ACTOR_GPUS_PER_NODE=1 + ROLLOUT_WORKERS_PER_NODE=1 x "
+            "ROLLOUT_TP=2 need 3",
         ),
+        ({"ROLLOUT_TP": "0"}, "ROLLOUT_TP='0': expected a positive integer"),
         ({"ROLLOUT_WORKERS_PER_NODE": "-1"}, "ROLLOUT_WORKERS_PER_NODE='-1': expected an integer >= 0"),
         ({"CRITIC_RESTARTS": "many"}, "CRITIC_RESTARTS='many': expected an integer >= 0"),
     ],
@@ -246,6 +248,7 @@ def test_layout_keys_the_recipes_pass_are_config_keys(schemas):
         "generation-tp",
         "rollout-cpus",
         "rollout-gpus",
+        "rollout-tp",
         "rollout-workers",
         "critic-restarts",
     ],

@@ -137,11 +137,14 @@ def test_sbatch_sigterm_stops_the_actor_then_the_critic(tmp_path):
 
 
 def test_sbatch_starts_rollout_workers_beside_the_actor_on_its_nodes(tmp_path, schemas):
-    """ROLLOUT_WORKERS_PER_NODE=2 on the actor's two nodes: a step of 4 worker tasks (one GPU and
-    ROLLOUT_CPUS each) before the actor, each worker given the actor's overrides, the worker count,
-    the store on the actor's first node and its own rank (SLURM_PROCID + 1); the actor keeps the
-    CPUs the workers leave and hosts that store."""
-    env = _slurm_env(tmp_path, ROLLOUT_WORKERS_PER_NODE="2", SLURM_CPUS_PER_TASK_HET_GROUP_1="24")
+    """ROLLOUT_WORKERS_PER_NODE=2 of ROLLOUT_TP=2 on the actor's two nodes: a step of 4 worker
+    tasks (two GPUs and ROLLOUT_CPUS each, a torchrun of two processes) before the actor, each
+    worker given the actor's overrides, the worker count and size, the store on the actor's first
+    node and its own rank (SLURM_PROCID + 1); the actor keeps the CPUs the workers leave and hosts
+    that store."""
+    env = _slurm_env(
+        tmp_path, ROLLOUT_WORKERS_PER_NODE="2", ROLLOUT_TP="2", SLURM_CPUS_PER_TASK_HET_GROUP_1="24"
+    )
     overrides = ["+recipe=digits", "rollout.max_staleness=1", "ppo.tis_cap=2.0", "ppo.micro_batch_size=32"]
     run = subprocess.run(
         ["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60
@@ -158,7 +161,7 @@ def test_sbatch_starts_rollout_workers_beside_the_actor_on_its_nodes(tmp_path, s
         "--het-group=1",
         "--nodes=2",
         "--ntasks-per-node=2",
-        "--gpus-per-task=1",
+        "--gpus-per-task=2",
         "--cpus-per-task=4",
     } <= set(rollout["args"])
     assert "--cpus-per-task=16" in actor["args"]  # 24 less the workers' 2 x 4
@@ -176,8 +179,11 @@ def test_sbatch_starts_rollout_workers_beside_the_actor_on_its_nodes(tmp_path, s
     workers = [e for e in _log(tmp_path)[len(log) :] if e["event"] == "start"]
     assert [e["role"] for e in workers] == ["rollout", "rollout"]
     for procid, w in zip((0, 3), workers):
-        assert w["args"][:2] == ["-m", "aligner.rollout.worker"]
-        wcfg = actor_config(w["args"][2:], world_size=1)
-        assert wcfg.rollout.worker_rank == procid + 1
+        assert w["args"][:2] == ["-m", "torch.distributed.run"]
+        wtr = torchrun(_after(w["args"], "-m"))
+        assert (wtr.standalone, wtr.nproc_per_node, wtr.module) == (True, "2", True)
+        assert wtr.training_script == "aligner.rollout.worker"
+        wcfg = actor_config(wtr.training_script_args, world_size=1)
+        assert wcfg.rollout.worker_rank == procid + 1 and wcfg.rollout.tensor_parallel_size == 2
         assert (wcfg.rollout.workers, wcfg.rollout.address) == (acfg.rollout.workers, acfg.rollout.address)
         assert wcfg.rollout.max_staleness == 1 and wcfg.model == acfg.model  # the actor's overrides

@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log = open(log_dir / f"rollout_{w}.log", "w")  # noqa: SIM115 - the child holds it
             started.append(
                 subprocess.Popen(
-                    rollout_command(w, workers, address, same, tp=tp),
+                    # The server's address too: workers that score (rollout.score_on_workers) ask it.
+                    rollout_command(w, workers, address, [*same, f"critic.url={server.url}"], tp=tp),
                     env={**os.environ, **env},
                     stdout=log,
                     stderr=subprocess.STDOUT,

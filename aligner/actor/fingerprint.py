@@ -71,6 +71,7 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "rollout.weights_backend",
     "rollout.on_worker_loss",
     "rollout.overlap_push",  # when the push runs, not what it sends
+    "rollout.score_on_workers",  # who asks the server for the scores, not what they are
 )
 """Config keys (and whole sections) left out of the fingerprint: what may change when a run is
 continued. Every other key, the learning rate among them, is the run's."""

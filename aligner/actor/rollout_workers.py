@@ -71,6 +71,18 @@ class Arrived:
     gen: GenerationOutput
     generate_s: float
     idle_s: float
+    scores: list[float] | None = None
+    """The worker's scores of the rows (``rollout.score_on_workers``), else None."""
+    score_s: float = 0.0
+
+    def scored(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(values, scores)`` as a reward-only server answers them (values of zeros ``[b, s-1]``,
+        scores ``[b]``, float32, on the rows' device) when the worker scored the rows, else None."""
+        if self.scores is None:
+            return None
+        b, s = self.gen.tokens.shape
+        dev = self.gen.tokens.device
+        return torch.zeros(b, s - 1, device=dev), torch.tensor(self.scores, dtype=torch.float32, device=dev)
 
 
 def _announce_and_push(
@@ -108,6 +120,11 @@ class RolloutWorkers(WorkerMembership):
         self.streams = state.tp_size * state.pp_size > 1 and state.dp_rank == 0
         """This rank takes part in rank 0's weight stream (gathered over its TP and PP groups)."""
         self.asked: dict[tuple[int, int], tuple[int, int]] = {}
+        self.scoring = r.score_on_workers
+        """The workers score their batches (``rollout.score_on_workers``)."""
+        self.prompt_texts: Callable[[list[str], list[list[int]]], list[str]] | None = None
+        """With ``scoring``: the rows' prompt texts as the trainer sends them to the server (set
+        by the trainer: its prompts and their tokens -> texts)."""
         """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
         self.requests: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         """On rank 0: (step, rank) -> what was asked (to ask another worker if its own is lost)."""
@@ -293,7 +310,10 @@ class RolloutWorkers(WorkerMembership):
             s = self.submitted + 1
             prompts, extras, tokens, sampling = draw(s)
             self.drawn[s] = (prompts, extras)
-            shares = self._by_replica(all_gather_json(tokens) if self.world > 1 else [tokens])
+            mine: dict[str, Any] = {"tokens": tokens}
+            if self.scoring:  # what the server reads beside the tokens travels with the ask
+                mine |= {"prompt_texts": self.prompt_texts(prompts, tokens), "extras": extras}
+            shares = self._by_replica(all_gather_json(mine) if self.world > 1 else [mine])
             on_rank0(functools.partial(self._ask, s, shares, sampling), carried=(RolloutWorkerError,))
             self.submitted = s
 
@@ -304,10 +324,11 @@ class RolloutWorkers(WorkerMembership):
             out.setdefault(self.dp_of[g], x)
         return [out[r] for r in range(self.dp)]
 
-    def _ask(self, s: int, shares: list[list[list[int]]], sampling: SamplingParams) -> None:
-        for r, tokens in enumerate(shares):
+    def _ask(self, s: int, shares: list[dict[str, Any]], sampling: SamplingParams) -> None:
+        for r, share in enumerate(shares):
             meta = {"op": "generate", "step": s, "rank": r, "sampling": sampling_to(sampling)}
-            self.requests[(s, r)] = (meta, encode_prompts(tokens))
+            meta |= {k: share[k] for k in ("prompt_texts", "extras") if k in share}
+            self.requests[(s, r)] = (meta, encode_prompts(share["tokens"]))
             self._send_ask((s, r), self.version_of(s))
 
     def _send_ask(self, key: tuple[int, int], version: int) -> None:
@@ -365,6 +386,8 @@ class RolloutWorkers(WorkerMembership):
             gen,
             record["generate_s"],
             record["idle_s"],
+            record.get("scores"),
+            record.get("score_s", 0.0),
         )
 
     def _collect(self, step: int) -> None:
@@ -399,7 +422,16 @@ class RolloutWorkers(WorkerMembership):
             )
         self.requests.pop(key, None)
         record = {"version": v, "worker": w, "generate_s": meta["generate_s"], "idle_s": meta["idle_s"]}
-        self.arrived[key] = (decode_output(tensors, device=self.device), record)
+        gen = decode_output(tensors, device=self.device)
+        if self.scoring:
+            scores = meta.get("scores")
+            if not isinstance(scores, list) or len(scores) != gen.tokens.shape[0]:
+                raise RolloutWorkerError(
+                    f"rollout worker {w} sent step {key[0]} (rank {key[1]}) without a score per row "
+                    f"({gen.tokens.shape[0]}): start the workers with the trainer's rollout.score_on_workers"
+                )
+            record |= {"scores": scores, "score_s": meta["score_s"]}
+        self.arrived[key] = (gen, record)
 
     def _poll(self) -> None:
         """What the workers sent so far, taken in without waiting."""
@@ -461,7 +493,9 @@ class RolloutWorkers(WorkerMembership):
         for e in state["steps"]:
             s, r = int(e["step"]), int(e.get("rank", 0))
             gen = decode_output(tensors or {}, prefix=f"step{s}.rank{r}.", device=self.device)
-            record = {k: e[k] for k in ("version", "worker", "generate_s", "idle_s")}
+            record = {
+                k: e[k] for k in ("version", "worker", "generate_s", "idle_s", "scores", "score_s") if k in e
+            }
             self.arrived[(s, r)] = (gen, record)
         for w in self.alive:
             send_message(self.links.commands, self._rank(w), {"op": "reset"})

@@ -36,8 +36,10 @@ def worker_metrics(
         "rollout/workers": float(len(workers.alive)),
         "rollout/staleness": float(step - 1 - a.version),
         "rollout/worker_generate_s": float(a.generate_s),
-        "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s, 1e-9)),
+        "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s + a.score_s, 1e-9)),
     }
+    if a.scores is not None:  # the worker asked the server for the scores (rollout.score_on_workers)
+        out["rollout/worker_score_s"] = float(a.score_s)
     if push is not None:
         wait = workers.push_wait_s if overlapped else push.seconds
         hidden = min(max(1.0 - wait / push.seconds, 0.0), 1.0) if overlapped and push.seconds > 0 else 0.0

@@ -74,6 +74,10 @@ class RolloutConfig:
     on_worker_loss: str = "stop"
     """A worker that goes away: 'stop' the run with an error naming it, or 'continue' with the
     others (what it owed is asked of them; the run stops when none is left)."""
+    score_on_workers: bool = False
+    """Each worker asks the critic/reward server (``critic.url``, ``critic.tls``) for the scores
+    of the batch it generated and sends them with it, so the trainer never waits for them
+    (critic-free estimators: grpo, rloo, reinforce_pp). The same scores, so the same run."""
     overlap_push: bool = False
     """At max_staleness >= 1, push each version on a thread of the trainer's while the step takes
     its batch and computes log-probs (only reading the weights), waiting for it before the first
@@ -105,9 +109,9 @@ class RolloutConfig:
             self.on_worker_loss,
             "'stop' or 'continue'",
         )
-        p.expect(
-            isinstance(self.overlap_push, bool), f"{prefix}.overlap_push", self.overlap_push, "true or false"
-        )
+        for key in ("overlap_push", "score_on_workers"):
+            value = getattr(self, key)
+            p.expect(isinstance(value, bool), f"{prefix}.{key}", value, "true or false")
         try:
             split_address(self.address)
         except ValueError:

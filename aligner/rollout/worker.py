@@ -48,6 +48,7 @@ from aligner.models import gpt
 from aligner.peer_group import open_store, recv_message, send_message
 from aligner.precision import precision_dtype, resolve_precision
 from aligner.rollout.relay import Relay
+from aligner.rollout.scoring import WorkerScorer
 from aligner.tokenizers import build_tokenizer, resolve_tokenizer_spec
 
 __all__ = ["RolloutWorker", "main", "serve", "worker_problems"]
@@ -115,8 +116,12 @@ class RolloutWorker:
         self.identity = worker_identity(cfg.model, self.tokenizer, self.precision)
         self.version: int | None = None
         self.late = False
+        self.scorer: WorkerScorer | None = None
         if not self.lead:
             return
+        if r.score_on_workers:  # the stops the trainer cuts response texts at (Trainer._reward_inputs)
+            stops = (*self.engine.stop_ids, *cfg.generation.stop_token_ids)
+            self.scorer = WorkerScorer(cfg, self.tokenizer, stops)
         store = open_store(r.address, r.workers + 1, False, r.timeout_s)
         joined = ask_to_join(store, self.rank, self.identity, r.timeout_s, say=self.say)
         self.late = joined is not None
@@ -230,6 +235,15 @@ class RolloutWorker:
                     )
                     raise
                 seconds = time.perf_counter() - t0
+                scored: dict[str, Any] = {}
+                if self.scorer is not None:
+                    try:
+                        scores, score_s = self.scorer.score(gen, meta)
+                    except Exception as e:  # the server refused or is gone: the trainer stops, naming it
+                        message = f"scoring step {meta['step']} at {self.scorer.url}: {type(e).__name__}: {e}"
+                        self._send({"op": "error", "step": meta.get("step"), "message": message})
+                        return 1
+                    scored = {"scores": scores, "score_s": score_s}
                 generated += 1
                 self._send(
                     {
@@ -239,6 +253,7 @@ class RolloutWorker:
                         "version": self.version,
                         "generate_s": seconds,
                         "idle_s": idle,
+                        **scored,
                     },
                     encode_output(gen),
                 )
@@ -264,6 +279,8 @@ def serve(cfg: ActorConfig, model_keys: set[str] | None = None) -> int:
         print(f"[rollout {cfg.rollout.worker_rank}] stopping: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if worker is not None and worker.scorer is not None:
+            worker.scorer.close()
         distributed.destroy()
 
 

@@ -59,7 +59,7 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 DERIVED = {
     "actor_workers": "actor_nodes - 1",
     "critic_gpus": "critic_tensor_parallel x critic_data_parallel",
-    "rollout_overrides": "rollout_workers and the actor's store address",
+    "rollout_overrides": "rollout_workers, the actor's store address, rollout_tensor_parallel, rollout_score_on_workers",
     "critic_scheme": "tls_secret: grpcs with it, grpc without",
     "critic_probe_host": "tls_secret: localhost (a name the certificate holds) with it, 127.0.0.1 without",
     "critic_tls_flags": "tls_secret and tls_client_auth",
@@ -226,6 +226,8 @@ def _layout_problems(values: dict[str, Any]) -> list[str]:
             f"actor_nodes={nodes} x actor_gpus_per_node={per_node} = {nodes * per_node} actor processes "
             f"are not divisible by actor_tensor_parallel={tp} x actor_pipeline_parallel={pp} = {tp * pp}"
         )
+    if values["rollout_score_on_workers"] and values["rollout_workers"] == 0:
+        e.append("rollout_score_on_workers=true with rollout_workers=0: set rollout_workers to the number of workers")
     if values["rollout_workers"] > 0 and gen_tp is not None:
         e.append(
             f"actor_generation_tensor_parallel={gen_tp} with rollout_workers={values['rollout_workers']}: "
@@ -319,7 +321,8 @@ def templates(values: dict[str, Any], only: str | None = None) -> list[Path]:
 def rollout_overrides(values: dict[str, Any]) -> list[str]:
     """What the actor and its workers are both given beyond the actor's overrides: the number of
     workers, the store's address (the one-node actor's Service, or the Service the training
-    operator makes for a PyTorchJob's Master) and each worker's processes; none without workers."""
+    operator makes for a PyTorchJob's Master), each worker's processes and whether the workers
+    score their batches; none without workers."""
     n = values["rollout_workers"]
     if n == 0:
         return []
@@ -328,11 +331,12 @@ def rollout_overrides(values: dict[str, Any]) -> list[str]:
         if values["actor_nodes"] == 1
         else f"{values['run_name']}-actor-master-0"
     )
-    return [
+    out = [
         f"rollout.workers={n}",
         f"rollout.address={host}:{ROLLOUT_PORT}",
         f"rollout.tensor_parallel_size={values['rollout_tensor_parallel']}",
     ]
+    return out + (["rollout.score_on_workers=true"] if values["rollout_score_on_workers"] else [])
 
 
 def critic_tls_flags(values: dict[str, Any]) -> list[str]:

@@ -19,6 +19,7 @@ worker processes joining the trainer's store, the trainer in this process agains
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _actor_runs import digit_server
 from _toy_critic import ToyCritic
 from safetensors.torch import load_file
 
@@ -129,9 +131,11 @@ def _run(
     worker_env=None,
     address=None,
     worker_tp=1,
+    remote=False,
 ):
     """A run of ``steps`` steps (its metrics rows, the worker processes' exit codes); ``critic``:
-    the toy critic to use (a resumed run's must be the one its first part saved to)."""
+    the toy critic to use (a resumed run's must be the one its first part saved to); ``remote``:
+    the server at ``critic.url`` (in ``extra``) instead."""
     address = address or f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
     rollout = [*rollout, *extra] if workers else list(extra)
@@ -155,7 +159,7 @@ def _run(
         else []
     )
     try:
-        actor = build_actor(cfg, critic=critic or ToyCritic())
+        actor = build_actor(cfg) if remote else build_actor(cfg, critic=critic or ToyCritic())
         if on_step is not None:
             actor.trainer.on_step = on_step(procs)
         try:
@@ -240,6 +244,35 @@ def test_a_worker_of_two_tensor_parallel_processes_generates_what_one_process_do
         for key in (x for x in a if not x.startswith(VARYING)):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
     assert "2 processes, tensor-parallel" in (tmp_path / "workers" / "worker1.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def reward_server(tmp_path_factory):
+    server = digit_server(tmp_path_factory.mktemp("server"), "copy", "mode=reward_only")
+    yield server
+    server.stop()
+
+
+def test_workers_that_score_their_batches_give_the_run_the_trainer_scoring_them_gives(
+    tmp_path: Path, reward_server
+):
+    """``rollout.score_on_workers`` (GRPO at k = 1, a reward function reading the prompt and
+    response texts): each worker asks the server for its batch's scores; the trainer asks for
+    none, and the run is the one where it asks, every number and weight, also resumed from a
+    checkpoint that keeps a scored batch asked for and not yet trained on."""
+    grpo = ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", f"critic.url={reward_server.url}"]
+    run = functools.partial(_run, workers=1, k=1, remote=True)
+    ours, codes = run(tmp_path / "trainer", 4, extra=grpo)
+    assert codes == [0] and not any("rollout/worker_score_s" in r for r in ours)
+    scored = [*grpo, "rollout.score_on_workers=true"]
+    theirs, codes = run(tmp_path / "workers", 2, extra=scored)
+    assert codes == [0] and all(r["rollout/worker_score_s"] > 0 for r in theirs)
+    _same(ours[:2], theirs)
+    theirs, codes = run(tmp_path / "workers", 4, extra=scored, resume=True)
+    assert codes == [0]
+    _same(ours, theirs)
+    _same_weights(_weights(tmp_path / "trainer", 4), _weights(tmp_path / "workers", 4))
+    assert len({r["objective/scores"] for r in theirs}) > 1  # the scores are the reward's, not a constant
 
 
 @pytest.fixture(scope="module")

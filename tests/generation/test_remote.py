@@ -102,6 +102,8 @@ def test_addresses_and_rollout_settings_are_checked():
         weights_backend="mpi",
         address="x",
         overlap_push="yes",
+        score_on_workers="no",
+        tensor_parallel_size=0,
     ).problems()
     keys = (
         "workers",
@@ -111,6 +113,8 @@ def test_addresses_and_rollout_settings_are_checked():
         "weights_backend",
         "address",
         "overlap_push",
+        "score_on_workers",
+        "tensor_parallel_size",
     )
     for key in keys:
         assert any(m.startswith(f"rollout.{key}=") for m in p), (key, p)
@@ -130,6 +134,15 @@ def test_what_rollout_workers_need_of_the_rest_of_the_config():
     assert any(m.startswith("ppo.dynamic_sampling=True") for m in problems)
     cfg.generation.engine, cfg.ppo.dynamic_sampling = "native", False
     assert not [m for m in cfg.problems(world_size=2) if "rollout" in m or "tis_cap" in m or "parallel" in m]
+    # Workers score only where the estimator needs scores alone.
+    cfg.rollout.score_on_workers = True
+    problems = cfg.problems(world_size=1)
+    assert any(
+        m.startswith("rollout.score_on_workers=True: expected false with ppo.advantage='gae'")
+        for m in problems
+    )
+    cfg.ppo.advantage, cfg.ppo.samples_per_prompt = "grpo", 4
+    assert not [m for m in cfg.problems(world_size=1) if "rollout" in m]
 
 
 def test_a_worker_checks_only_what_it_uses_of_the_actors_config():
@@ -146,6 +159,15 @@ def test_a_worker_checks_only_what_it_uses_of_the_actors_config():
     problems = worker_problems(cfg, 20)
     for key in ("generation.temperature", "precision", "ppo.tis_cap", "model.vocab_size"):
         assert any(m.startswith(key) for m in problems), (key, problems)
+    # A worker of several processes: the model must split that many ways, and torchrun start them.
+    cfg = ActorConfig()
+    cfg.rollout.workers, cfg.rollout.tensor_parallel_size = 1, 3
+    problems = worker_problems(cfg, 14)
+    assert any(
+        m.startswith("rollout.tensor_parallel_size=3: expected the worker's number of processes (1")
+        for m in problems
+    )
+    assert any(m.startswith("model:") and "3" in m for m in problems), problems
 
 
 def test_a_worker_joins_a_run_under_way_through_the_store_and_bad_requests_are_refused():

@@ -36,6 +36,7 @@ from _recipes import (
     assert_dev_shm_in_memory,
     check_actor_pod,
     client_tls_of,
+    compose,
     container,
     critic_parts,
     env_of,
@@ -49,6 +50,7 @@ from _recipes import (
     split_secret_files,
     tls_paths,
     torchrun,
+    with_mounted_secrets,
 )
 from hydra.errors import ConfigCompositionException
 
@@ -491,6 +493,70 @@ def test_rollout_workers_join_the_actors_store_with_its_overrides(tmp_path, sche
     # Generation belongs to the workers: the actor's own generation TP is refused with them.
     with pytest.raises(render.RenderError, match="actor_generation_tensor_parallel=1 with rollout_workers=3"):
         rendered("rollout_workers=3", "actor_generation_tensor_parallel=1")
+
+
+def test_rollout_workers_that_score_reach_the_critic_as_the_actor_does(tmp_path, schemas):
+    """rollout_score_on_workers=true (with mutual TLS): the actor and every worker get
+    rollout.score_on_workers; each worker dials the actor's critic URL with the same CA and client
+    certificate (never the server's key, nor the run token), and the network policies let the
+    workers reach the critic's gRPC port and nothing else of it."""
+    docs = rendered(
+        "rollout_workers=2",
+        "rollout_score_on_workers=true",
+        f"tls_secret={TLS_SECRET}",
+        "tls_client_auth=true",
+        "actor_overrides=[+recipe=digits, ppo.advantage=grpo, ppo.samples_per_prompt=4, ppo.micro_batch_size=32]",
+    )
+    for d in docs:
+        validate(d)
+    run = one(docs, "Secret")["metadata"]["labels"]["app.kubernetes.io/instance"]
+    named = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Job", "PyTorchJob")}
+    _, acfg = check_actor_pod(docs, named[f"{run}-actor"]["spec"]["template"]["spec"], "actor")
+    pod = named[f"{run}-rollout"]["spec"]["template"]["spec"]
+    c = container(pod, "rollout")
+    actor_c = container(named[f"{run}-actor"]["spec"]["template"]["spec"], "actor")
+    assert env_of(c) == {"ALIGNER_CRITIC_URL": env_of(actor_c)["ALIGNER_CRITIC_URL"]}
+    assert env_of(c)["ALIGNER_CRITIC_URL"].startswith("grpcs://")
+    files = secret_files_of(docs, pod, c)
+    assert {ref for ref in files.values()} == {
+        (TLS_SECRET, k) for k in ("ca.crt", "client.crt", "client.key")
+    }
+    wtr = torchrun(_worker_args(c))
+    assert tls_paths(actor_config_unchecked(wtr.training_script_args).critic.tls) == set(files)
+    with tempfile.TemporaryDirectory() as tmp:  # the worker's checks, its mounted files in place
+        wcfg = actor_config(
+            with_mounted_secrets(wtr.training_script_args, docs, pod, c, Path(tmp)), world_size=1
+        )
+        wcfg.critic.tls.check(env_of(c)["ALIGNER_CRITIC_URL"], "grpcs")
+    assert wcfg.rollout.score_on_workers and acfg.rollout.score_on_workers
+
+    rollout_policy = policy_named(docs, f"{run}-rollout")["spec"]
+    critic_rule = [
+        e for e in rollout_policy["egress"] if e.get("ports") == [{"port": "grpc", "protocol": "TCP"}]
+    ]
+    (rule,) = critic_rule
+    assert rule["to"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "critic"
+    critic_from = policy_named(docs, f"{run}-critic")["spec"]["ingress"][0]["from"]
+    assert {f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in critic_from} == {
+        "actor",
+        "rollout",
+    }
+    with pytest.raises(render.RenderError, match="rollout_score_on_workers=true with rollout_workers=0"):
+        rendered("rollout_score_on_workers=true")
+
+
+def actor_config_unchecked(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose("actor", overrides))
+
+
+def _worker_args(c: dict) -> list[str]:
+    """What torchrun is given in a rollout worker pod: the shell's command line with the pod's
+    arguments in place of "$@" (and rank 1)."""
+    script, args = c["args"][2], c["args"][4:]
+    head = script.split('"$@"')[0].split()
+    return [*head[head.index("torch.distributed.run") + 1 :], *args, "rollout.worker_rank=1"]
 
 
 def test_user_overrides_reach_each_role_and_must_be_real_keys(schemas):

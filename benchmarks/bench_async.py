@@ -2,20 +2,24 @@
 (``--modes``: also k = 2), beside k = 0 on a worker (the synchronous algorithm, generated
 elsewhere) and the in-process run (the actor's own rank generates), in one run of this script.
 ``k1-overlap`` is k = 1 with the weight push running while the step reads the weights
-(``rollout.overlap_push=true``; the same run, timed differently).
+(``rollout.overlap_push=true``; the same run, timed differently), ``k1-scored`` k = 1 with the
+worker asking the server for its batch's scores (``rollout.score_on_workers=true``; the same run
+again, the trainer no longer waiting for them: ``critic_wait_share``).
 
 A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light
-reward function (``--advantage gae``: GAE against the server's critic); on two cores the trainer (this process) has one and the worker the other (the server
-shares the trainer's: its reward function is cheap, and the trainer waits for its scores). Each mode runs the same steps from the same
-seed. Reported per mode: the median step time (after two warm-up steps), the wall time, the
+reward function (``--advantage gae``: GAE against the server's critic); on two cores the trainer
+(this process) has one and the worker the other, and the server may run on either (pinned to the
+trainer's core, its answers stalled half a second whenever the trainer's core was busy: at 20-26
+of 60 steps with the push overlapped). Each mode runs the same steps from the same seed. Reported per mode: the median step time (after two warm-up steps), the wall time, the
 time and the episodes to a target reward (the mean score over three steps), the trainer's
-share of the step spent waiting for rollouts and for the push, the worker's idle share, the
+share of the step spent waiting for rollouts and for the push (and for the scores:
+``critic_wait_share``), the worker's idle share, the
 push's share of the step (``push/step_frac``), the share of the push the step did not wait for
 (``push/hidden_frac``) and the seconds it waited for it (``push/wait_s``), and the last steps'
 score.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1,k2]
-        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]    # modes: in-process,k0,k1,k1-overlap,k2
+        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]    # modes: in-process,k0,k1,k1-overlap,k1-scored,k2
 
 With several ``--seeds`` every mode runs once per seed, and a last table gives each mode's mean
 episodes to the target and its ratio to k = 0's (a run that never reaches it counts as its
@@ -62,13 +66,14 @@ SETTINGS = [
 ]
 """Both sides' config (the worker reads the same)."""
 MODES = {
-    "in-process": (0, 0, True),
-    "k0": (1, 0, True),
-    "k1": (1, 1, False),
-    "k1-overlap": (1, 1, True),
-    "k2": (1, 2, False),
+    "in-process": (0, 0, True, False),
+    "k0": (1, 0, True, False),
+    "k1": (1, 1, False, False),
+    "k1-overlap": (1, 1, True, False),
+    "k1-scored": (1, 1, False, True),
+    "k2": (1, 2, False, False),
 }
-"""Mode -> (rollout workers, max_staleness, rollout.overlap_push)."""
+"""Mode -> (rollout workers, max_staleness, rollout.overlap_push, rollout.score_on_workers)."""
 
 
 def _cores() -> list[int]:
@@ -94,10 +99,12 @@ def one_run(
     from aligner.distributed import spare_port
     from aligner.metrics import read_metrics
 
-    workers, k, overlap = MODES[mode]
+    workers, k, overlap, scored = MODES[mode]
     address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
     rollout.append(f"rollout.overlap_push={str(overlap).lower()}")
+    if scored:  # the worker asks the server for its batch's scores
+        rollout += ["rollout.score_on_workers=true", f"critic.url={url}"]
     run_dir = tmp / name
     with initialize_config_dir(config_dir=str(ROOT / "aligner" / "configs"), version_base=None):
         dcfg = compose(
@@ -156,6 +163,7 @@ def summarize(rows: list[dict], target: float, batch: int) -> dict:
         "push_step_frac": mean("push/step_frac") if push else None,
         "push_hidden_frac": mean("push/hidden_frac") if push else None,
         "push_wait_s": statistics.median(r["push/wait_s"] for r in rows[2:]) if push else None,
+        "critic_wait_share": mean("timers/critic_wait") / mean("timers/step"),
         "final_score": statistics.fmean(scores[-3:]),
     }
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PeerGroup", "decode_message", "encode_message", "open_store", "recv_message", "send_message"]
-__all__ += ["split_address"]
+__all__ += ["check_message_size", "split_address"]
 
 MAX_MESSAGE_BYTES = 1 << 34
 """A message longer than this (16 GiB) is refused before anything is allocated for it."""

@@ -120,12 +120,12 @@ class RolloutWorkers(WorkerMembership):
         self.streams = state.tp_size * state.pp_size > 1 and state.dp_rank == 0
         """This rank takes part in rank 0's weight stream (gathered over its TP and PP groups)."""
         self.asked: dict[tuple[int, int], tuple[int, int]] = {}
+        """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
         self.scoring = r.score_on_workers
         """The workers score their batches (``rollout.score_on_workers``)."""
         self.prompt_texts: Callable[[list[str], list[list[int]]], list[str]] | None = None
         """With ``scoring``: the rows' prompt texts as the trainer sends them to the server (set
         by the trainer: its prompts and their tokens -> texts)."""
-        """On rank 0: (step, rank) -> (version, worker), asked for and not yet arrived."""
         self.requests: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         """On rank 0: (step, rank) -> what was asked (to ask another worker if its own is lost)."""
         self.arrived: dict[tuple[int, int], tuple[GenerationOutput, dict[str, Any]]] = {}
@@ -425,10 +425,11 @@ class RolloutWorkers(WorkerMembership):
         gen = decode_output(tensors, device=self.device)
         if self.scoring:
             scores = meta.get("scores")
-            if not isinstance(scores, list) or len(scores) != gen.tokens.shape[0]:
+            numbers = isinstance(scores, list) and all(type(x) in (int, float) for x in scores)
+            if not numbers or len(scores) != gen.tokens.shape[0]:
                 raise RolloutWorkerError(
-                    f"rollout worker {w} sent step {key[0]} (rank {key[1]}) without a score per row "
-                    f"({gen.tokens.shape[0]}): start the workers with the trainer's rollout.score_on_workers"
+                    f"rollout worker {w} sent step {key[0]} (rank {key[1]}) without a number per row "
+                    f"as its scores ({gen.tokens.shape[0]} rows): start the workers with the trainer's rollout.score_on_workers"
                 )
             record |= {"scores": scores, "score_s": meta["score_s"]}
         self.arrived[key] = (gen, record)

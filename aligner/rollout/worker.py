@@ -9,8 +9,11 @@ the trainer asks for and sends them back with the version that generated them.
 
 A worker of ``rollout.tensor_parallel_size`` = g > 1 processes generates tensor-parallel: its rank
 0 alone joins the trainer's channels and relays what its peers need over the worker's own world
-(:mod:`aligner.rollout.relay`). It reads the actor's config (``actor.yaml``, the same overrides
-as the trainer's): the model and tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
+(:mod:`aligner.rollout.relay`). With ``rollout.score_on_workers`` it also asks the server for the
+scores of each batch it generated (:mod:`aligner.rollout.scoring`).
+
+It reads the actor's config (``actor.yaml``, the same overrides as the trainer's): the model and
+tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
 with random weights, then generates only from versions the trainer pushed (version 0 before the
 first batch), each verified whole before it is swapped in. It exits when the trainer says stop
 (0), or with an error when the trainer goes away or a version is refused (1). Started once the run

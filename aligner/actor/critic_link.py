@@ -44,7 +44,7 @@ from aligner.rl import CRITIC_FREE_ESTIMATORS
 from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
 from aligner.wire.protocol import ANY_CRITIC_STEP, TrainResult
 
-__all__ = ["CriticLink", "sample_texts", "server_has_critic", "server_mode_problem"]
+__all__ = ["CriticLink", "prompt_texts", "sample_texts", "server_has_critic", "server_mode_problem"]
 
 T = TypeVar("T")
 
@@ -72,6 +72,12 @@ def sample_texts(
         prompts.append(tokenizer.decode(row[:p], skip_special=True))
         responses.append(tokenizer.decode(response, skip_special=True))
     return prompts, responses
+
+
+def prompt_texts(raw: dict[str, str] | None, prompts: list[str], decoded: list[str]) -> list[str]:
+    """The prompts' texts for the server: as the data set writes them (``raw``: templated prompt
+    -> its text, with a chat template), else their ``decoded`` tokens."""
+    return decoded if raw is None else [raw.get(x, d) for x, d in zip(prompts, decoded)]
 
 
 def server_has_critic(info: Any) -> bool:

@@ -69,7 +69,7 @@ import torch
 from aligner import faults, rl
 from aligner.actor.checkpointing import ActorCheckpointer, ActorState
 from aligner.actor.config import ActorConfig
-from aligner.actor.critic_link import CriticLink, sample_texts
+from aligner.actor.critic_link import CriticLink, prompt_texts, sample_texts
 from aligner.actor.logprobs import PolicyLogprobs
 from aligner.actor.optimizer import freeze_all_but_last_layers, make_policy_optimizer, set_schedule_position
 from aligner.actor.pipeline import PipelineSchedule
@@ -136,8 +136,8 @@ class PPOTrainer:
         self.checkpointer = checkpointer
         self.workers = workers
         if workers is not None:  # with rollout.score_on_workers, the asks carry the prompts' texts
-            workers.prompt_texts = lambda ps, ts: self._prompt_texts(
-                ps, [tokenizer.decode(t, skip_special=True) for t in ts]
+            workers.prompt_texts = lambda ps, ts: prompt_texts(
+                self.raw_prompts, ps, [tokenizer.decode(t, skip_special=True) for t in ts]
             )
         self.val_prompts = list(val_prompts) if val_prompts else []
         self.val_extras = list(val_extras) if val_extras is not None else None
@@ -566,13 +566,8 @@ class PPOTrainer:
             decoded, out["response_texts"] = sample_texts(
                 self.tokenizer, gen.tokens, gen.lengths, gen.prompt_lengths, stops
             )
-            out["prompt_texts"] = self._prompt_texts(prompts, decoded)
+            out["prompt_texts"] = prompt_texts(self.raw_prompts, prompts, decoded)
         return out
-
-    def _prompt_texts(self, prompts: list[str], decoded: list[str]) -> list[str]:
-        """The prompts' texts for the server: as the data set writes them, else ``decoded``."""
-        raw = self.raw_prompts
-        return decoded if raw is None else [raw.get(x, d) for x, d in zip(prompts, decoded)]
 
     def _dynamic_rollout(
         self, step_id: int, sampling: SamplingParams

@@ -26,10 +26,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	ALIGNER_FAULTS_LOAD_S=$${ALIGNER_FAULTS_LOAD_S:-20} $(PY) -m pytest -q tests
 
-# Unit tests only, in one process each (the markers are declared in pyproject.toml).
+# Unit tests only, in one process each (the markers are declared in pyproject.toml), spread over
+# FAST_WORKERS pytest-xdist workers (2: the smallest machine the suite runs on has two cores).
 FAST_MARKERS := not slow and not server and not multiprocess and not subprocess
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "$(FAST_MARKERS)"
+	$(PY) -m pytest -q -n $(FAST_WORKERS) tests -m "$(FAST_MARKERS)"
 
 # The lower bounds of pyproject.toml's ranges, installed exactly (constraints/lowest.txt; the suite's
 # tests/test_dependency_bounds.py keeps the two equal) into a venv of their own, and a test subset

@@ -19,7 +19,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -344,6 +345,17 @@ class ActorProcess:
     def _close(self) -> None:
         self._out.close()
         self._err.close()
+
+
+@contextmanager
+def serving_critic(root: Path) -> Iterator[Critic]:
+    """A :class:`Critic` under ``root``, started, and killed on leaving (a module's shared server)."""
+    critic = Critic(root)
+    critic.start()
+    try:
+        yield critic
+    finally:
+        critic.kill()
 
 
 def kill_server_mid_run(tmp_path: Path, fault: str, *actor_extra: str, nproc: int = 1):

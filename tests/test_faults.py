@@ -34,7 +34,6 @@ from _faults import (
     SAVE_INTERVAL,
     STEPS,
     ActorProcess,
-    Critic,
     actor_env,
     assert_same_weights,
     final_weights,
@@ -51,6 +50,7 @@ from _faults import (
     same_metrics,
     samples_batch,
     send_infer,
+    serving_critic,
     tensors_equal,
 )
 
@@ -102,12 +102,8 @@ def shared(root):
     server's of the suite (``_faults.SERVER_SETTINGS``): a queue delay, so that concurrent infer
     requests merge into one execution (no number of a single client's request changes), and
     packed micro-batches."""
-    critic = Critic(root / "shared")
-    critic.start()
-    try:
+    with serving_critic(root / "shared") as critic:
         yield critic
-    finally:
-        critic.kill()
 
 
 class Reference:

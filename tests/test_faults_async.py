@@ -29,7 +29,6 @@ from _faults import (
     ACTOR_RUN,
     ROOT,
     STEPS,
-    Critic,
     actor_env,
     assert_same_weights,
     final_weights,
@@ -37,6 +36,7 @@ from _faults import (
     rollbacks,
     run_actor,
     same_metrics,
+    serving_critic,
 )
 
 from aligner.checkpoint import complete_steps, step_dir_name
@@ -112,12 +112,8 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shared(root):
-    critic = Critic(root / "shared")
-    critic.start()
-    try:
+    with serving_critic(root / "shared") as critic:
         yield critic
-    finally:
-        critic.kill()
 
 
 @pytest.fixture(scope="module")

@@ -368,6 +368,12 @@ if args[:2] == ["-m", "aligner.critic.wait"]:
     deadline = time.time() + 30
     while time.time() < deadline and '"role": "critic"' not in open(log).read():
         time.sleep(0.01)
+if role == "actor" and name == "srun" and os.environ.get("ROLLOUT_WORKERS_PER_NODE", "0") != "0":
+    # A real actor outlives its workers' start; this one ends at once, and the script's SIGTERM
+    # at its end must not reach the workers' step before that step's stub has started.
+    deadline = time.time() + 30
+    while time.time() < deadline and '"role": "rollout"' not in open(log).read():
+        time.sleep(0.01)
 blocks = role == "critic" or (role == "rollout" and name == "srun")  # until stopped, as they run
 if blocks or (role == "actor" and os.environ.get("STUB_ACTOR_BLOCK")):
     deadline = time.time() + 30

@@ -173,6 +173,9 @@ class RolloutWorkers(WorkerMembership):
             raise RolloutWorkerError(str(e)) from e
         for w in self.alive:
             meta, _ = recv_message(self.links.rollouts, w)
+            if meta.get("op") == "error":  # it could not start (e.g. reach the server it scores with)
+                self.close()
+                raise RolloutWorkerError(f"rollout worker {w} could not start: {meta.get('message')}")
             differ = differences(identity, meta)
             if meta.get("op") != "hello" or differ:
                 self.close()

@@ -44,7 +44,7 @@ __all__ = [
     "encode_output",
     "encode_prompts",
 ]
-__all__ += ["ask_to_join", "mark_epoch", "sampling_from", "sampling_to", "worker_identity"]
+__all__ += ["ask_to_join", "mark_epoch", "run_under_way", "sampling_from", "sampling_to", "worker_identity"]
 
 
 @dataclass
@@ -167,6 +167,11 @@ def mark_epoch(store: Any, epoch: int) -> None:
     store.set(_EPOCH, str(epoch))
 
 
+def run_under_way(store: Any) -> bool:
+    """Whether the trainer has formed its channels (a worker starting now must ask to join)."""
+    return bool(store.check([_EPOCH]))
+
+
 def ask_to_join(
     store: Any, rank: int, identity: dict[str, Any], timeout_s: float, say: Any = None
 ) -> dict[str, Any] | None:
@@ -178,7 +183,7 @@ def ask_to_join(
     Raises:
         RuntimeError: the trainer refused it (naming why), or did not answer in time.
     """
-    if not store.check([_EPOCH]):
+    if not run_under_way(store):
         return None
     n = store.add(_JOINS, 1)
     store.set(f"{_JOINS}/{n}", json.dumps({"rank": rank, "identity": identity}))

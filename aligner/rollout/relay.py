@@ -35,7 +35,6 @@ class Relay:
     def __init__(self, device: torch.device, src: int = 0) -> None:
         self.device, self.src = device, src
         self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
 
     @property
     def lead(self) -> bool:

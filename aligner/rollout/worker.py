@@ -43,6 +43,7 @@ from aligner.generation.remote import (
     ask_to_join,
     decode_prompts,
     encode_output,
+    run_under_way,
     sampling_from,
     worker_identity,
 )
@@ -122,10 +123,19 @@ class RolloutWorker:
         self.scorer: WorkerScorer | None = None
         if not self.lead:
             return
+        self.start_error: str | None = None
+        """Why it cannot serve, told to the trainer in place of its hello (at the run's start)."""
         if r.score_on_workers:  # the stops the trainer cuts response texts at (Trainer._reward_inputs)
             stops = (*self.engine.stop_ids, *cfg.generation.stop_token_ids)
-            self.scorer = WorkerScorer(cfg, self.tokenizer, stops)
+            try:
+                self.scorer = WorkerScorer(cfg, self.tokenizer, stops)
+            except Exception as e:  # the trainer stops at once, naming it, instead of waiting for it
+                self.start_error = (
+                    f"cannot score its batches (rollout.score_on_workers): {type(e).__name__}: {e}"
+                )
         store = open_store(r.address, r.workers + 1, False, r.timeout_s)
+        if self.start_error is not None and run_under_way(store):
+            raise RuntimeError(self.start_error)  # a replacement that cannot serve never asks to join
         joined = ask_to_join(store, self.rank, self.identity, r.timeout_s, say=self.say)
         self.late = joined is not None
         """It joined the run under way, in place of a worker the trainer lost (no hello: the
@@ -174,6 +184,10 @@ class RolloutWorker:
                 raise RuntimeError(f"the worker's lead relayed an unknown command {op!r}")
 
     def _serve(self) -> int:
+        if self.start_error is not None:
+            self._send({"op": "error", "message": self.start_error})
+            self.say(f"stopping: {self.start_error}")
+            return 1
         if not self.late:
             self._send({"op": "hello", "rank": self.rank, **self.identity})
         idle_since, generated = time.perf_counter(), 0

@@ -275,6 +275,16 @@ def test_workers_that_score_their_batches_give_the_run_the_trainer_scoring_them_
     assert len({r["objective/scores"] for r in theirs}) > 1  # the scores are the reward's, not a constant
 
 
+def test_a_worker_that_cannot_reach_the_server_it_scores_with_stops_the_run_at_once(tmp_path: Path):
+    """Told to score its batches against a server nobody serves, the worker says why in place of
+    its hello: the trainer stops naming it and the address, instead of waiting for it."""
+    url = f"grpc://127.0.0.1:{spare_port()}"
+    scored = ["ppo.advantage=grpo", "ppo.samples_per_prompt=4", "rollout.score_on_workers=true"]
+    nowhere = [f"critic.url={url}", "critic.ready_timeout_s=2"]
+    with pytest.raises(RolloutWorkerError, match=rf"rollout worker 1 could not start: cannot score .*{url}"):
+        _run(tmp_path, 2, workers=1, extra=[*scored, *nowhere])
+
+
 @pytest.fixture(scope="module")
 def whole_k1(tmp_path_factory):
     """Four steps at k = 1 on one worker, uninterrupted: its rows and final weights."""

@@ -227,7 +227,9 @@ def _layout_problems(values: dict[str, Any]) -> list[str]:
             f"are not divisible by actor_tensor_parallel={tp} x actor_pipeline_parallel={pp} = {tp * pp}"
         )
     if values["rollout_score_on_workers"] and values["rollout_workers"] == 0:
-        e.append("rollout_score_on_workers=true with rollout_workers=0: set rollout_workers to the number of workers")
+        e.append(
+            "rollout_score_on_workers=true with rollout_workers=0: set rollout_workers to the number of workers"
+        )
     if values["rollout_workers"] > 0 and gen_tp is not None:
         e.append(
             f"actor_generation_tensor_parallel={gen_tp} with rollout_workers={values['rollout_workers']}: "

@@ -38,7 +38,7 @@ from aligner.actor.rollout_workers import RolloutWorkerError
 from aligner.actor.run import build_actor
 from aligner.checkpoint import step_dir_name
 from aligner.distributed import destroy, spare_port
-from aligner.generation.weight_push import WeightPusher
+from aligner.generation.weight_push import PushFault, WeightPusher
 from aligner.metrics import read_metrics
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
@@ -244,6 +244,25 @@ def test_a_worker_of_two_tensor_parallel_processes_generates_what_one_process_do
         for key in (x for x in a if not x.startswith(VARYING)):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
     assert "2 processes, tensor-parallel" in (tmp_path / "workers" / "worker1.log").read_text()
+
+
+def test_a_tensor_parallel_worker_refuses_a_corrupted_version_before_relaying_it_and_the_run_stops(
+    tmp_path: Path, monkeypatch
+):
+    """Version 1 reaches the worker's lead with a payload byte flipped: the lead refuses it before
+    relaying anything (its peer is told to exit), and the trainer's push stops the run."""
+    push = WeightPusher.push
+
+    def corrupting(self, version, stream, fault=None):
+        return push(self, version, stream, fault=PushFault("corrupt", 0) if version == 1 else fault)
+
+    monkeypatch.setattr(WeightPusher, "push", corrupting)
+    with pytest.raises(
+        RolloutWorkerError, match=r"1 rollout worker\(s\) refused version 1 .*nothing was swapped"
+    ):
+        _run(tmp_path, 3, workers=1, k=0, worker_tp=2)
+    log = (tmp_path / "workers" / "worker1.log").read_text()
+    assert "refused: version 1, bucket 0: checksum" in log, log[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -74,10 +74,14 @@ class Worker:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the worker did not exit:\n{self.text()[-3000:]}") from None
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self._out.close()
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill it if it still runs; close its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -94,10 +98,7 @@ def start_worker():
 
     yield start
     for w in started:
-        if w.proc.poll() is None:
-            w.proc.kill()
-            w.proc.wait()
-        w._out.close()
+        w.stop()
 
 
 def _rollout() -> tuple[list[str], str]:
@@ -125,7 +126,7 @@ def reference(shared, root):
     try:
         run = run_actor(shared.url, root / "reference", shared.ckpt, *rollout)
     finally:
-        code = worker.wait()  # killed if still running
+        code = worker.wait()  # stopped if it does not exit
     assert code == 0, worker.text()[-3000:]
     rows = read_metrics(str(root / "reference" / "metrics.jsonl"))
     assert [r["rollout/staleness"] for r in rows] == [0.0] + [1.0] * (STEPS - 1), run.tail()

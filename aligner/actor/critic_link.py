@@ -41,10 +41,18 @@ import torch.distributed as dist
 
 from aligner.distributed import ParallelState, comm_device
 from aligner.rl import CRITIC_FREE_ESTIMATORS
+from aligner.wire.client import RemoteCriticClient
 from aligner.wire.handle import CriticError, CriticHandle, CriticRestartedError
 from aligner.wire.protocol import ANY_CRITIC_STEP, TrainResult
 
-__all__ = ["CriticLink", "prompt_texts", "sample_texts", "server_has_critic", "server_mode_problem"]
+__all__ = [
+    "CriticLink",
+    "checked_client",
+    "prompt_texts",
+    "sample_texts",
+    "server_has_critic",
+    "server_mode_problem",
+]
 
 T = TypeVar("T")
 
@@ -78,6 +86,35 @@ def prompt_texts(raw: dict[str, str] | None, prompts: list[str], decoded: list[s
     """The prompts' texts for the server: as the data set writes them (``raw``: templated prompt
     -> its text, with a chat template), else their ``decoded`` tokens."""
     return decoded if raw is None else [raw.get(x, d) for x, d in zip(prompts, decoded)]
+
+
+def checked_client(
+    cfg: Any,
+    url: str,
+    tokenizer: Any,
+    *,
+    run_token: str | None = None,
+    watch_restarts: bool = False,
+) -> RemoteCriticClient:
+    """A client of the server at ``url`` with the run's ``critic.*`` settings, checked against it
+    (protocol, vocabulary, sequence length, tokenizer); closed again if the check fails."""
+    c = cfg.critic
+    critic = RemoteCriticClient(
+        url,
+        timeout_s=c.timeout_s,
+        ready_timeout_s=c.ready_timeout_s,
+        wait_timeout_s=c.wait_timeout_s,
+        retries=c.retries,
+        run_token=run_token,
+        tls=c.tls,
+        watch_restarts=watch_restarts,
+    )
+    try:
+        critic.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
+    except BaseException:
+        critic.close()
+        raise
+    return critic
 
 
 def server_has_critic(info: Any) -> bool:

@@ -39,6 +39,7 @@ from aligner import distributed
 from aligner.actor import fingerprint
 from aligner.actor.checkpointing import ActorCheckpointer, weights_fingerprint
 from aligner.actor.config import ActorConfig, validate_actor_config
+from aligner.actor.critic_link import checked_client
 from aligner.actor.datasets import PromptSet, training_prompt_set, validation_prompt_set
 from aligner.actor.export import PolicyExporter, export_policy
 from aligner.actor.model_source import model_keys_named, resolve_model_config
@@ -190,22 +191,13 @@ def validation_prompts(
 def connect_critic(cfg: ActorConfig, inputs: Inputs, state: ParallelState) -> RemoteCriticClient:
     """Step 3: the client, checked against the server (protocol, vocabulary, sequence length,
     tokenizer; a training server's run token)."""
-    critic = RemoteCriticClient(
-        inputs.url,
-        timeout_s=cfg.critic.timeout_s,
-        ready_timeout_s=cfg.critic.ready_timeout_s,
-        wait_timeout_s=cfg.critic.wait_timeout_s,
-        retries=cfg.critic.retries,
-        run_token=inputs.run_token,
-        tls=cfg.critic.tls,
-        # Every rank: a rank whose infer reaches a restarted server (one that will never reach
-        # the critic step the infer waits for) must say so, and the run rolls back on every rank
-        # (after which each rank's client follows the server: CriticLink.follow).
-        watch_restarts=True,
+    # Every rank watches for restarts: a rank whose infer reaches a restarted server (one that will
+    # never reach the critic step the infer waits for) must say so, and the run rolls back on every
+    # rank (after which each rank's client follows the server: CriticLink.follow).
+    critic = checked_client(
+        cfg, inputs.url, inputs.tokenizer, run_token=inputs.run_token, watch_restarts=True
     )
     try:
-        tok = inputs.tokenizer
-        critic.check_compatible(tok.vocab_size, cfg.model.max_seq_len, tok.fingerprint())
         critic_free = cfg.ppo.advantage in CRITIC_FREE_ESTIMATORS  # sends no train, save or load
         if inputs.run_token is None and not critic_free and critic.server_info().run_token_required:
             raise ConfigError(

@@ -33,8 +33,9 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -445,14 +446,19 @@ def check_fits(target: OwnedWeights | nn.Module, tensors: list[tuple[str, torch.
 
 
 def receive_into(
-    receiver: WeightReceiver, target: OwnedWeights | nn.Module, expect_after: int | None = None
+    receiver: WeightReceiver,
+    target: OwnedWeights | nn.Module,
+    expect_after: int | None = None,
+    apply: Callable[[Any, list[tuple[str, torch.Tensor]]], None] = apply_weights,
 ) -> int:
-    """Receive the next version, verify all of it, then apply it to ``target``
-    (:func:`apply_weights`); return its version. A refused version leaves ``target`` as it was."""
+    """Receive the next version, verify all of it, then ``apply`` it to ``target``
+    (:func:`apply_weights`, which checks the names and shapes first); return its version. A
+    version refused (by the receiver, or by ``apply`` raising ``WeightPushError``) leaves
+    ``target`` as it was, and a later push of it may be taken."""
     before = receiver.last_version
     version, tensors = receiver.receive(expect_after)
     try:
-        apply_weights(target, tensors)
+        apply(target, tensors)
     except WeightPushError:
         receiver.last_version = before  # not applied: a later push of it may be taken
         raise

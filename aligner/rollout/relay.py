@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from aligner.generation.weight_push import PUSHED_DTYPES, WeightReceiver, check_fits
+from aligner.generation.weight_push import PUSHED_DTYPES, WeightReceiver, check_fits, receive_into
 from aligner.models.layout import load_megatron_tensors
 from aligner.peer_group import check_message_size, decode_message, encode_message
 
@@ -64,21 +64,18 @@ class Relay:
         return decode_message(buf)
 
     def receive_into(self, receiver: WeightReceiver, policy: nn.Module) -> int:
-        """On the lead: receive the next version from the trainer and verify all of it
-        (:meth:`WeightReceiver.receive`, names and shapes against ``policy``), then relay it and
-        load this rank's shards. Raises ``WeightPushError`` before relaying anything when the
-        version is refused (the peers are still waiting for a command)."""
-        before = receiver.last_version
-        version, tensors = receiver.receive()
-        try:
-            check_fits(policy, tensors)
-        except Exception:
-            receiver.last_version = before  # not applied: a later push of it may be taken
-            raise
+        """On the lead: receive the next version from the trainer and verify all of it (the
+        buckets, then the names and shapes against ``policy``), then relay it and load this
+        rank's shards (:func:`~aligner.generation.weight_push.receive_into`). Raises
+        ``WeightPushError`` before relaying anything when the version is refused (the peers are
+        still waiting for a command)."""
+        return receive_into(receiver, policy, apply=self._relay_and_load)
+
+    def _relay_and_load(self, policy: nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        check_fits(policy, tensors)
         listing = {name: [str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors}
-        self.message({"op": "weights", "version": version, "tensors": listing})
+        self.message({"op": "weights", "tensors": listing})
         self.load(policy, listing, dict(tensors))
-        return version
 
     def load(
         self, policy: nn.Module, listing: dict[str, list], held: dict[str, torch.Tensor] | None = None

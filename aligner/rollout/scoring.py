@@ -15,9 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aligner.actor.critic_link import sample_texts
+from aligner.actor.critic_link import checked_client, sample_texts
 from aligner.generation.engine import GenerationOutput
-from aligner.wire.client import RemoteCriticClient
 from aligner.wire.readiness import resolve_critic_url
 
 __all__ = ["WorkerScorer"]
@@ -27,24 +26,11 @@ class WorkerScorer:
     """One worker's client of the server, checked against it once at start."""
 
     def __init__(self, cfg: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> None:
-        c = cfg.critic
-        self.url = resolve_critic_url(c.url)
+        self.url = resolve_critic_url(cfg.critic.url)
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
         # No run token: critic_infer needs none. No restart watch: a score is the server's reward
         # function (or model) of the sample, the same from any server process.
-        self.client = RemoteCriticClient(
-            self.url,
-            timeout_s=c.timeout_s,
-            ready_timeout_s=c.ready_timeout_s,
-            wait_timeout_s=c.wait_timeout_s,
-            retries=c.retries,
-            tls=c.tls,
-        )
-        try:
-            self.client.check_compatible(tokenizer.vocab_size, cfg.model.max_seq_len, tokenizer.fingerprint())
-        except BaseException:
-            self.client.close()
-            raise
+        self.client = checked_client(cfg, self.url, tokenizer)
 
     def score(self, gen: GenerationOutput, meta: dict[str, Any]) -> tuple[list[float], float]:
         """The scores of ``gen`` (float32 values, as JSON floats: exact) and the seconds taken;

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 import aligner.actor.run  # noqa: F401 - registers the config's schema (actor_schema)
@@ -37,6 +38,7 @@ from aligner.actor.config import ActorConfig
 from aligner.actor.model_source import model_keys_named, resolve_model_config
 from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
+from aligner.generation.engine import GenerationOutput
 from aligner.generation.native import NativeEngine
 from aligner.generation.remote import (
     RolloutLinks,
@@ -175,13 +177,16 @@ class RolloutWorker:
                 return int(meta["status"])
             if op == "weights":
                 self.relay.load(self.policy, meta["tensors"])
-                self.version = int(meta["version"])
                 self.engine.refit(self.policy)
             elif op == "generate":
-                self.engine.seed_rank = int(meta.get("rank", 0))
-                self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+                self._generate(meta, tensors)
             else:
                 raise RuntimeError(f"the worker's lead relayed an unknown command {op!r}")
+
+    def _generate(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> GenerationOutput:
+        """An ask's batch, drawn with the random streams of the trainer rank whose rows these are."""
+        self.engine.seed_rank = int(meta.get("rank", 0))
+        return self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
 
     def _serve(self) -> int:
         if self.start_error is not None:
@@ -243,9 +248,8 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 if self.relay is not None:  # the peers generate with it (tensor-parallel)
                     self.relay.message(meta, tensors)
-                self.engine.seed_rank = int(meta.get("rank", 0))  # the trainer rank whose rows these are
                 try:
-                    gen = self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]))
+                    gen = self._generate(meta, tensors)
                 except Exception as e:  # the trainer stops naming this worker and what it met
                     self._send(
                         {"op": "error", "step": meta.get("step"), "message": f"{type(e).__name__}: {e}"}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from aligner.actor.config import ActorConfig
 from aligner.actor.rollout import StepRecord
+from aligner.actor.rollout_schedule import token_staleness
 from aligner.actor.rollout_workers import Arrived, RolloutWorkers
 from aligner.distributed import ParallelState
 from aligner.histograms import DEFAULT_BINS, Histogram
@@ -26,7 +27,8 @@ __all__ = ["StepReport", "worker_metrics"]
 def worker_metrics(
     workers: RolloutWorkers, a: Arrived, step: int, timers: dict[str, float]
 ) -> dict[str, float]:
-    """Staleness, the worker's time, how many workers are left, the trainer's wait (for the batch
+    """Staleness (and with the dynamic schedule the ask taken and the shares asked again; with
+    partial rollouts the swaps and the staleness per response token), the worker's time, how many workers are left, the trainer's wait (for the batch
     and the push) over the step, from its ``timers``; and this step's push: its seconds, GB/s,
     MB, share of the step, the seconds the step waited for it (a serial push: all of them) and
     the share of it the step did not wait for (``push/hidden_frac``: 0 for a serial push)."""
@@ -38,6 +40,13 @@ def worker_metrics(
         "rollout/worker_generate_s": float(a.generate_s),
         "rollout/worker_idle_frac": float(a.idle_s / max(a.idle_s + a.generate_s + a.score_s, 1e-9)),
     }
+    if workers.dynamic:  # which batch came, and what was asked again meanwhile
+        out |= {"rollout/ask": float(a.step), "rollout/regenerated": float(a.regenerated)}
+    if workers.partial:  # versions taken mid-batch: staleness per response token
+        lengths = (a.gen.lengths - a.gen.prompt_lengths).tolist()
+        mean, swapped = token_staleness(step, a.version, a.swaps, lengths)
+        out |= {"rollout/swaps": float(len(a.swaps)), "rollout/token_staleness": mean}
+        out["rollout/swapped_token_frac"] = swapped
     if a.scores is not None:  # the worker asked the server for the scores (rollout.score_on_workers)
         out["rollout/worker_score_s"] = float(a.score_s)
     if push is not None:

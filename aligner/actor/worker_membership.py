@@ -98,6 +98,7 @@ class WorkerMembership:
             flush=True,
         )
         self._regroup(left, {}, f"regrouping after worker {w} was lost")
+        self.regenerated += len(owed)
         for key in owed:
             self._send_ask(key, self.pushed)
 

@@ -100,7 +100,7 @@ embedding for TP divisibility) are dropped before sampling and before the log-so
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -336,7 +336,16 @@ class NativeEngine:
         self.model, self._device = model, some.device
         self.last_refit = RefitCost(time.perf_counter() - t0, moved, seen, owned=True)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        between_steps: Callable[[int], bool] | None = None,
+    ) -> GenerationOutput:
+        """``between_steps(k)``: called before the decode step that computes every row's response
+        token ``k`` (k >= 1), on the lean decoder only; it may write new weights into the module
+        this engine generates from (in place, e.g. a pushed version), returning True when it did:
+        the next steps read them, the KV cache of the tokens before is kept (partial rollouts)."""
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
         if sampling.stop_strings and self.tokenizer is None:
@@ -345,13 +354,24 @@ class NativeEngine:
         generator = None if sampling.greedy else self._generator(sampling.seed)
         with EvalMode(self.model), torch.inference_mode(), _Threads(self.num_threads):
             uniforms = row_uniforms(generator, len(prompts), sampling.max_new_tokens, self._device)
-            tokens, lengths, logprobs, ended, plen = self._decode(prompts, sampling, uniforms)
+            hook = None if between_steps is None else self._swapping(between_steps)
+            tokens, lengths, logprobs, ended, plen = self._decode(prompts, sampling, uniforms, hook)
         out = build_output(
             tokens, plen, lengths, logprobs, ended, self.pad_id, self.tokenizer, sampling.stop_strings
         )
         return self.layout.share(out)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _swapping(self, between_steps: Callable[[int], bool]) -> Callable[[int], None]:
+        """``between_steps`` for the decode loop: weights it wrote into the module reach owned
+        weights too (copied in place: the decoder's bound tensors stay the same)."""
+
+        def hook(k: int) -> None:
+            if between_steps(k) and self._owned is not None:
+                self._owned.load(iter_megatron_tensors(self.model, dtype=self._owned.dtype))
+
+        return hook
 
     def _shares(self, model: nn.Module, dtype: torch.dtype) -> bool:
         """Whether to generate with ``model``'s own tensors (else with owned weights)."""
@@ -442,7 +462,13 @@ class NativeEngine:
             )
         return True
 
-    def _decode(self, prompts: list[list[int]], sampling: SamplingParams, uniforms: torch.Tensor | None):
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        uniforms: torch.Tensor | None,
+        between_steps: Callable[[int], None] | None = None,
+    ):
         """The lean backend's ragged loop or the megatron backend's teacher-forced one (module
         docstring, *Design*). ``uniforms``: ``[max_new_tokens, b]`` (None: greedy). Returns
         ``(tokens [b, T], lengths [b], logprobs [b, T-1], ended [b], prompt_lengths [b])`` for
@@ -453,6 +479,11 @@ class NativeEngine:
         )
         check_every = self.check_every or (1 if dev.type == "cpu" else 8)
         lean = self._use_lean()
+        if between_steps is not None and not lean:
+            raise ValueError(
+                "a swap between decode steps (partial rollouts) needs the lean decoder: this model runs "
+                f"on the megatron backend ({unsupported_reason(self.model) or 'backend=megatron'})"
+            )
         plen = [len(p) for p in prompts]
         if lean:
             T = ragged_length(plen, sampling.max_new_tokens, self.max_seq_len)
@@ -472,6 +503,7 @@ class NativeEngine:
                     max_seq_len=self.max_seq_len,
                     check_every=check_every,
                     tokenizer=self.tokenizer,
+                    between_steps=between_steps,
                 )
             return teacher_forced_decode(
                 step,

@@ -23,7 +23,7 @@ steps (decoding is costly) to stop rows early; ``build_output`` applies them exa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,6 +51,7 @@ def ragged_decode(
     max_seq_len: int,
     check_every: int,
     tokenizer=None,
+    between_steps: Callable[[int], None] | None = None,
 ):
     """Generate for ``prompts`` on ``step`` (a :class:`LeanStepper` begun for ``len(prompts)``
     rows and :func:`ragged_length` positions).
@@ -61,6 +62,8 @@ def ragged_decode(
     Returns ``(tokens [b, T], lengths [b], logprobs [b, T-1], ended [b], prompt_lengths [b])``
     in the order of ``prompts``: prompt and response right-padded with ``pad_id``, log-probs at
     ``[i, prompt_len - 1 + k]``, for :func:`~aligner.generation.sampling.build_output`.
+    ``between_steps(k)``, when given, runs before the step that computes response token ``k``
+    of every row (all rows draw token ``k`` at the same iteration), for k = 1 .. K - 1.
     """
     dev = stop_ids.device
     b = len(prompts)
@@ -127,6 +130,8 @@ def ragged_decode(
                 if size > n_live:  # the repeats only fill the batch: never live
                     live[n_live:] = False
                     slot[n_live:] = spare
+        if between_steps is not None:
+            between_steps(done)
         logits = step(tok.view(-1, 1))
 
     # Prompt then response per row, in the caller's order.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from aligner.generation.remote import (
     sampling_to,
 )
 from aligner.peer_group import PeerGroup, open_store, recv_message, send_message, split_address
+from aligner.rollout.mailbox import Mailbox
 
 
 def test_prompts_outputs_and_sampling_travel_unchanged():
@@ -104,6 +106,8 @@ def test_addresses_and_rollout_settings_are_checked():
         overlap_push="yes",
         score_on_workers="no",
         tensor_parallel_size=0,
+        schedule="greedy",
+        partial="sometimes",
     ).problems()
     keys = (
         "workers",
@@ -115,9 +119,70 @@ def test_addresses_and_rollout_settings_are_checked():
         "overlap_push",
         "score_on_workers",
         "tensor_parallel_size",
+        "schedule",
+        "partial",
     )
     for key in keys:
         assert any(m.startswith(f"rollout.{key}=") for m in p), (key, p)
+    # partial rollouts need the dynamic schedule (a swap mid-batch depends on timing)
+    p = RolloutConfig(partial=True).problems()
+    assert [m for m in p if m.startswith("rollout.partial=")] and "schedule=dynamic" in str(p)
+    assert not RolloutConfig(partial=True, schedule="dynamic").problems()
+
+
+def test_a_worker_s_mailbox_takes_commands_as_they_come_and_a_version_out_of_turn_only_past_asks():
+    """The trainer's sends return while the worker is busy (the mailbox's thread takes them);
+    ``take_weights`` skips ``generate`` asks but never a ``reset``; after a ``regroup`` the
+    thread reads on only once the worker moved; the trainer gone is an error at its turn."""
+    address = f"127.0.0.1:{spare_port()}"
+    ready = threading.Event()
+    groups: dict = {}
+
+    def worker():
+        store = open_store(address, 2, False, 30)
+        groups["worker"] = PeerGroup(store, "commands", 1, 2, 30)
+        groups["store"] = store
+        ready.set()
+
+    th = threading.Thread(target=worker)
+    th.start()
+    store = open_store(address, 2, True, 30)
+    trainer = PeerGroup(store, "commands", 0, 2, 30)
+    th.join(30)
+    box = Mailbox(SimpleNamespace(commands=groups["worker"]))
+    sent = [{"op": "generate", "step": 1}, {"op": "generate", "step": 2}, {"op": "weights", "version": 3}]
+    sent += [{"op": "reset"}, {"op": "weights", "version": 4}, {"op": "regroup", "epoch": 1}]
+    for meta in sent:  # nothing reads on the worker's main thread: the sends return all the same
+        send_message(trainer, 1, meta, {"x": torch.ones(2)} if meta["op"] == "generate" else None)
+    deadline = time.monotonic() + 30
+    while len(box._queue) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert box.take_weights() == {"op": "weights", "version": 3}
+    assert box.take_weights() is None  # a reset comes before version 4
+    meta, tensors = box.get()
+    assert meta == {"op": "generate", "step": 1} and torch.equal(tensors["x"], torch.ones(2))
+    assert [box.get()[0]["op"] for _ in range(4)] == ["generate", "reset", "weights", "regroup"]
+    # the thread waits for the move: a command sent now is read on the new channels only
+    moved = threading.Thread(target=lambda: groups.update(new=PeerGroup(groups["store"], "new", 1, 2, 30)))
+    moved.start()
+    new = PeerGroup(store, "new", 0, 2, 30)
+    moved.join(30)
+    box.moved(SimpleNamespace(commands=groups["new"]))
+    send_message(new, 1, {"op": "generate", "step": 5})
+    assert box.get()[0] == {"op": "generate", "step": 5}
+    send_message(new, 1, {"op": "stop"})
+    assert box.get()[0] == {"op": "stop"}
+    box._thread.join(30)
+    assert not box._thread.is_alive()  # it ends after a stop
+    # nothing comes within the channel's timeout (the trainer gone): an error, at its turn
+    quiet = threading.Thread(target=lambda: groups.update(quiet=PeerGroup(groups["store"], "quiet", 1, 2, 1)))
+    quiet.start()
+    keep = PeerGroup(store, "quiet", 0, 2, 1)
+    quiet.join(30)
+    box = Mailbox(SimpleNamespace(commands=groups["quiet"]))
+    with pytest.raises(RuntimeError, match="the trainer went away"):
+        box.get()
+    del keep
 
 
 def test_what_rollout_workers_need_of_the_rest_of_the_config():

@@ -4,7 +4,9 @@ elsewhere) and the in-process run (the actor's own rank generates), in one run o
 ``k1-overlap`` is k = 1 with the weight push running while the step reads the weights
 (``rollout.overlap_push=true``; the same run, timed differently), ``k1-scored`` k = 1 with the
 worker asking the server for its batch's scores (``rollout.score_on_workers=true``; the same run
-again, the trainer no longer waiting for them: ``critic_wait_share``).
+again, the trainer no longer waiting for them: ``critic_wait_share``), ``k1-partial`` k = 1 with
+the worker taking each version pushed while it generates at the next token boundary
+(``rollout.schedule=dynamic rollout.partial=true``: ``token_staleness``, ``swapped_token_frac``).
 
 A critic-free GRPO run on the sort task (six digits) against a reward-only server with a light
 reward function (``--advantage gae``: GAE against the server's critic); on two cores the trainer
@@ -19,7 +21,7 @@ push's share of the step (``push/step_frac``), the share of the push the step di
 score.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 60] [--target 0.25] [--modes in-process,k0,k1,k2]
-        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]    # modes: in-process,k0,k1,k1-overlap,k1-scored,k2
+        [--advantage grpo|gae] [--seeds 1234,1,2,3,4]    # modes: in-process,k0,k1,k1-overlap,k1-scored,k1-partial,k2
 
 With several ``--seeds`` every mode runs once per seed, and a last table gives each mode's mean
 episodes to the target and its ratio to k = 0's (a run that never reaches it counts as its
@@ -66,14 +68,16 @@ SETTINGS = [
 ]
 """Both sides' config (the worker reads the same)."""
 MODES = {
-    "in-process": (0, 0, True, False),
-    "k0": (1, 0, True, False),
-    "k1": (1, 1, False, False),
-    "k1-overlap": (1, 1, True, False),
-    "k1-scored": (1, 1, False, True),
-    "k2": (1, 2, False, False),
+    "in-process": (0, 0, True, False, False),
+    "k0": (1, 0, True, False, False),
+    "k1": (1, 1, False, False, False),
+    "k1-overlap": (1, 1, True, False, False),
+    "k1-scored": (1, 1, False, True, False),
+    "k1-partial": (1, 1, False, False, True),
+    "k2": (1, 2, False, False, False),
 }
-"""Mode -> (rollout workers, max_staleness, rollout.overlap_push, rollout.score_on_workers)."""
+"""Mode -> (rollout workers, max_staleness, rollout.overlap_push, rollout.score_on_workers,
+rollout.partial with rollout.schedule=dynamic)."""
 
 
 def _cores() -> list[int]:
@@ -99,10 +103,12 @@ def one_run(
     from aligner.distributed import spare_port
     from aligner.metrics import read_metrics
 
-    workers, k, overlap, scored = MODES[mode]
+    workers, k, overlap, scored, partial = MODES[mode]
     address = f"127.0.0.1:{spare_port()}"
     rollout = [f"rollout.workers={workers}", f"rollout.max_staleness={k}", f"rollout.address={address}"]
     rollout.append(f"rollout.overlap_push={str(overlap).lower()}")
+    if partial:  # the worker takes versions pushed mid-batch
+        rollout += ["rollout.schedule=dynamic", "rollout.partial=true"]
     if scored:  # the worker asks the server for its batch's scores
         rollout += ["rollout.score_on_workers=true", f"critic.url={url}"]
     run_dir = tmp / name
@@ -164,6 +170,8 @@ def summarize(rows: list[dict], target: float, batch: int) -> dict:
         "push_hidden_frac": mean("push/hidden_frac") if push else None,
         "push_wait_s": statistics.median(r["push/wait_s"] for r in rows[2:]) if push else None,
         "critic_wait_share": mean("timers/critic_wait") / mean("timers/step"),
+        "token_staleness": mean("rollout/token_staleness") if "rollout/token_staleness" in rows[-1] else None,
+        "swapped_token_frac": mean("rollout/swapped_token_frac") if "rollout/swaps" in rows[-1] else None,
         "final_score": statistics.fmean(scores[-3:]),
     }
 

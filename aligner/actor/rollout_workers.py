@@ -38,22 +38,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from aligner.actor import rollout_schedule
 from aligner.actor.push_overlap import PushInFlight
 from aligner.actor.worker_membership import RolloutWorkerError, WorkerMembership, differences
-from aligner.distributed import ParallelState, all_gather_json, comm_device, on_rank0, recv_json, send_json
+from aligner.distributed import ParallelState, all_gather_json, on_rank0, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
-    OUTPUT_FIELDS,
     JoinRequests,
     RolloutLinks,
     decode_output,
     encode_output,
     encode_prompts,
     mark_epoch,
+    recv_output,
     sampling_to,
+    send_output,
 )
 from aligner.generation.weight_push import PushReport, WeightPusher
 from aligner.models.layout import iter_megatron_tensors
@@ -400,24 +400,12 @@ class RolloutWorkers(WorkerMembership):
             for g in range(1, self.world):  # every rank its replica's share
                 gen, record = self.arrived[(step, self.dp_of[g])]
                 send_json(record, g)
-                for f in OUTPUT_FIELDS:  # (bool as uint8: what every backend sends)
-                    t = getattr(gen, f)
-                    send_json([str(t.dtype).removeprefix("torch."), list(t.shape)], g)
-                    dist.send(
-                        t.to(comm_device(), torch.uint8 if t.dtype == torch.bool else t.dtype).contiguous(), g
-                    )
+                send_output(gen, g)
             gen, record = self.arrived[(step, 0)]
             for r in range(self.dp):
                 del self.arrived[(step, r)]
         else:
-            record, parts = recv_json(0), {}
-            for f in OUTPUT_FIELDS:
-                dtype, shape = recv_json(0)
-                wire = torch.uint8 if dtype == "bool" else getattr(torch, dtype)
-                parts[f] = torch.empty(shape, dtype=wire, device=comm_device())
-                dist.recv(parts[f], 0)
-                parts[f] = parts[f].to(self.device, getattr(torch, dtype))
-            gen = GenerationOutput(**parts)
+            record, gen = recv_json(0), recv_output(0, self.device)
         return Arrived(
             step,
             record["version"],

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.config_checks import Problems
+from aligner.distributed import comm_device, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.peer_group import PeerGroup, open_store, split_address
 
@@ -43,6 +44,8 @@ __all__ = [
     "decode_prompts",
     "encode_output",
     "encode_prompts",
+    "recv_output",
+    "send_output",
 ]
 __all__ += ["ask_to_join", "mark_epoch", "run_under_way", "sampling_from", "sampling_to", "worker_identity"]
 
@@ -307,6 +310,27 @@ def decode_output(
     return GenerationOutput(
         **{f: t[prefix + f].to(device) if device is not None else t[prefix + f] for f in OUTPUT_FIELDS}
     )
+
+
+def send_output(gen: GenerationOutput, dst: int) -> None:
+    """``gen`` to global rank ``dst`` of the default group (:func:`recv_output` there): each
+    tensor's dtype and shape, then the tensor (bool as uint8: what every backend sends)."""
+    for f in OUTPUT_FIELDS:
+        t = getattr(gen, f)
+        send_json([str(t.dtype).removeprefix("torch."), list(t.shape)], dst)
+        dist.send(t.to(comm_device(), torch.uint8 if t.dtype == torch.bool else t.dtype).contiguous(), dst)
+
+
+def recv_output(src: int, device: torch.device) -> GenerationOutput:
+    """What :func:`send_output` sent from global rank ``src``, on ``device``."""
+    parts = {}
+    for f in OUTPUT_FIELDS:
+        dtype, shape = recv_json(src)
+        wire = torch.uint8 if dtype == "bool" else getattr(torch, dtype)
+        parts[f] = torch.empty(shape, dtype=wire, device=comm_device())
+        dist.recv(parts[f], src)
+        parts[f] = parts[f].to(device, getattr(torch, dtype))
+    return GenerationOutput(**parts)
 
 
 def sampling_to(s: SamplingParams) -> dict[str, Any]:

@@ -20,10 +20,7 @@ worker with the fewest outstanding, and step ``t`` takes the first whole batch b
 bound: not deterministic once there are several workers; a share past the bound is dropped and
 asked again, as is what a lost worker owed (``rollout/regenerated``); none is used twice.
 
-A checkpoint holds the batches asked for but not yet trained on (they were generated from
-versions a resumed run no longer has): :meth:`RolloutWorkers.pending` waits for them and returns
-them, :meth:`RolloutWorkers.restore` puts them back (and, after a roll-back, first receives and
-drops whatever the abandoned continuation still had in flight, so that nothing is used twice).
+A checkpoint holds the batches asked for but not yet trained on (:mod:`aligner.actor.pending_batches`).
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ from typing import Any
 import torch
 
 from aligner.actor import rollout_schedule
+from aligner.actor.pending_batches import PendingBatches
 from aligner.actor.push_overlap import PushInFlight
 from aligner.actor.worker_membership import RolloutWorkerError, WorkerMembership, differences
 from aligner.distributed import ParallelState, all_gather_json, on_rank0, recv_json, send_json
@@ -48,7 +46,6 @@ from aligner.generation.remote import (
     JoinRequests,
     RolloutLinks,
     decode_output,
-    encode_output,
     encode_prompts,
     mark_epoch,
     recv_output,
@@ -116,7 +113,7 @@ def _announce_and_push(
     return pusher.push(version, stream)
 
 
-class RolloutWorkers(WorkerMembership):
+class RolloutWorkers(WorkerMembership, PendingBatches):
     """The trainer's end, on every rank: rank 0 holds the channels, the push and the shares asked
     for and arrived; every rank its own prompts of the steps asked for. Every method is called on
     every rank (the outcome of rank 0's part reaches all of them)."""
@@ -149,7 +146,8 @@ class RolloutWorkers(WorkerMembership):
         """With ``scoring``: the rows' prompt texts as the trainer sends them to the server (set
         by the trainer: its prompts and their tokens -> texts)."""
         self.requests: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
-        """On rank 0: (step, rank) -> what was asked (to ask another worker if its own is lost)."""
+        """On rank 0: (step, rank) -> what was asked, until the step takes it (to ask again: a
+        worker lost, a share past the bound)."""
         self.arrived: dict[tuple[int, int], tuple[GenerationOutput, dict[str, Any]]] = {}
         """On rank 0: (step, rank) -> the share and its worker's record, not yet handed out."""
         self.drawn: dict[int, tuple[list[str], list[str] | None]] = {}
@@ -485,8 +483,6 @@ class RolloutWorkers(WorkerMembership):
                 f"step {key[0]} (rank {key[1]}) came from worker {w} at version {got}; it was "
                 f"asked of worker {want_w} at version {v}"
             )
-        if not self.dynamic:  # (the dynamic schedule keeps it: a share past the bound is asked again)
-            self.requests.pop(key, None)
         record = {"version": got, "worker": w, "generate_s": meta["generate_s"], "idle_s": meta["idle_s"]}
         swaps = meta.get("swaps") or []
         if swaps:
@@ -516,68 +512,6 @@ class RolloutWorkers(WorkerMembership):
             except queue.Empty:
                 return
             self._accept(w, meta, tensors)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def pending(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Every step asked for and not yet trained on, once all of it has arrived: JSON and
-        tensors for a checkpoint (whole on rank 0, which writes them)."""
-        steps = sorted(self.drawn)
-        for s in steps:
-            on_rank0(functools.partial(self._collect, s), carried=(RolloutWorkerError,))
-        mine = {str(s): list(self.drawn[s]) for s in steps}
-        drawn = self._by_replica(all_gather_json(mine) if self.world > 1 else [mine])
-        entries, tensors = [], {}
-        if self.lead:
-            for s in steps:
-                for r in range(self.dp):
-                    gen, record = self.arrived[(s, r)]
-                    prompts, extras = drawn[r][str(s)]
-                    entries.append({"step": s, "rank": r, **record, "prompts": prompts, "extras": extras})
-                    tensors.update(encode_output(gen, prefix=f"step{s}.rank{r}."))
-        state = {"submitted": self.submitted, "data_parallel_size": self.dp, "steps": entries}
-        return state | {"regenerated": self.regenerated}, tensors
-
-    def restore(
-        self, state: dict[str, Any] | None, tensors: dict[str, torch.Tensor] | None, step: int
-    ) -> None:
-        """Back to a checkpoint of ``step`` and its :meth:`pending` (None: a checkpoint made
-        without workers, nothing pending): what is still in flight is received and dropped, and
-        every worker forgets its versions (the next push may repeat a number)."""
-        state = state or {"submitted": step, "data_parallel_size": self.dp, "steps": []}
-        if state["steps"] and state.get("data_parallel_size", 1) != self.dp:
-            raise RolloutWorkerError(
-                f"the checkpoint of step {step} holds batches asked for at data-parallel size "
-                f"{state.get('data_parallel_size', 1)}; this run has {self.dp}: resume at that size"
-            )
-        on_rank0(lambda: self._drop_and_reset(state, tensors), carried=(RolloutWorkerError,))
-        self.drawn = {
-            int(e["step"]): (e["prompts"], e["extras"])
-            for e in state["steps"]
-            if int(e.get("rank", 0)) == self.rank
-        }
-        self.submitted, self.pushed = int(state["submitted"]), None
-        self.regenerated = self.reported = int(state.get("regenerated", 0))
-
-    def _drop_and_reset(self, state: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
-        self._finish()
-        dropped = sorted({s for s, _ in self.asked})
-        for s in dropped:
-            self._collect(s)
-        if dropped:
-            log.warning("rollout: dropped steps %s of the abandoned continuation", dropped)
-        self.arrived.clear()
-        for e in state["steps"]:
-            s, r = int(e["step"]), int(e.get("rank", 0))
-            gen = decode_output(tensors or {}, prefix=f"step{s}.rank{r}.", device=self.device)
-            record = {
-                k: e[k]
-                for k in ("version", "worker", "generate_s", "idle_s", "scores", "score_s", "swaps")
-                if k in e
-            }
-            self.arrived[(s, r)] = (gen, record)
-        for w in self.alive:
-            send_message(self.links.commands, self._rank(w), {"op": "reset"})
 
     def close(self) -> None:
         """Tell every worker to stop (they exit 0); on rank 0."""

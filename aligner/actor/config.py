@@ -23,7 +23,6 @@ from aligner.models.config import FORWARD_MODES, ConversionError, ModelConfig
 from aligner.models.lora import LoraConfig
 from aligner.models.model_files import parse_size
 from aligner.optim import OptimConfig
-from aligner.rl.advantages import CRITIC_FREE_ESTIMATORS
 from aligner.wire.tls import ClientTLS
 
 __all__ = [
@@ -424,14 +423,6 @@ class ActorConfig:
         }
         for key, (value, want, expected) in need.items():
             e.expect(value == want, key, value, expected)
-        e.expect(
-            not self.rollout.score_on_workers or self.ppo.advantage in CRITIC_FREE_ESTIMATORS,
-            "rollout.score_on_workers",
-            self.rollout.score_on_workers,
-            f"false with ppo.advantage={self.ppo.advantage!r}: the workers ask only for scores, and "
-            f"{self.ppo.advantage!r} needs the critic's values at the trainer (use one of "
-            f"{list(CRITIC_FREE_ESTIMATORS)})",
-        )
         e.expect(
             self.rollout.max_staleness == 0 or self.ppo.tis_cap is not None,
             "ppo.tis_cap",

@@ -171,7 +171,7 @@ class CriticLink:
         self.after_step: int | None = None
         """The critic step this run's next ``critic_infer`` asks for, on every rank: the last
         ``critic_train``'s step id; None until the first infer since the start or a
-        :meth:`drop` learns it from rank 0's client (:meth:`_infer_step`)."""
+        :meth:`drop` learns it from rank 0's client (:meth:`infer_step`)."""
         self._needs_texts: bool | None = None
         self._sends_after_step = _takes_after_step(critic)
 
@@ -202,7 +202,7 @@ class CriticLink:
             value = int(flag.item())
         return value
 
-    def _infer_step(self) -> int:
+    def infer_step(self) -> int:
         """The critic step this run's ``critic_infer`` asks for (``after_step``), the same on every
         rank: -1 (any) in a critic-free run; the last ``critic_train``'s step id; before the first
         train since the start or a :meth:`drop`, the step rank 0's client expects the server to
@@ -240,11 +240,11 @@ class CriticLink:
     ) -> Future | None:
         """Send ``tokens [b, s]`` (``lengths``, ``prompt_lengths [b]``) of step ``step_id`` for
         values and scores without waiting, asking for the critic step of the last ``critic_train``
-        (:meth:`_infer_step`; call on every rank); None on the ranks that do not send. ``prompt_texts``,
+        (:meth:`infer_step`; call on every rank); None on the ranks that do not send. ``prompt_texts``,
         ``response_texts`` (``b`` strings, for a server whose reward model reads text:
         :attr:`needs_texts`) and ``extras`` (``b`` JSON objects, each row's extra data-set
         columns, for its reward function) go with the rows when given."""
-        after_step = self._infer_step()  # on every rank (may be collective)
+        after_step = self.infer_step()  # on every rank (may be collective)
         if self.state.tp_rank != 0 or self.state.pp_rank != 0:
             return None
         try:

@@ -44,6 +44,10 @@ class PendingBatches:
                     gen, record = self.arrived[(s, r)]
                     prompts, extras = drawn[r][str(s)]
                     request, asked = self.requests[(s, r)]  # (to ask again once past the bound)
+                    record = dict(record)
+                    values = record.pop("values", None)
+                    if values is not None:  # the critic's values the worker asked for
+                        tensors[f"step{s}.rank{r}.values"] = values.cpu()
                     entries.append({"step": s, "rank": r, **record, "prompts": prompts, "extras": extras})
                     entries[-1]["request"] = request
                     tensors.update(encode_output(gen, prefix=f"step{s}.rank{r}."))
@@ -92,6 +96,9 @@ class PendingBatches:
                 for k in ("version", "worker", "generate_s", "idle_s", "scores", "score_s", "swaps")
                 if k in e
             }
+            values = (tensors or {}).get(f"step{s}.rank{r}.values")
+            if values is not None:
+                record["values"] = values.to(self.device)
             self.arrived[(s, r)] = (gen, record)
         for w in self.alive:
             send_message(self.links.commands, self._rank(w), {"op": "reset"})

@@ -35,12 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from aligner.actor import rollout_schedule
 from aligner.actor.pending_batches import PendingBatches
 from aligner.actor.push_overlap import PushInFlight
 from aligner.actor.worker_membership import RolloutWorkerError, WorkerMembership, differences
-from aligner.distributed import ParallelState, all_gather_json, on_rank0, recv_json, send_json
+from aligner.distributed import ParallelState, all_gather_json, comm_device, on_rank0, recv_json, send_json
 from aligner.generation.engine import GenerationOutput, SamplingParams
 from aligner.generation.remote import (
     JoinRequests,
@@ -55,6 +56,7 @@ from aligner.generation.remote import (
 from aligner.generation.weight_push import PushReport, WeightPusher
 from aligner.models.layout import iter_megatron_tensors
 from aligner.peer_group import recv_message, send_message
+from aligner.wire.protocol import ANY_CRITIC_STEP
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +90,20 @@ class Arrived:
     regenerated: int = 0
     """Shares asked again since the last step took its batch (past the bound, or owed by a
     worker that was lost)."""
+    values: torch.Tensor | None = None
+    """The critic's values ``[b, s-1]`` float32 the worker asked for with the scores (GAE with
+    ``rollout.score_on_workers``), else None."""
 
     def scored(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(values, scores)`` as a reward-only server answers them (values of zeros ``[b, s-1]``,
-        scores ``[b]``, float32, on the rows' device) when the worker scored the rows, else None."""
+        """``(values, scores)`` as the server answers them (the critic's values ``[b, s-1]``, or
+        zeros as a reward-only server's; scores ``[b]``; float32, on the rows' device) when the
+        worker scored the rows, else None."""
         if self.scores is None:
             return None
         b, s = self.gen.tokens.shape
         dev = self.gen.tokens.device
-        return torch.zeros(b, s - 1, device=dev), torch.tensor(self.scores, dtype=torch.float32, device=dev)
+        values = torch.zeros(b, s - 1, device=dev) if self.values is None else self.values.to(dev)
+        return values, torch.tensor(self.scores, dtype=torch.float32, device=dev)
 
 
 def _announce_and_push(
@@ -145,6 +152,9 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
         self.prompt_texts: Callable[[list[str], list[list[int]]], list[str]] | None = None
         """With ``scoring``: the rows' prompt texts as the trainer sends them to the server (set
         by the trainer: its prompts and their tokens -> texts)."""
+        self.critic_step: Callable[[], int] | None = None
+        """With ``scoring`` and an estimator that needs the critic's values (GAE): the critic
+        step the trainer's own ``critic_infer`` would name now (set by the trainer; collective)."""
         self.requests: dict[tuple[int, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         """On rank 0: (step, rank) -> what was asked, until the step takes it (to ask again: a
         worker lost, a share past the bound)."""
@@ -345,9 +355,19 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
             if self.scoring:  # what the server reads beside the tokens travels with the ask
                 mine |= {"prompt_texts": self.prompt_texts(prompts, tokens), "extras": extras}
             shares = self._by_replica(all_gather_json(mine) if self.world > 1 else [mine])
-            ask = functools.partial(self._ask, s, shares, sampling, self.pushed)
+            after = self._values_after(s, last_step - self.k) if self.scoring and self.critic_step else None
+            ask = functools.partial(self._ask, s, shares, sampling, self.pushed, after)
             on_rank0(ask, carried=(RolloutWorkerError,))
             self.submitted = s
+
+    def _values_after(self, ask: int, current: int) -> int:
+        """The critic step the values of ``ask`` must come from, asked at step ``current`` (on
+        every rank): under the fixed schedule the one the step that takes it would name, the
+        update of the step before it, or for the current step's ask the trainer's own; under the
+        dynamic one any step (the critic's when the worker asks)."""
+        if self.dynamic:
+            return ANY_CRITIC_STEP
+        return ask - 1 if ask > current else self.critic_step()
 
     def _by_replica(self, per_rank: list[Any]) -> list[Any]:
         """One entry per data-parallel rank (its first global rank's) of a list over global ranks."""
@@ -356,9 +376,13 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
             out.setdefault(self.dp_of[g], x)
         return [out[r] for r in range(self.dp)]
 
-    def _ask(self, s: int, shares: list[dict[str, Any]], sampling: SamplingParams, version: int) -> None:
+    def _ask(
+        self, s: int, shares: list[dict[str, Any]], sampling: SamplingParams, version: int, after: int | None
+    ) -> None:
         for r, share in enumerate(shares):
             meta = {"op": "generate", "step": s, "rank": r, "sampling": sampling_to(sampling)}
+            if after is not None:  # the worker asks for the critic's values from that step too
+                meta["after_step"] = after
             meta |= {k: share[k] for k in ("prompt_texts", "extras") if k in share}
             self.requests[(s, r)] = (meta, encode_prompts(share["tokens"]))
             self._send_ask((s, r), version)
@@ -397,13 +421,20 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
                 self.requests.pop((step, r), None)
             for g in range(1, self.world):  # every rank its replica's share
                 gen, record = self.arrived[(step, self.dp_of[g])]
-                send_json(record, g)
+                values = record.get("values")
+                send_json({**record, "values": values is not None}, g)
                 send_output(gen, g)
+                if values is not None:
+                    dist.send(values.to(comm_device()).contiguous(), g)
             gen, record = self.arrived[(step, 0)]
             for r in range(self.dp):
                 del self.arrived[(step, r)]
         else:
             record, gen = recv_json(0), recv_output(0, self.device)
+            if record.pop("values"):
+                values = torch.empty(gen.tokens.shape[0], gen.tokens.shape[1] - 1, device=comm_device())
+                dist.recv(values, 0)
+                record["values"] = values.to(self.device)
         return Arrived(
             step,
             record["version"],
@@ -417,6 +448,7 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
             record.get("score_s", 0.0),
             record.get("swaps", []),
             record.get("regenerated", 0),
+            record.get("values"),
         )
 
     def _choose(self, step: int) -> int:
@@ -502,6 +534,15 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
                     f"as its scores ({gen.tokens.shape[0]} rows): start the workers with the trainer's rollout.score_on_workers"
                 )
             record |= {"scores": scores, "score_s": meta["score_s"]}
+            if self.critic_step is not None:
+                values = tensors.get("values")
+                b, s = gen.tokens.shape
+                if values is None or tuple(values.shape) != (b, s - 1) or values.dtype != torch.float32:
+                    raise RolloutWorkerError(
+                        f"rollout worker {w} sent step {key[0]} (rank {key[1]}) without the critic's values "
+                        f"as float32 [{b}, {s - 1}] (got {None if values is None else (values.dtype, tuple(values.shape))})"
+                    )
+                record["values"] = values.to(self.device)
         self.arrived[key] = (gen, record)
 
     def _poll(self) -> None:

@@ -197,6 +197,8 @@ class PPOTrainer:
         server_critic = self.critic.check_mode(p.advantage)  # 'gae' refuses a reward-only server
         if state.is_logging_rank:
             print(estimator_line(p, self.critic_free, server_critic), flush=True)
+        if workers is not None and not self.critic_free:  # workers that score ask for values too
+            workers.critic_step = self.critic.infer_step
         self.step_count = 0
         self.restarts = 0
         """Server restarts this run rolled back from."""

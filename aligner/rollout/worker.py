@@ -303,12 +303,15 @@ class RolloutWorker:
                 scored: dict[str, Any] = {}
                 if self.scorer is not None:
                     try:
-                        scores, score_s = self.scorer.score(gen, meta)
+                        scores, values, score_s = self.scorer.score(gen, meta)
                     except Exception as e:  # the server refused or is gone: the trainer stops, naming it
                         message = f"scoring step {meta['step']} at {self.scorer.url}: {type(e).__name__}: {e}"
                         self._send({"op": "error", "step": meta.get("step"), "message": message})
                         return 1
                     scored = {"scores": scores, "score_s": score_s}
+                out = encode_output(gen)
+                if self.scorer is not None and values is not None:  # asked for (GAE)
+                    out["values"] = values
                 generated += 1
                 self._send(
                     {
@@ -321,7 +324,7 @@ class RolloutWorker:
                         "idle_s": idle,
                         **scored,
                     },
-                    encode_output(gen),
+                    out,
                 )
                 idle_since = time.perf_counter()
             else:

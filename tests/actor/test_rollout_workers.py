@@ -147,6 +147,33 @@ def test_workers_that_score_their_batches_give_the_run_the_trainer_scoring_them_
     assert len({r["objective/scores"] for r in theirs}) > 1  # the scores are the reward's, not a constant
 
 
+def test_workers_that_ask_for_the_critic_s_values_give_the_gae_run_the_trainer_asking_gives(
+    tmp_path: Path,
+):
+    """GAE at k = 1 with ``rollout.score_on_workers``: each worker asks a critic server for its
+    batch's values and scores, naming the critic step the trainer would (the update of the step
+    before: the server waits for it), and the run is the trainer-asked one on a server of its
+    own, every number and weight, also through a checkpoint that keeps a batch with its values."""
+    servers = [digit_server(tmp_path / f"server{i}", "copy") for i in (1, 2)]
+    try:
+        gae = ["ppo.advantage=gae"]
+        run = functools.partial(run_actor, workers=1, k=1, remote=True)
+        ours, codes = run(tmp_path / "trainer", 4, extra=[*gae, f"critic.url={servers[0].url}"])
+        assert codes == [0]
+        scored = [*gae, f"critic.url={servers[1].url}", "rollout.score_on_workers=true"]
+        theirs, codes = run(tmp_path / "workers", 2, extra=scored)
+        assert codes == [0] and all(r["rollout/worker_score_s"] > 0 for r in theirs)
+        same_rows(ours[:2], theirs)
+        theirs, codes = run(tmp_path / "workers", 4, extra=scored, resume=True)
+        assert codes == [0]
+    finally:
+        for server in servers:
+            server.stop()
+    same_rows(ours, theirs)
+    same_weights(policy_weights(tmp_path / "trainer", 4), policy_weights(tmp_path / "workers", 4))
+    assert all(r["critic/vf_loss"] > 0 for r in theirs[1:])  # a critic trained on the workers' values
+
+
 def test_a_worker_that_cannot_reach_the_server_it_scores_with_stops_the_run_at_once(tmp_path: Path):
     """Told to score its batches against a server nobody serves, the worker says why in place of
     its hello: the trainer stops naming it and the address, instead of waiting for it."""

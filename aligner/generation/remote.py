@@ -79,8 +79,9 @@ class RolloutConfig:
     others (what it owed is asked of them; the run stops when none is left)."""
     score_on_workers: bool = False
     """Each worker asks the critic/reward server (``critic.url``, ``critic.tls``) for the scores
-    of the batch it generated and sends them with it, so the trainer never waits for them
-    (critic-free estimators: grpo, rloo, reinforce_pp). The same scores, so the same run."""
+    of the batch it generated (with GAE also the critic's values, from the critic step the trainer
+    would ask for) and sends them with it, so the trainer never waits for them. The same scores
+    and values, so the same run."""
     overlap_push: bool = False
     """At max_staleness >= 1, push each version on a thread of the trainer's while the step takes
     its batch and computes log-probs (only reading the weights), waiting for it before the first

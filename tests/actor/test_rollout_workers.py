@@ -156,7 +156,7 @@ def test_workers_that_ask_for_the_critic_s_values_give_the_gae_run_the_trainer_a
     own, every number and weight, also through a checkpoint that keeps a batch with its values."""
     servers = [digit_server(tmp_path / f"server{i}", "copy") for i in (1, 2)]
     try:
-        gae = ["ppo.advantage=gae"]
+        gae = ["ppo.advantage=gae", "model.max_seq_len=16"]  # the servers' critic's
         run = functools.partial(run_actor, workers=1, k=1, remote=True)
         ours, codes = run(tmp_path / "trainer", 4, extra=[*gae, f"critic.url={servers[0].url}"])
         assert codes == [0]

@@ -43,13 +43,14 @@ class PendingBatches:
                 for r in range(self.dp):
                     gen, record = self.arrived[(s, r)]
                     prompts, extras = drawn[r][str(s)]
-                    request, asked = self.requests[(s, r)]  # (to ask again once past the bound)
+                    request, asked = self.requests.get((s, r), (None, {}))  # (to ask again if need be)
                     record = dict(record)
                     values = record.pop("values", None)
                     if values is not None:  # the critic's values the worker asked for
                         tensors[f"step{s}.rank{r}.values"] = values.cpu()
                     entries.append({"step": s, "rank": r, **record, "prompts": prompts, "extras": extras})
-                    entries[-1]["request"] = request
+                    if request is not None:  # (none restored from a checkpoint made without them)
+                        entries[-1]["request"] = request
                     tensors.update(encode_output(gen, prefix=f"step{s}.rank{r}."))
                     tensors.update({f"ask{s}.rank{r}.{k}": t for k, t in asked.items()})
         state = {"submitted": self.submitted, "data_parallel_size": self.dp, "steps": entries}

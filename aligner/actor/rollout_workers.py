@@ -494,7 +494,7 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
                 missing = [r for r in range(self.dp) if (step, r) not in self.arrived]
                 raise RolloutWorkerError(
                     f"no rollout of step {step} (ranks {missing}) from worker(s) "
-                    f"{sorted({self.worker_of(step, r) for r in missing})} within rollout.timeout_s={self.timeout_s:g} s"
+                    f"{sorted({self.asked[(step, r)][1] for r in missing if (step, r) in self.asked})} within rollout.timeout_s={self.timeout_s:g} s"
                 ) from None
             self._accept(w, meta, tensors)
 

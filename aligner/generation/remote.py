@@ -10,7 +10,8 @@ at ``rollout.address`` (rank 0: the trainer; rank ``w``: worker ``w``, 1..``roll
   ``regroup`` (a worker was lost: the others meet again in channels of a new epoch), ``stop``;
 - ``rollouts``, worker -> trainer: ``hello`` first (what the worker serves, checked against the
   trainer's policy), then one ``rollout`` per ``generate`` (the tokens, lengths, the engine's
-  log-probs, the version that generated them, the worker's generate and idle seconds) or an
+  log-probs, the version that generated them and the versions taken mid-batch, the worker's
+  generate and idle seconds; the scores and the critic's values when it scores) or an
   ``error``; ``regrouped`` last, before a worker moves to the channels of a new epoch;
 - ``weights``: the versioned push of :mod:`aligner.generation.weight_push` (all workers at once).
 

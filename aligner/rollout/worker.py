@@ -10,7 +10,10 @@ the trainer asks for and sends them back with the version that generated them.
 A worker of ``rollout.tensor_parallel_size`` = g > 1 processes generates tensor-parallel: its rank
 0 alone joins the trainer's channels and relays what its peers need over the worker's own world
 (:mod:`aligner.rollout.relay`). With ``rollout.score_on_workers`` it also asks the server for the
-scores of each batch it generated (:mod:`aligner.rollout.scoring`).
+scores of each batch it generated, and with GAE the critic's values (:mod:`aligner.rollout.scoring`).
+Its commands are read as they come by a thread of their own (:mod:`aligner.rollout.mailbox`);
+with ``rollout.partial`` a version pushed while it generates is taken at the next token
+boundary (the engine's ``between_steps``), and the batch reports its swaps.
 
 It reads the actor's config (``actor.yaml``, the same overrides as the trainer's): the model and
 tokenizer it serves, the generation settings, ``rollout.*``. It builds the policy's architecture
@@ -303,6 +306,7 @@ class RolloutWorker:
                     raise
                 seconds = time.perf_counter() - t0
                 scored: dict[str, Any] = {}
+                values = None
                 if self.scorer is not None:
                     try:
                         scores, values, score_s = self.scorer.score(gen, meta)
@@ -312,7 +316,7 @@ class RolloutWorker:
                         return 1
                     scored = {"scores": scores, "score_s": score_s}
                 out = encode_output(gen)
-                if self.scorer is not None and values is not None:  # asked for (GAE)
+                if values is not None:  # the critic's values, asked for (GAE)
                     out["values"] = values
                 generated += 1
                 self._send(

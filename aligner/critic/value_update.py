@@ -109,10 +109,13 @@ class ValueUpdate:
             scores = self.score(tokens, lengths) if self.scores_with_values else None
             return np.zeros((tokens.shape[0], tokens.shape[1] - 1), dtype=np.float32), scores
         dev = self.state.device
-        t = torch.from_numpy(tokens).to(dev)
         plan = self._plan(lengths)
         # Packed, the forward is kept only when it is one micro-batch (see the module's doc).
         keep = self.reuse_infer_forward and (plan is None or len(plan) == 1)
+        # A copy of the server's own when kept: the graph keeps the token ids for the backward
+        # (the embedding's), and on a CPU from_numpy(...).to(dev) would share the request's
+        # memory, which PyTriton hands to the next request once this one is answered.
+        t = torch.tensor(tokens, device=dev) if keep else torch.from_numpy(tokens).to(dev)
         with torch.set_grad_enabled(keep):
             if plan is None:
                 values = token_values(self.critic, t)  # [b, s-1]

@@ -154,13 +154,7 @@ def test_workers_that_ask_for_the_critic_s_values_give_the_gae_run_the_trainer_a
     batch's values and scores, naming the critic step the trainer would (the update of the step
     before: the server waits for it), and the run is the trainer-asked one on a server of its
     own, every number and weight, also through a checkpoint that keeps a batch with its values."""
-    # Each server recomputes its critic update's first forward instead of reusing the last
-    # critic_infer's (optim.reuse_infer_forward): with it, 2 of 3 runs of this test ended with one
-    # critic update's gradient norm a few percent off the trainer-asked run's at the same loss,
-    # when a worker's request waited across that update (not reproduced in process; open).
-    servers = [
-        digit_server(tmp_path / f"server{i}", "copy", "optim.reuse_infer_forward=false") for i in (1, 2)
-    ]
+    servers = [digit_server(tmp_path / f"server{i}", "copy") for i in (1, 2)]
     try:
         gae = ["ppo.advantage=gae", "model.max_seq_len=16"]  # the servers' critic's
         run = functools.partial(run_actor, workers=1, k=1, remote=True)

@@ -59,6 +59,31 @@ def test_rejected_train_applies_nothing(pstate, tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_kept_forward_owns_its_token_ids_whatever_becomes_of_the_request_s_memory(
+    pstate, tmp_path, precision
+):
+    """PyTriton hands an answered request's input memory to the next request. The kept forward's
+    graph holds the token ids for its backward: a kept forward that shared the request's memory
+    (from_numpy on a CPU) gave an update with the same loss and another gradient once that
+    memory was written over (seen with a rollout worker's request waiting across a train).
+    Overwritten here in place, it changes nothing: the update is the recomputed one."""
+    torch.manual_seed(0)
+    on = _service(pstate, tmp_path / "on", precision)
+    torch.manual_seed(0)
+    off = _service(pstate, tmp_path / "off", precision, optim={"reuse_infer_forward": False})
+    tokens, lengths, pl, returns, _, mask, *_ = _batch(on, b=6)
+    results = []
+    for svc in (on, off):
+        request = tokens.copy()  # the request's own memory
+        values = svc.infer(request, lengths, pl).values
+        request[:] = (request + 3) % svc.tokenizer.vocab_size  # the next request's ids, in its place
+        results.append(svc.train(tokens, lengths, returns, values, mask, 1))
+    assert on.reused_forwards == 1 and results[0] == results[1]
+    for (name, a), b in zip(on.critic.named_parameters(), off.critic.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_infer_forward_is_reused_as_the_first_training_pass(pstate, tmp_path, precision):
     """critic_train right after critic_infer of the same tokens takes the kept forward as its
     first pass: the same values and the same update as recomputing it (bit for bit), one

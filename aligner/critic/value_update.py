@@ -116,6 +116,7 @@ class ValueUpdate:
         # (the embedding's), and on a CPU from_numpy(...).to(dev) would share the request's
         # memory, which PyTriton hands to the next request once this one is answered.
         t = torch.tensor(tokens, device=dev) if keep else torch.from_numpy(tokens).to(dev)
+        lengths = np.array(lengths, copy=True) if keep else lengths  # (packed: the same)
         with torch.set_grad_enabled(keep):
             if plan is None:
                 values = token_values(self.critic, t)  # [b, s-1]

@@ -403,8 +403,9 @@ class ActorConfig:
 
     def rollout_problems(self) -> Problems:
         """``rollout.*`` and what rollout workers need of the rest: in this version, the native
-        engine in the training dtype at the workers' own layout (``rollout.tensor_parallel_size``,
-        not ``generation.tensor_parallel_size``), one generation round per step;
+        engine in the training dtype or TensorRT-LLM (not with partial rollouts: no token
+        boundary to swap at), at the workers' own layout (``rollout.tensor_parallel_size``, not
+        ``generation.tensor_parallel_size``), one generation round per step;
         a staleness bound above 0 needs the truncated importance weight (``ppo.tis_cap``)."""
         e = self.rollout.problems("rollout")
         if self.rollout.workers < 1:
@@ -416,13 +417,19 @@ class ActorConfig:
             )
             return e
         need = {
-            "generation.engine": (self.generation.engine, "native", "'native' on rollout workers"),
             "generation.tensor_parallel_size": (self.generation.tensor_parallel_size, None, "null"),
             "generation.dtype": (self.generation.dtype, None, "null (the policy's dtype)"),
             "ppo.dynamic_sampling": (self.ppo.dynamic_sampling, False, "false with rollout workers"),
         }
         for key, (value, want, expected) in need.items():
             e.expect(value == want, key, value, expected)
+        e.expect(
+            not self.rollout.partial or self.generation.engine == "native",
+            "rollout.partial",
+            self.rollout.partial,
+            f"false with generation.engine={self.generation.engine!r} (partial rollouts swap versions "
+            "between the native engine's decode steps)",
+        )
         e.expect(
             self.rollout.max_staleness == 0 or self.ppo.tis_cap is not None,
             "ppo.tis_cap",

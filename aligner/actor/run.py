@@ -237,9 +237,10 @@ def build_models(cfg: ActorConfig, state: ParallelState) -> tuple[Any, Any | Non
 
 
 def build_engine(
-    cfg: ActorConfig, policy: Any, tokenizer: Tokenizer, state: ParallelState
+    cfg: ActorConfig, policy: Any, tokenizer: Tokenizer, state: ParallelState, workdir: str | None = None
 ) -> GenerationEngine:
-    """Step 6: the native KV-cache engine, or TensorRT-LLM (``generation.engine=trtllm``)."""
+    """Step 6: the native KV-cache engine, or TensorRT-LLM (``generation.engine=trtllm``; its
+    files under ``workdir``, default the run dir)."""
     if cfg.generation.engine == "trtllm":
         # Group rank 0 of each tensor-parallel group owns an engine on the group's GPUs; the
         # other ranks send it their weights and receive its outputs.
@@ -251,7 +252,7 @@ def build_engine(
             tensor_parallel_size=state.tp_size,
             group=state.tp_group if state.tp_size > 1 else None,
             config=cfg.generation.trtllm,
-            workdir=cfg.logging.run_dir,
+            workdir=workdir or cfg.logging.run_dir,
             tokenizer=tokenizer,
             sample_vocab_size=getattr(tokenizer, "sample_vocab_size", None),
             device=state.device,

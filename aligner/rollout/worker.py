@@ -35,10 +35,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import aligner.actor.run  # noqa: F401 - registers the config's schema (actor_schema)
 from aligner import distributed, faults
 from aligner.actor.config import ActorConfig
 from aligner.actor.model_source import model_keys_named, resolve_model_config
+from aligner.actor.run import build_engine  # (also registers the config's schema, actor_schema)
 from aligner.config_checks import ConfigError, Problems
 from aligner.distributed import ParallelConfig
 from aligner.generation.engine import GenerationOutput
@@ -111,14 +111,10 @@ class RolloutWorker:
         # The architecture only: every weight the engine uses comes from a pushed version.
         self.policy = gpt.build_policy(cfg.model, params_dtype=dtype).to(self.state.device).eval()
         self.policy.requires_grad_(False)
-        self.engine = NativeEngine(
-            self.policy,
-            self.tokenizer,
-            parallel_state=self.state,
-            vocab_size=getattr(self.tokenizer, "sample_vocab_size", self.tokenizer.vocab_size),
-            num_threads=cfg.generation.num_threads,
-            decode_step=cfg.generation.decode_step,
-        )
+        # The native engine, or TensorRT-LLM refitted from the policy module at each version
+        # (its files in a folder of this worker's under the run dir).
+        workdir = os.path.join(cfg.logging.run_dir, f"rollout_{r.worker_rank}")
+        self.engine = build_engine(cfg, self.policy, self.tokenizer, self.state, workdir=workdir)
         backend = r.weights_backend
         if backend == "auto":
             backend = "nccl" if self.state.device.type == "cuda" else "gloo"
@@ -198,10 +194,16 @@ class RolloutWorker:
         """An ask's batch, drawn with the random streams of the trainer rank whose rows these are;
         with ``rollout.partial``, taking a version pushed meanwhile between decode steps
         (:attr:`swaps`)."""
-        self.engine.seed_rank = int(meta.get("rank", 0))
+        rank = int(meta.get("rank", 0))
+        if isinstance(self.engine, NativeEngine):
+            self.engine.seed_rank = rank
+        else:  # TensorRT-LLM: each request's seed is (seed, rank, row)
+            self.engine.dp_rank = rank
         self.swaps = []
-        hook = self._between_steps if self.cfg.rollout.partial else None
-        return self.engine.generate(decode_prompts(tensors), sampling_from(meta["sampling"]), hook)
+        prompts, sampling = decode_prompts(tensors), sampling_from(meta["sampling"])
+        if not self.cfg.rollout.partial:
+            return self.engine.generate(prompts, sampling)
+        return self.engine.generate(prompts, sampling, between_steps=self._between_steps)
 
     def _between_steps(self, k: int) -> bool:
         """At a token boundary: take a version announced meanwhile (the lead decides, and tells its
@@ -364,6 +366,8 @@ def serve(cfg: ActorConfig, model_keys: set[str] | None = None) -> int:
     finally:
         if worker is not None and worker.scorer is not None:
             worker.scorer.close()
+        if worker is not None and hasattr(worker.engine, "close"):  # TensorRT-LLM's processes
+            worker.engine.close()
         distributed.destroy()
 
 

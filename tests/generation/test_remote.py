@@ -193,11 +193,13 @@ def test_what_rollout_workers_need_of_the_rest_of_the_config():
     problems = cfg.problems(world_size=2)
     assert any(m.startswith("ppo.tis_cap=None: expected a cap") for m in problems), problems
     cfg.ppo.tis_cap = 2.0
-    cfg.generation.engine, cfg.ppo.dynamic_sampling = "trtllm", True
+    cfg.ppo.dynamic_sampling = True
     problems = cfg.problems(world_size=1)
-    assert any(m.startswith("generation.engine='trtllm'") for m in problems)
     assert any(m.startswith("ppo.dynamic_sampling=True") for m in problems)
-    cfg.generation.engine, cfg.ppo.dynamic_sampling = "native", False
+    cfg.ppo.dynamic_sampling = False
+    cfg.generation.engine = "trtllm"  # TensorRT-LLM workers (tests/actor/test_rollout_trtllm.py)
+    assert not [m for m in cfg.problems(world_size=2) if "rollout" in m]
+    cfg.generation.engine = "native"
     assert not [m for m in cfg.problems(world_size=2) if "rollout" in m or "tis_cap" in m or "parallel" in m]
     # Workers score with any estimator (with GAE they ask for the critic's values too).
     cfg.rollout.score_on_workers = True

@@ -68,22 +68,29 @@ class PendingBatches:
                 f"the checkpoint of step {step} holds batches asked for at data-parallel size "
                 f"{state.get('data_parallel_size', 1)}; this run has {self.dp}: resume at that size"
             )
-        on_rank0(lambda: self._drop_and_reset(state, tensors), carried=(RolloutWorkerError,))
+        lost = on_rank0(lambda: self._drop_and_reset(state, tensors), carried=(RolloutWorkerError,))
         self.drawn = {
             int(e["step"]): (e["prompts"], e["extras"])
             for e in state["steps"]
             if int(e.get("rank", 0)) == self.rank
         }
         self.submitted, self.pushed = int(state["submitted"]), None
-        self.regenerated = self.reported = int(state.get("regenerated", 0))
+        # the shares the abandoned continuation held count as asked again (the first step says so)
+        self.reported = int(state.get("regenerated", 0))
+        self.regenerated = self.reported + lost
 
-    def _drop_and_reset(self, state: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
+    def _drop_and_reset(self, state: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> int:
+        """On rank 0: what is in flight received and dropped, the checkpoint's batches put back,
+        the workers told to forget their versions; the number of shares dropped that the
+        checkpoint does not hold (0 at a resume: nothing was in flight)."""
         self._finish()
         dropped = sorted({s for s, _ in self.asked})
         for s in dropped:
             self._collect(s)
         if dropped:
             log.warning("rollout: dropped steps %s of the abandoned continuation", dropped)
+        kept = {(int(e["step"]), int(e.get("rank", 0))) for e in state["steps"]}
+        lost = len(set(self.arrived) - kept)
         self.arrived.clear()
         self.requests.clear()
         for e in state["steps"]:
@@ -103,3 +110,4 @@ class PendingBatches:
             self.arrived[(s, r)] = (gen, record)
         for w in self.alive:
             send_message(self.links.commands, self._rank(w), {"op": "reset"})
+        return lost

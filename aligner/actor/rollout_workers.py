@@ -287,9 +287,9 @@ class RolloutWorkers(WorkerMembership, PendingBatches):
 
     def _start(self, version: int, policy: torch.nn.Module) -> None:
         """On rank 0: announce ``version`` and push it, then send the asks queued meanwhile, on a
-        thread of its own. Until it is done, that thread alone uses the ``commands`` channel (a
-        send waits for a worker to take it: after the batch it is generating) and ``weights``;
-        this one the ``rollouts`` (its inbox)."""
+        thread of its own. Until it is done, that thread alone uses the ``commands`` channel (the
+        asks must follow the announcement on it, and two threads' messages must not interleave)
+        and ``weights``; this one the ``rollouts`` (its inbox)."""
         self._finish()  # an abandoned push's error (a step that failed meanwhile) is met here
         self._poll()  # a worker already gone is left out of the push (here: it may regroup)
         if self.pusher.device.type == "cuda" and self._side_stream is None:

@@ -112,18 +112,20 @@ class ValueUpdate:
         plan = self._plan(lengths)
         # Packed, the forward is kept only when it is one micro-batch (see the module's doc).
         keep = self.reuse_infer_forward and (plan is None or len(plan) == 1)
-        # A copy of the server's own when kept: the graph keeps the token ids for the backward
-        # (the embedding's), and on a CPU from_numpy(...).to(dev) would share the request's
-        # memory, which PyTriton hands to the next request once this one is answered.
-        t = torch.tensor(tokens, device=dev) if keep else torch.from_numpy(tokens).to(dev)
-        lengths = np.array(lengths, copy=True) if keep else lengths  # (packed: the same)
+        if keep:
+            # Copies of the server's own: the kept graph reads the token ids in its backward (the
+            # embedding's; packed, the index built from the lengths too), and on a CPU
+            # from_numpy(...).to(dev) shares the request's memory, which PyTriton hands to the
+            # next request once this one is answered.
+            tokens, lengths = tokens.copy(), np.array(lengths, copy=True)
+        t = torch.from_numpy(tokens).to(dev)
         with torch.set_grad_enabled(keep):
             if plan is None:
                 values = token_values(self.critic, t)  # [b, s-1]
             else:
                 values = torch.cat([self._values_packed(t[part], lengths[part]) for part in plan])
         if keep:
-            self.kept = (tokens.copy(), values)
+            self.kept = (tokens, values)
         scores = self.score(tokens, lengths) if self.scores_with_values else None
         return values.detach().cpu().numpy().astype(np.float32, copy=False), scores
 
